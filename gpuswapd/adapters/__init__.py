@@ -1,0 +1,1 @@
+"""Adapters: one module per outside system; nothing else imports their libraries."""

@@ -1,0 +1,284 @@
+"""systemd over D-Bus (pydbus): unit state, start/stop jobs, dependency closures, timers.
+
+pydbus is synchronous and thread-safe: the asyncio core calls these methods from a worker
+thread. Signals (JobRemoved) are delivered by a GLib main loop that runs in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from gi.repository import Gio, GLib
+from pydbus import SystemBus
+
+from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_SYSTEMD = "org.freedesktop.systemd1"
+_MANAGER_PATH = "/org/freedesktop/systemd1"
+_UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+_TIMER_IFACE = "org.freedesktop.systemd1.Timer"
+_ACTIVE = frozenset({"active", "activating", "reloading"})
+# Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
+_DEPENDENTS = ("RequiredBy", "BoundBy", "ConsistsOf")
+_UNAVAILABLE = frozenset({
+    "org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NoReply",
+    "org.freedesktop.DBus.Error.Disconnected", "org.freedesktop.DBus.Error.NoServer",
+    "org.freedesktop.DBus.Error.Timeout", "org.freedesktop.DBus.Error.TimedOut",
+})
+
+
+def _systemd_errors(func: Callable[P, R]) -> Callable[P, R]:
+    """Turn GLib/D-Bus errors into gpuswapd's own."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except GLib.Error as err:
+            name = Gio.DBusError.get_remote_error(err) or ""
+            text = Gio.DBusError.strip_remote_error(err) or err.message
+            if name in ("org.freedesktop.systemd1.NoSuchUnit", "org.freedesktop.systemd1.LoadFailed"):
+                raise UnitNotFound(text) from err
+            if name in _UNAVAILABLE or err.matches(Gio.io_error_quark(), Gio.IOErrorEnum.TIMED_OUT):
+                raise BusUnavailable(f"systemd did not answer over D-Bus: {text}") from err
+            if not name:
+                raise BusUnavailable(f"cannot talk to systemd over D-Bus: {text}") from err
+            raise SystemdError(f"systemd refused: {text} ({name})") from err
+
+    return wrapper
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """What systemd says about a unit right now."""
+
+    name: str
+    load_state: str
+    active_state: str
+    sub_state: str
+
+    @property
+    def active(self) -> bool:
+        """Tell whether the unit is up or coming up."""
+        return self.active_state in _ACTIVE
+
+
+@dataclass(frozen=True)
+class TimerState:
+    """A timer and the service it triggers."""
+
+    name: str
+    active_state: str
+    service: str
+    service_state: str
+
+    @property
+    def job_running(self) -> bool:
+        """Tell whether the timer's service is running now."""
+        return self.service_state in ("activating", "active", "deactivating", "reloading")
+
+
+class _Jobs:
+    """Results of removed jobs, keyed by job path, kept briefly for waiters."""
+
+    _KEEP_S = 300.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._done: dict[str, tuple[str, float]] = {}
+
+    def removed(self, path: str, result: str) -> None:
+        """Record that a job ended (called from the GLib thread)."""
+        now = time.monotonic()
+        with self._cond:
+            self._done[path] = (result, now)
+            if len(self._done) > 512:
+                self._done = {p: v for p, v in self._done.items() if now - v[1] < self._KEEP_S}
+            self._cond.notify_all()
+
+    def wait(self, path: str, timeout: float) -> str | None:
+        """Wait for the job at ``path`` to end; return its result or None on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: path in self._done, timeout):
+                return None
+            return self._done.pop(path)[0]
+
+
+class Systemd:
+    """A connection to the system manager over the system bus."""
+
+    def __init__(self, call_timeout: float = 25.0) -> None:
+        self._timeout = call_timeout
+        self._jobs = _Jobs()
+        self._lock = threading.Lock()
+        self._bus: Any = None
+        self._manager: Any = None
+        self._props: dict[str, Any] = {}
+        self._loop: Any = None
+        self._watchers: list[Callable[[str, str], None]] = []
+
+    @_systemd_errors
+    def connect(self) -> None:
+        """Connect to the bus, subscribe to job signals and start the signal thread."""
+        with self._lock:
+            if self._manager is not None:
+                return
+            bus = SystemBus()
+            manager = bus.get(_SYSTEMD, _MANAGER_PATH, timeout=self._timeout)[
+                "org.freedesktop.systemd1.Manager"
+            ]
+            # Subscribe to JobRemoved before any job is started: the signal can arrive before
+            # the StartUnit/StopUnit call returns.
+            bus.subscribe(
+                sender=_SYSTEMD, iface="org.freedesktop.systemd1.Manager", signal="JobRemoved",
+                object=_MANAGER_PATH, signal_fired=self._on_job_removed,
+            )
+            manager.Subscribe(timeout=self._timeout)  # without it systemd sends few signals
+            self._loop = GLib.MainLoop()
+            threading.Thread(target=self._loop.run, name="glib-loop", daemon=True).start()
+            self._bus, self._manager = bus, manager
+
+    def close(self) -> None:
+        """Stop the signal thread."""
+        if self._loop is not None:
+            self._loop.quit()
+
+    def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
+        _job_id, path, unit, result = params
+        self._jobs.removed(path, result)
+        for watcher in list(self._watchers):
+            watcher(unit, result)
+
+    def _mgr(self) -> Any:
+        if self._manager is None:
+            self.connect()
+        return self._manager
+
+    def _properties(self, path: str) -> Any:
+        proxy = self._props.get(path)
+        if proxy is None:
+            proxy = self._bus.get(_SYSTEMD, path, timeout=self._timeout)["org.freedesktop.DBus.Properties"]
+            self._props[path] = proxy
+        return proxy
+
+    @_systemd_errors
+    def properties(self, unit: str, iface: str = _UNIT_IFACE) -> dict[str, Any]:
+        """Read all properties of one interface of a unit (loading it if needed)."""
+        path = self._mgr().LoadUnit(unit, timeout=self._timeout)
+        props: dict[str, Any] = self._properties(path).GetAll(iface, timeout=self._timeout)
+        return props
+
+    def state(self, unit: str) -> UnitState:
+        """Read a unit's load, active and sub state."""
+        p = self.properties(unit)
+        return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"])
+
+    def _require_loaded(self, unit: str) -> dict[str, Any]:
+        props = self.properties(unit)
+        if props["LoadState"] != "loaded":
+            raise UnitNotFound(f"unit {unit} is {props['LoadState']}: check its name and `systemctl status {unit}`")
+        return props
+
+    @_systemd_errors
+    def _job(self, method: str, unit: str, timeout: float, verb: str) -> None:
+        self._require_loaded(unit)
+        started = time.monotonic()
+        job = getattr(self._mgr(), method)(unit, "replace", timeout=self._timeout)
+        result = self._jobs.wait(job, max(0.0, timeout - (time.monotonic() - started)))
+        if result is None:
+            raise JobFailed(f"{verb} of {unit} did not finish within {timeout:g}s (job {job})")
+        if result != "done":
+            state = self.properties(unit)
+            raise JobFailed(
+                f"{verb} of {unit} ended with result '{result}' (now {state['ActiveState']}/"
+                f"{state['SubState']}); see `journalctl -u {unit}`"
+            )
+
+    def start(self, unit: str, timeout: float) -> None:
+        """Start a unit and wait until its job is done."""
+        self._job("StartUnit", unit, timeout, "start")
+
+    def stop(self, unit: str, timeout: float) -> None:
+        """Stop a unit and wait until its job is done."""
+        self._job("StopUnit", unit, timeout, "stop")
+
+    def stop_closure(self, units: Iterable[str]) -> list[str]:
+        """List the active units among ``units`` and all that Requires=/BindsTo=/PartOf= them."""
+        queue, seen, active = list(units), set[str](), list[str]()
+        for name in queue:
+            self._require_loaded(name)
+        while queue:
+            name = queue.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
+            props = self.properties(name)
+            if props["ActiveState"] not in _ACTIVE:
+                continue
+            active.append(name)
+            for key in _DEPENDENTS:
+                queue.extend(sorted(props.get(key, [])))
+        return active
+
+    @_systemd_errors
+    def timers(self, patterns: Iterable[str]) -> list[TimerState]:
+        """List the loaded timers whose names match any of the glob patterns."""
+        pats = list(patterns)
+        if not pats:
+            return []
+        rows = self._mgr().ListUnitsByPatterns([], pats, timeout=self._timeout)
+        out = []
+        for row in sorted(rows):
+            name, active_state, path = row[0], row[3], row[6]
+            if not name.endswith(".timer") or not any(fnmatch.fnmatchcase(name, p) for p in pats):
+                continue
+            service = self._properties(path).Get(_TIMER_IFACE, "Unit", timeout=self._timeout)
+            out.append(TimerState(name, active_state, service, self.state(service).active_state))
+        return out
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Name the unit a process belongs to (from its cgroup, else asking systemd)."""
+        unit = unit_from_cgroup(pid)
+        if unit is not None:
+            return unit
+        try:
+            path = self._mgr().GetUnitByPID(pid, timeout=self._timeout)
+            props = self._properties(path).GetAll(_UNIT_IFACE, timeout=self._timeout)
+        except GLib.Error:
+            return None
+        return str(props["Id"])
+
+    def add_job_watcher(self, watcher: Callable[[str, str], None]) -> None:
+        """Call ``watcher(unit, result)`` from the signal thread whenever a job ends."""
+        self._watchers.append(watcher)
+
+
+def unit_from_cgroup(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """Name the unit of a process from ``/proc/PID/cgroup``; the unit is the path's last unit.
+
+    A process inside another PID namespace's systemd (or a container) may carry a prefix before
+    ``system.slice/NAME.service``: take the innermost component that names a unit.
+    """
+    try:
+        text = (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        return None
+    lines = text.splitlines()
+    # cgroup v2 ("0::/...") first, then the named systemd hierarchy of a v1/hybrid setup.
+    chosen = [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]
+    for line in chosen:
+        parts = line.split(":", 2)[2].strip("/").split("/")
+        for part in reversed(parts):
+            if part.endswith((".service", ".scope")) and part != "init.scope":
+                return part
+    return None

@@ -1,0 +1,352 @@
+"""The configuration: TOML, every key validated at start, errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpuswapd.errors import ConfigError
+from gpuswapd.sizes import SizeError, parse_size
+from gpuswapd.timespan import SpanError, parse_span
+
+if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the package declares
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DEFAULT_PATH = Path("/etc/gpuswapd/gpuswapd.toml")
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|path|scope|slice)$")
+
+T = TypeVar("T")
+Parser = Callable[[Any, str], Any]
+
+
+_REQUIRED: Any = object()
+
+
+def _key(parse: Parser, default: Any = _REQUIRED) -> Any:
+    """Declare a config key with its parser and its default (none: the key is required)."""
+    if default is _REQUIRED:
+        return field(metadata={"parse": parse})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"parse": parse})
+    return field(default=default, metadata={"parse": parse})
+
+
+def _fail(path: str, why: str) -> ConfigError:
+    return ConfigError(f"{path}: {why}")
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(path, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _nonempty(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if not text.strip():
+        raise _fail(path, "must not be empty")
+    return text
+
+
+def _url(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", text):
+        raise _fail(path, f"not an http(s) URL: {text!r}")
+    return text
+
+
+def _span(minimum: float = 0.0) -> Parser:
+    def parse(value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise _fail(path, f"expected a time span such as '15m', got {type(value).__name__}")
+        try:
+            seconds = parse_span(str(value)) if isinstance(value, str) else float(value)
+        except SpanError as err:
+            raise _fail(path, str(err)) from None
+        if not seconds >= minimum or seconds == float("inf"):
+            raise _fail(path, f"{value!r} is out of range (must be finite and at least {minimum:g}s)")
+        return seconds
+    return parse
+
+
+def _size(value: Any, path: str) -> int:
+    try:
+        return parse_size(value)
+    except SizeError as err:
+        raise _fail(path, str(err)) from None
+
+
+def _int(minimum: int, maximum: int = 2**31) -> Parser:
+    def parse(value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an integer, got {type(value).__name__}")
+        if not minimum <= value <= maximum:
+            raise _fail(path, f"{value} is out of range ({minimum}..{maximum})")
+        return value
+    return parse
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, f"expected true or false, got {type(value).__name__}")
+    return value
+
+
+def _choice(*choices: str) -> Parser:
+    def parse(value: Any, path: str) -> str:
+        if value not in choices:
+            raise _fail(path, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        return str(value)
+    return parse
+
+
+def _strings(value: Any, path: str) -> list[str]:
+    if not isinstance(value, list):
+        raise _fail(path, f"expected a list of strings, got {type(value).__name__}")
+    return [_string(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+def _units(value: Any, path: str) -> list[str]:
+    names = _strings(value, path)
+    if not names:
+        raise _fail(path, "must name at least one unit")
+    for i, name in enumerate(names):
+        if not _UNIT_NAME.match(name):
+            raise _fail(f"{path}[{i}]", f"not a unit name: {name!r} (e.g. 'strata.service')")
+    return names
+
+
+def _timer_patterns(value: Any, path: str) -> list[str]:
+    patterns = _strings(value, path)
+    for i, pattern in enumerate(patterns):
+        if not pattern.endswith(".timer"):
+            raise _fail(f"{path}[{i}]", f"pattern must match timer units (end in .timer): {pattern!r}")
+    return patterns
+
+
+def _string_map(value: Any, path: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise _fail(path, f"expected a table of strings, got {type(value).__name__}")
+    return {str(k): _string(v, f"{path}.{k}") for k, v in value.items()}
+
+
+def _ports(value: Any, path: str) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise _fail(path, f"expected a table such as {{ \"8000/tcp\" = 18020 }}, got {type(value).__name__}")
+    out: dict[str, int] = {}
+    for spec, port in value.items():
+        if not re.fullmatch(r"\d{1,5}(/(tcp|udp|sctp))?", spec):
+            raise _fail(f"{path}.{spec}", "container port must look like '8000/tcp'")
+        out[spec] = _int(1, 65535)(port, f"{path}.{spec}")
+    return out
+
+
+def _gpus(value: Any, path: str) -> str | list[int]:
+    if value == "all":
+        return "all"
+    if isinstance(value, list):
+        return [_int(0, 64)(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise _fail(path, f"expected \"all\" or a list of device indexes, got {value!r}")
+
+
+def _docker_size(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if text and not re.fullmatch(r"\d+[bkmgBKMG]?", text):
+        raise _fail(path, f"not a Docker size: {text!r} (e.g. '16g')")
+    return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """``[daemon]``: the socket, the state and the lease rules."""
+
+    socket: str = _key(_nonempty, "/run/gpuswapd/gpuswapd.sock")
+    socket_group: str = _key(_string, "gpuswap")
+    state_dir: str = _key(_nonempty, "/var/lib/gpuswapd")
+    default_lease: float = _key(_span(1.0), 900.0)
+    max_lease: float = _key(_span(1.0), 14400.0)
+    linger: float = _key(_span(0.0), 30.0)
+    on_shutdown: str = _key(_choice("restore", "keep"), "restore")
+    status_public: bool = _key(_bool, True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuConfig:
+    """``[gpu]``: how VRAM is read and how much each side needs."""
+
+    probe: str = _key(_choice("nvml", "nvidia-smi", "none"), "nvml")
+    index: int = _key(_int(0, 64), 0)
+    window_needs: int = _key(_size, 21 * 1024**3)
+    resident_needs: int = _key(_size, 22 * 1024**3)
+    release_timeout: float = _key(_span(0.1), 60.0)
+    nvidia_smi: str = _key(_nonempty, "nvidia-smi")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleConfig:
+    """``[resident.idle]``: is a request in flight on the resident?"""
+
+    kind: str = _key(_choice("llama.cpp-slots", "prometheus", "command", "none"), "llama.cpp-slots")
+    url: str = _key(_url, "http://127.0.0.1:8081/slots")
+    metric: str = _key(_nonempty, "llamacpp:requests_processing")
+    command: list[str] = _key(_strings, [])
+    wait: float = _key(_span(0.0), 120.0)
+    on_busy: str = _key(_choice("fail", "proceed"), "fail")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionCheck:
+    """A real completion that proves a server answers (``[resident.verify]``, ``[window.verify]``)."""
+
+    url: str = _key(_url)
+    model: str = _key(_nonempty)
+    prompt: str = _key(_nonempty, "Reply with the single word: ready")
+    max_tokens: int = _key(_int(1, 1_000_000), 256)
+    timeout: float = _key(_span(0.1), 180.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResidentConfig:
+    """``[resident]``: the units that hold the GPU normally."""
+
+    units: list[str] = _key(_units)
+    stop_timeout: float = _key(_span(0.1), 90.0)
+    start_timeout: float = _key(_span(0.1), 300.0)
+    idle: IdleConfig
+    verify: CompletionCheck
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimersConfig:
+    """``[timers]``: the agent timers paused for the window."""
+
+    pause: list[str] = _key(_timer_patterns, [])
+    wait_for_jobs: float = _key(_span(0.0), 300.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerConfig:
+    """``[window.container]``: the engine's container."""
+
+    name: str = _key(_nonempty)
+    image: str = _key(_nonempty)
+    create: bool = _key(_bool, True)
+    env_file: str = _key(_string, "")
+    env: dict[str, str] = _key(_string_map, {})
+    ports: dict[str, int] = _key(_ports, {})
+    volumes: dict[str, str] = _key(_string_map, {})
+    network_mode: str = _key(_string, "")
+    gpus: str | list[int] = _key(_gpus, "all")
+    shm_size: str = _key(_docker_size, "")
+    command: list[str] = _key(_strings, [])
+    stop_timeout: float = _key(_span(0.0), 30.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupConfig:
+    """``[window.warmup]``: completions that warm a cold engine."""
+
+    requests: int = _key(_int(0, 1000), 3)
+    prompt: str = _key(_nonempty, "Write a haiku about GPUs.")
+    max_tokens: int = _key(_int(1, 1_000_000), 512)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowConfig:
+    """``[window]``: the engine that owns the GPU during a window."""
+
+    health_url: str = _key(_url)
+    boot_timeout: float = _key(_span(0.1), 600.0)
+    watch_interval: float = _key(_span(0.05), 10.0)
+    max_restarts: int = _key(_int(0, 100), 2)
+    container: ContainerConfig
+    warmup: WarmupConfig
+    verify: CompletionCheck
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole configuration."""
+
+    daemon: DaemonConfig
+    gpu: GpuConfig
+    resident: ResidentConfig
+    timers: TimersConfig
+    window: WindowConfig
+    source: str = field(default="<defaults>", compare=False)
+
+
+def _build(cls: type[T], table: Any, path: str) -> T:
+    """Build a section dataclass from a TOML table, naming the key of any error."""
+    if not isinstance(table, dict):
+        raise _fail(path or "config", f"expected a table, got {type(table).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}  # type: ignore[arg-type]
+    for key in table:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise _fail(_join(path, key), f"unknown key (known here: {known})")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        where = _join(path, name)
+        if "parse" in f.metadata:
+            if name in table:
+                values[name] = f.metadata["parse"](table[name], where)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _fail(where, "missing (this key has no default)")
+        else:  # a sub-table
+            values[name] = _build(_section_type(cls, name), table.get(name, {}), where)
+    return cls(**values)
+
+
+def _section_type(cls: type[Any], name: str) -> type[Any]:
+    section: type[Any] = typing.get_type_hints(cls)[name]
+    return section
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def parse_config(text: str, source: str = "<string>") -> Config:
+    """Parse and validate configuration text."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    try:
+        config = _build(Config, data, "")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err.message}") from None
+    _check(config, source)
+    return dataclasses.replace(config, source=source)
+
+
+def _check(config: Config, source: str) -> None:
+    """Check what no single key can: how keys relate."""
+    d, idle = config.daemon, config.resident.idle
+    if d.default_lease > d.max_lease:
+        raise ConfigError(f"{source}: daemon.default_lease is longer than daemon.max_lease")
+    if idle.kind == "command" and not idle.command:
+        raise ConfigError(f"{source}: resident.idle.command: required when kind = \"command\"")
+    if not os.path.isabs(d.state_dir):
+        raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate the configuration file at ``path``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such configuration file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
+    return parse_config(text, str(path))

@@ -1,0 +1,114 @@
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+
+from gpuswapd.config import Config, load_config, parse_config
+from gpuswapd.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "units" / "gpuswapd.toml"
+
+MINIMAL = """
+[resident]
+units = ["strata.service"]
+[resident.verify]
+url = "http://127.0.0.1:8080/v1/chat/completions"
+model = "strata"
+[window]
+health_url = "http://127.0.0.1:18020/health"
+[window.container]
+name = "hyperqwen"
+image = "hyperqwen:latest"
+[window.verify]
+url = "http://127.0.0.1:18020/v1/chat/completions"
+model = "hyperqwen"
+"""
+
+
+def _keys(table: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and key not in ("env", "ports", "volumes"):
+            out |= _keys(value, path + ".")
+        else:
+            out.add(path)
+    return out
+
+
+def _fields(cls: type, prefix: str = "") -> set[str]:
+    out = set()
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        if "parse" in f.metadata:
+            out.add(prefix + f.name)
+        else:
+            out |= _fields(typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}.")
+    return out
+
+
+def test_the_shipped_example_loads_and_names_every_key() -> None:
+    config = load_config(EXAMPLE)
+    assert config.resident.units == ["strata.service"]
+    assert config.window.container.ports == {"8000/tcp": 18020}
+    assert config.daemon.max_lease == 4 * 3600
+    assert config.gpu.window_needs == 21 * 2**30
+    example_keys = _keys(tomllib.loads(EXAMPLE.read_text()))
+    assert example_keys <= _fields(Config)
+
+
+def test_minimal_config_takes_defaults() -> None:
+    config = parse_config(MINIMAL)
+    assert config.daemon.socket == "/run/gpuswapd/gpuswapd.sock"
+    assert config.daemon.linger == 30
+    assert config.window.container.create is True
+    assert config.timers.pause == []
+
+
+@pytest.mark.parametrize(("patch", "names"), [
+    ("[daemon]\nlingr = '30s'", "daemon.lingr: unknown key"),
+    ("[daemon]\nlinger = '30 parsecs'", "daemon.linger"),
+    ("[daemon]\nlinger = true", "daemon.linger"),
+    ("[daemon]\nmax_lease = '-5m'", "daemon.max_lease"),
+    ("[daemon]\nmax_lease = 'infinity'", "daemon.max_lease"),
+    ("[daemon]\non_shutdown = 'explode'", "daemon.on_shutdown"),
+    ("[gpu]\nwindow_needs = '21 parsecs'", "gpu.window_needs"),
+    ("[gpu]\nprobe = 'cuda'", "gpu.probe"),
+    ("[gpu]\nindex = -1", "gpu.index"),
+    ("[timers]\npause = 'agent-*.timer'", "timers.pause"),
+    ("[timers]\npause = ['agent-*.service']", "timers.pause[0]"),
+    ("[window.warmup]\nrequests = '3'", "window.warmup.requests"),
+    ("[window.container.env]\nSPEC = 1", "window.container.env.SPEC"),
+    ("[window.container.ports]\n'http' = 18020", "window.container.ports.http"),
+    ("[surprise]\nx = 1", "surprise: unknown key"),
+])
+def test_bad_values_name_the_key(patch: str, names: str) -> None:
+    # Tables may not be declared twice in TOML, so merge the patch into the minimal config.
+    text = MINIMAL
+    header = patch.split("\n", 1)[0]
+    if header in text:
+        text = text.replace(header, patch)
+    else:
+        text += "\n" + patch
+    with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(text, "test.toml")
+
+
+def test_missing_image_names_it() -> None:
+    with pytest.raises(ConfigError, match=r"window\.container\.image: missing"):
+        parse_config(MINIMAL.replace('image = "hyperqwen:latest"', ""))
+
+
+def test_default_lease_longer_than_max() -> None:
+    with pytest.raises(ConfigError, match="default_lease"):
+        parse_config(MINIMAL + "\n[daemon]\ndefault_lease = '5h'\n")
+
+
+def test_not_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config("[daemon\n", "x.toml")
+    with pytest.raises(ConfigError, match="no such configuration file"):
+        load_config(tmp_path / "nope.toml")
