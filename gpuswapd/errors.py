@@ -12,7 +12,8 @@
     │   ├── EngineFailed             engine_failed
     │   ├── VerifyFailed             verify_failed
     │   ├── RestoreFailed            restore_failed
-    │   └── WindowCancelled          window_cancelled
+    │   ├── WindowCancelled          window_cancelled
+    │   └── AcquireTimeout           acquire_timeout
     ├── SystemdError                 systemd
     │   ├── BusUnavailable           dbus_unavailable
     │   ├── UnitNotFound             no_such_unit
@@ -131,6 +132,12 @@ class WindowCancelled(WindowError):
     """The window was abandoned: its last waiter went away or gpuswapd is stopping."""
 
     code = "window_cancelled"
+
+
+class AcquireTimeout(WindowError):
+    """The window was not ready within the time the client would wait."""
+
+    code = "acquire_timeout"
 
 
 class SystemdError(GpuswapError):

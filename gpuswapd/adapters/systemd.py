@@ -124,34 +124,43 @@ class Systemd:
         self._bus: Any = None
         self._manager: Any = None
         self._props: dict[str, Any] = {}
-        self._loop: Any = None
+        self._subscription: Any = None
         self._watchers: list[Callable[[str, str], None]] = []
 
     @_systemd_errors
     def connect(self) -> None:
-        """Connect to the bus, subscribe to job signals and start the signal thread."""
+        """Connect to the bus (again, if it was lost) and subscribe to job signals."""
         with self._lock:
-            if self._manager is not None:
+            if self._manager is not None and not self._bus.con.is_closed():
                 return
+            self._manager, self._props = None, {}
             bus = SystemBus()
+            # GLib's shared bus connection raises SIGTERM in the process when the bus goes away;
+            # a daemon reconnects instead.
+            bus.con.set_exit_on_close(False)
             manager = bus.get(_SYSTEMD, _MANAGER_PATH, timeout=self._timeout)[
                 "org.freedesktop.systemd1.Manager"
             ]
             # Subscribe to JobRemoved before any job is started: the signal can arrive before
             # the StartUnit/StopUnit call returns.
-            bus.subscribe(
+            self._subscription = bus.subscribe(
                 sender=_SYSTEMD, iface="org.freedesktop.systemd1.Manager", signal="JobRemoved",
                 object=_MANAGER_PATH, signal_fired=self._on_job_removed,
             )
-            manager.Subscribe(timeout=self._timeout)  # without it systemd sends few signals
-            self._loop = GLib.MainLoop()
-            threading.Thread(target=self._loop.run, name="glib-loop", daemon=True).start()
+            try:
+                manager.Subscribe(timeout=self._timeout)  # without it systemd sends few signals
+            except GLib.Error as err:
+                # One subscription per connection; another Systemd on this connection made it.
+                if Gio.DBusError.get_remote_error(err) != "org.freedesktop.systemd1.AlreadySubscribed":
+                    raise
+            _start_glib_loop()
             self._bus, self._manager = bus, manager
 
     def close(self) -> None:
-        """Stop the signal thread."""
-        if self._loop is not None:
-            self._loop.quit()
+        """Stop receiving job signals."""
+        if self._subscription is not None:
+            self._subscription.unsubscribe()
+            self._subscription = None
 
     def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
         _job_id, path, unit, result = params
@@ -160,7 +169,7 @@ class Systemd:
             watcher(unit, result)
 
     def _mgr(self) -> Any:
-        if self._manager is None:
+        if self._manager is None or self._bus.con.is_closed():
             self.connect()
         return self._manager
 
@@ -261,6 +270,19 @@ class Systemd:
     def add_job_watcher(self, watcher: Callable[[str, str], None]) -> None:
         """Call ``watcher(unit, result)`` from the signal thread whenever a job ends."""
         self._watchers.append(watcher)
+
+
+_glib_lock = threading.Lock()
+_glib_thread: threading.Thread | None = None
+
+
+def _start_glib_loop() -> None:
+    """Run one GLib main loop for the process: it delivers D-Bus signals to callbacks."""
+    global _glib_thread
+    with _glib_lock:
+        if _glib_thread is None or not _glib_thread.is_alive():
+            _glib_thread = threading.Thread(target=GLib.MainLoop().run, name="glib-loop", daemon=True)
+            _glib_thread.start()
 
 
 def unit_from_cgroup(pid: int, proc: Path = Path("/proc")) -> str | None:

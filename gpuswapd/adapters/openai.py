@@ -1,0 +1,726 @@
+"""Model servers over HTTP (httpx): health, streamed chat completions, the resident's idle probe.
+
+Speaks to what real servers do (DESIGN.md §7): vLLM's OpenAI API and llama.cpp's
+``llama-server``, directly or behind llama-swap. One ``ModelHttp`` holds one ``httpx.AsyncClient``
+(made on first use, so it belongs to the event loop that first uses it); ``aclose()`` ends it.
+Every httpx error leaves this module as the most specific ``EndpointError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import httpx
+
+from gpuswapd.config import CompletionCheck, IdleConfig
+from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
+
+RETRY_INTERVAL_S = 0.25
+IDLE_TIMEOUT_S = 10.0
+_ERROR_BODY_LIMIT = 64 * 1024
+_SNIPPET = 300
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One chat completion as it was streamed."""
+
+    text: str
+    reasoning: str
+    finish_reason: str | None
+    # From the final usage chunk only: speculative decoding puts several tokens in one chunk.
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    chunks: int
+    ttft_s: float | None
+    total_s: float
+
+    @property
+    def answered(self) -> bool:
+        """Tell whether the model gave an answer (not only reasoning)."""
+        return bool(self.text.strip())
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Whether the resident has a request in flight, and what the probe saw."""
+
+    busy: bool
+    detail: str
+
+
+class _ServerFault(Exception):
+    """The server failed mid-answer (error event, truncated stream): worth a retry."""
+
+
+# -- server-sent events ------------------------------------------------------------------------
+
+
+class SseDecoder:
+    """Turn server-sent event lines into JSON objects, one line at a time."""
+
+    def __init__(self, where: str = "stream") -> None:
+        self.done = False
+        self.where = where
+        self._data: list[str] = []
+        self._event = ""
+
+    def line(self, line: str) -> list[dict[str, Any]]:
+        """Take one line (without its line break); return the events it completes."""
+        if self.done:
+            return []
+        line = line.rstrip("\r\n")
+        if not line:
+            return self._dispatch(strict=True)
+        if line.startswith(":"):  # a comment: keep-alives
+            return []
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+            # Some servers omit the blank line between events: an object is complete when it parses.
+            return self._dispatch(strict=False)
+        elif name == "error":
+            # llama.cpp sends a failure mid-stream as an `error: {...}` line (server_sent_event).
+            out = self._dispatch(strict=True)
+            self._data, self._event = [value], "error"
+            return out + self._dispatch(strict=True)
+        return []  # id:, retry:, and fields nobody defined
+
+    def end(self) -> list[dict[str, Any]]:
+        """Flush the last event when the stream ends without a blank line."""
+        return [] if self.done else self._dispatch(strict=True)
+
+    def _dispatch(self, *, strict: bool) -> list[dict[str, Any]]:
+        raw = "\n".join(self._data).strip()
+        if not raw:
+            self._data, self._event = [], ""
+            return []
+        if raw == "[DONE]":
+            self.done = True
+            return []
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            if not strict:
+                return []  # perhaps an object spread over several data: lines
+            if self._event == "error":
+                obj = {"message": raw}
+            else:
+                raise BadResponse(f"{self.where}: an event is not JSON: {_snip(raw)}") from None
+        event, self._data, self._event = self._event, [], ""
+        if event == "error" and not (isinstance(obj, dict) and "error" in obj):
+            obj = {"error": obj}
+        if not isinstance(obj, dict):
+            raise BadResponse(f"{self.where}: an event is not a JSON object: {_snip(raw)}")
+        return [obj]
+
+
+def parse_sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a server-sent event stream, up to ``data: [DONE]``."""
+    decoder = SseDecoder()
+    for line in lines:
+        yield from decoder.line(line)
+        if decoder.done:
+            return
+    yield from decoder.end()
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+class CompletionBuilder:
+    """Collect a streamed chat completion's chunks into a ``Completion``."""
+
+    def __init__(self, started: float, where: str = "stream") -> None:
+        self.started = started
+        self.where = where
+        self.chunks = 0
+        self.finish_reason: str | None = None
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._usage: dict[str, Any] | None = None
+        self._first: float | None = None
+
+    def add(self, chunk: dict[str, Any], at: float) -> None:
+        """Take one chunk that arrived at monotonic time ``at``; raise on an error chunk."""
+        error = chunk.get("error")
+        if error is not None:
+            message = f"{self.where}: the server failed mid-stream: {_error_text(chunk)}"
+            code = error.get("code") if isinstance(error, dict) else None
+            if isinstance(code, int) and code < 500:
+                raise BadResponse(message)
+            raise BadResponse(message) from _ServerFault()
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usage = usage
+        choices = chunk.get("choices")
+        carried = False
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
+            part = choice.get("delta")
+            if not isinstance(part, dict):
+                part = choice.get("message")  # a non-streamed answer
+            if isinstance(part, dict):
+                carried |= self._take(part)
+            if isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
+        if carried:
+            self.chunks += 1
+            if self._first is None:
+                self._first = at
+
+    def _take(self, delta: dict[str, Any]) -> bool:
+        content = delta.get("content")
+        # vLLM >= 0.16 says `reasoning`; older vLLM and llama.cpp say `reasoning_content`.
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        carried = False
+        if isinstance(content, str) and content:
+            self._text.append(content)
+            carried = True
+        if isinstance(reasoning, str) and reasoning:
+            self._reasoning.append(reasoning)
+            carried = True
+        return carried
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from the request to the first content or reasoning token."""
+        return None if self._first is None else self._first - self.started
+
+    def build(self, at: float) -> Completion:
+        """Return the completion as of monotonic time ``at``."""
+        usage = self._usage or {}
+        return Completion(
+            text="".join(self._text),
+            reasoning="".join(self._reasoning),
+            finish_reason=self.finish_reason,
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
+            chunks=self.chunks,
+            ttft_s=self.ttft_s,
+            total_s=at - self.started,
+        )
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# -- Prometheus text format --------------------------------------------------------------------
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Read Prometheus text exposition: each metric name and its value summed over label sets."""
+    return _scan_prometheus(text)[0]
+
+
+def _scan_prometheus(text: str) -> tuple[dict[str, float], list[str]]:
+    """Parse what parses; return the sums and the sample lines that did not."""
+    sums: dict[str, float] = {}
+    bad: list[str] = []
+    # Only \n ends a line: str.splitlines() would also split label values at \x1c or \u2028.
+    for raw in text.split("\n"):
+        line = raw.strip(" \t\r")
+        if not line or line.startswith("#"):  # HELP, TYPE, EOF, comments
+            continue
+        sample = _parse_sample(line)
+        if sample is None:
+            bad.append(line)
+        else:
+            name, value = sample
+            sums[name] = sums.get(name, 0.0) + value
+    return sums, bad
+
+
+def _parse_sample(line: str) -> tuple[str, float] | None:
+    """Parse ``name{labels} value [timestamp] [# exemplar]``; None if malformed."""
+    match = _METRIC_NAME.match(line)
+    name, i = (match.group(), match.end()) if match else ("", 0)
+    brace = _skip_blanks(line, i)
+    if brace < len(line) and line[brace] == "{":
+        labels = _parse_labels(line, brace)
+        if labels is None:
+            return None
+        quoted_name, i = labels
+        if quoted_name is not None:
+            if name:
+                return None
+            name = quoted_name
+    elif i < len(line) and line[i] not in " \t":  # e.g. "foo-1 2": not a name, then a value
+        return None
+    if not name:
+        return None
+    fields = line[i:].split()
+    if "#" in fields:  # an OpenMetrics exemplar follows
+        fields = fields[: fields.index("#")]
+    if len(fields) not in (1, 2) or any(_number(f) is None for f in fields):
+        return None
+    value = _number(fields[0])
+    return None if value is None else (name, value)
+
+
+def _parse_labels(line: str, i: int) -> tuple[str | None, int] | None:
+    """Skip ``{...}`` from ``line[i]``; return a quoted metric name found inside and the end."""
+    i += 1
+    quoted_name: str | None = None
+    first = True
+    while True:
+        i = _skip_blanks(line, i)
+        if i < len(line) and line[i] == "}":
+            return quoted_name, i + 1
+        if i < len(line) and line[i] == '"':
+            read = _read_quoted(line, i)
+            if read is None:
+                return None
+            label, i = read
+            i = _skip_blanks(line, i)
+            if first and i < len(line) and line[i] in ",}":
+                quoted_name = label  # Prometheus 3 spells UTF-8 names {"name", label="v"}
+                if line[i] == ",":
+                    i += 1
+                first = False
+                continue
+        else:
+            match = _LABEL_NAME.match(line, i)
+            if match is None:
+                return None
+            i = _skip_blanks(line, match.end())
+        if i >= len(line) or line[i] != "=":
+            return None
+        i = _skip_blanks(line, i + 1)
+        read = _read_quoted(line, i)
+        if read is None:
+            return None
+        i = _skip_blanks(line, read[1])
+        first = False
+        if i < len(line) and line[i] == ",":
+            i += 1
+        elif i >= len(line) or line[i] != "}":
+            return None
+
+
+def _skip_blanks(line: str, i: int) -> int:
+    while i < len(line) and line[i] in " \t":
+        i += 1
+    return i
+
+
+def _read_quoted(line: str, i: int) -> tuple[str, int] | None:
+    """Read a double-quoted string with backslash escapes at ``line[i]``; None if unterminated."""
+    if i >= len(line) or line[i] != '"':
+        return None
+    out: list[str] = []
+    i += 1
+    while i < len(line):
+        ch = line[i]
+        if ch == "\\" and i + 1 < len(line):
+            nxt = line[i + 1]
+            out.append("\n" if nxt == "n" else nxt)
+            i += 2
+        elif ch == '"':
+            return "".join(out), i + 1
+        else:
+            out.append(ch)
+            i += 1
+    return None
+
+
+def _number(token: str) -> float | None:
+    """Parse a sample value or timestamp (Go float syntax: ``NaN``, ``+Inf``, ``1.5e3``)."""
+    if "_" in token:  # Python's float() takes 1_000; Prometheus does not
+        return None
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
+# -- the HTTP client ---------------------------------------------------------------------------
+
+
+class ModelHttp:
+    """Talk to model servers: health, completions, and whether the resident is busy."""
+
+    def __init__(self, connect_timeout: float = 2.0) -> None:
+        self.connect_timeout = connect_timeout
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # trust_env=False: these servers are local; an http_proxy from the environment would
+            # route them through a proxy that cannot reach them.
+            self._client = httpx.AsyncClient(trust_env=False, follow_redirects=False)
+        return self._client
+
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=min(self.connect_timeout, seconds))
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def health(self, url: str, timeout: float = 2.0) -> int:  # noqa: ASYNC109 - per probe
+        """Return the status of GET ``url``; 0 when nothing answers there."""
+        return (await self._probe(url, timeout))[0]
+
+    async def _probe(self, url: str, limit: float) -> tuple[int, str]:
+        """GET ``url``; return the status and what the body says (0 and why, if no answer)."""
+        try:
+            with _mapped("GET", url, limit):
+                response = await self._http().get(url, timeout=self._timeout(limit))
+        except EndpointUnreachable as err:
+            return 0, _reason(err)
+        except BadResponse as err:
+            if isinstance(err.__cause__, httpx.RemoteProtocolError):
+                # Docker's port proxy accepts and hangs up while the engine inside still loads.
+                return 0, _reason(err)
+            raise
+        return response.status_code, _message_of(response.text)
+
+    async def wait_healthy(
+        self,
+        url: str,
+        timeout: float,  # noqa: ASYNC109 - a polling deadline, not one call's bound
+        interval: float = 0.2,
+        abort: Callable[[], str | None] | None = None,
+    ) -> float:
+        """Poll ``url`` until it answers 200; return the seconds waited."""
+        started = time.monotonic()
+        deadline = started + timeout
+        last = "no answer yet"
+        while True:
+            if abort is not None and (why := abort()) is not None:
+                raise EndpointError(why)
+            now = time.monotonic()
+            try:
+                status, said = await self._probe(url, max(0.05, min(2.0, deadline - now)))
+                last = said if status == 0 else f"HTTP {status}" + (f": {said}" if said else "")
+            except EndpointError as err:  # slow or garbled while loading: keep polling
+                status, last = -1, _reason(err)
+            if status == 200:
+                return time.monotonic() - started
+            now = time.monotonic()
+            if now >= deadline:
+                raise EndpointTimeout(
+                    f"{url} did not answer 200 within {timeout:g}s (last: {last}); "
+                    "the server is still loading or has failed: check its log"
+                )
+            await asyncio.sleep(min(interval, deadline - now))
+
+    async def chat(
+        self,
+        url: str,
+        model: str,
+        prompt: str,
+        max_tokens: int,
+        timeout: float,  # noqa: ASYNC109 - the configured bound, applied with asyncio.timeout
+    ) -> Completion:
+        """Stream one chat completion from ``url`` (the whole request bounded by ``timeout``)."""
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        got = CompletionBuilder(time.monotonic(), f"POST {url}")
+        try:
+            with _mapped("POST", url, timeout):
+                async with asyncio.timeout(timeout):
+                    await self._stream(url, body, timeout, got)
+        except EndpointTimeout as err:
+            first = "" if got.ttft_s is None else f", the first after {got.ttft_s:.1f}s"
+            raise EndpointTimeout(
+                f"{err.message} ({got.chunks} chunks so far{first}); the server is slow or "
+                "stuck: check its log, or raise the timeout"
+            ) from err
+        return got.build(time.monotonic())
+
+    async def _stream(
+        self, url: str, body: dict[str, Any], seconds: float, got: CompletionBuilder
+    ) -> None:
+        """Send the request and feed every chunk of the answer to ``got``."""
+        headers = {"Accept": "text/event-stream"}
+        request = self._http().stream(
+            "POST", url, json=body, headers=headers, timeout=self._timeout(seconds)
+        )
+        async with request as response:
+            if response.status_code != 200:
+                await _raise_status("POST", url, response)
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                # A server that ignored stream=true answers with one JSON object.
+                got.add(_json_object(await response.aread(), got.where), time.monotonic())
+                return
+            decoder = SseDecoder(got.where)
+            async for line in response.aiter_lines():
+                for chunk in decoder.line(line):
+                    got.add(chunk, time.monotonic())
+                if decoder.done:
+                    return
+            for chunk in decoder.end():
+                got.add(chunk, time.monotonic())
+        if got.finish_reason is None:
+            raise BadResponse(
+                f"{got.where}: the stream ended without [DONE] or a finish_reason after "
+                f"{got.chunks} chunks (the server broke off mid-answer)"
+            ) from _ServerFault()
+
+    async def verify(self, check: CompletionCheck, retry_until: float | None = None) -> Completion:
+        """Get a real answer for ``check``; retry failures that may pass until ``retry_until``."""
+        reply = await self._answer(check, retry_until)
+        if reply.answered:
+            return reply
+        if reply.finish_reason == "length" and reply.reasoning:
+            raise BadResponse(
+                f"POST {check.url}: model {check.model} spent all max_tokens = {check.max_tokens} "
+                f"thinking ({len(reply.reasoning)} characters of reasoning, no answer); "
+                "raise max_tokens for this check"
+            )
+        if reply.finish_reason == "length":
+            raise BadResponse(
+                f"POST {check.url}: model {check.model} hit max_tokens = {check.max_tokens} "
+                "before any answer; raise max_tokens for this check"
+            )
+        raise BadResponse(
+            f"POST {check.url}: model {check.model} gave an empty answer "
+            f"(finish_reason {reply.finish_reason}, {reply.completion_tokens} tokens)"
+        )
+
+    async def _answer(self, check: CompletionCheck, retry_until: float | None) -> Completion:
+        """Run the check's completion, again every 0.25 s while it fails in a passing way."""
+        started = time.monotonic()
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await self.chat(
+                    check.url, check.model, check.prompt, check.max_tokens, check.timeout
+                )
+            except EndpointError as err:
+                now = time.monotonic()
+                if retry_until is None or now >= retry_until or not _worth_retrying(err):
+                    if tries == 1:
+                        raise
+                    raise type(err)(
+                        f"{err.message} (tried {tries} times over {now - started:.1f}s)"
+                    ) from err
+                await asyncio.sleep(min(RETRY_INTERVAL_S, retry_until - now))
+
+    async def idle(self, idle: IdleConfig, timeout: float = IDLE_TIMEOUT_S) -> Busy:  # noqa: ASYNC109
+        """Ask the resident whether a request is in flight, the way ``idle.kind`` says."""
+        if idle.kind == "none":
+            return Busy(False, "no idle probe (kind = none)")
+        if idle.kind == "command":
+            return await _run_idle_command(idle.command, timeout)
+        if idle.kind not in ("llama.cpp-slots", "prometheus"):
+            raise ValueError(f"unknown idle probe kind {idle.kind!r}")
+        with _mapped("GET", idle.url, timeout):
+            response = await self._http().get(idle.url, timeout=self._timeout(timeout))
+        if response.status_code == 501 and idle.kind == "llama.cpp-slots":
+            await _raise_status(
+                "GET",
+                idle.url,
+                response,
+                hint=(
+                    "start llama-server with --slots, or probe its --metrics with "
+                    'resident.idle.kind = "prometheus"'
+                ),
+            )
+        if response.status_code != 200:
+            await _raise_status("GET", idle.url, response)
+        if idle.kind == "llama.cpp-slots":
+            return _slots_busy(idle.url, response.content)
+        return _gauge_busy(idle.url, idle.metric, response.text)
+
+
+def _slots_busy(url: str, raw: bytes) -> Busy:
+    """Read llama.cpp's ``/slots``: busy if any slot is processing."""
+    slots = _json(raw, f"GET {url}")
+    if not isinstance(slots, list):
+        raise BadResponse(f"GET {url}: expected a JSON list of slots, got {_snip(raw)}")
+    busy = 0
+    for n, slot in enumerate(slots):
+        if isinstance(slot, dict) and "is_processing" in slot:
+            busy += bool(slot["is_processing"])
+        elif isinstance(slot, dict) and isinstance(slot.get("state"), int):
+            busy += slot["state"] != 0  # llama.cpp before is_processing: 0 means idle
+        else:
+            raise BadResponse(
+                f"GET {url}: slot {n} has no is_processing: is this llama-server's /slots? "
+                f"({_snip(json.dumps(slot))})"
+            )
+    return Busy(busy > 0, f"{busy} of {len(slots)} slots processing")
+
+
+def _gauge_busy(url: str, metric: str, text: str) -> Busy:
+    """Read a Prometheus gauge: busy if it is above zero."""
+    sums, bad = _scan_prometheus(text)
+    value = sums.get(metric)
+    if value is None:
+        unreadable = f"; {len(bad)} lines did not parse, e.g. {_snip(bad[0])}" if bad else ""
+        raise BadResponse(
+            f"GET {url}: no metric {metric} there{unreadable} (llama-server needs --metrics; "
+            "check resident.idle.metric)"
+        )
+    if math.isnan(value):
+        raise BadResponse(f"GET {url}: {metric} is NaN: the server does not know")
+    return Busy(value > 0, f"{metric} = {value:g}")
+
+
+async def _run_idle_command(command: list[str], limit: float) -> Busy:
+    """Run the configured idle command: idle iff it exits 0 within ``limit`` seconds."""
+    shown = shlex.join(command)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    except OSError as err:
+        raise EndpointError(f"cannot run idle command {shown}: {err}") from err
+    try:
+        async with asyncio.timeout(limit):
+            output, _ = await proc.communicate()
+    except TimeoutError as err:
+        raise EndpointTimeout(
+            f"idle command {shown} did not finish within {limit:g}s (killed it)"
+        ) from err
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    code = await proc.wait()  # already exited: this only reads the code
+    said = output.decode(errors="replace").strip().splitlines()
+    tail = f": {_snip(said[-1])}" if said else ""
+    how = f"killed by signal {-code}" if code < 0 else f"exited {code}"
+    return Busy(code != 0, f"{shown} {how}{tail}")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _mapped(method: str, url: str, timeout: float) -> Iterator[None]:
+    """Turn httpx's errors (and an expired asyncio.timeout) into gpuswapd's own."""
+    where = f"{method} {url}"
+    try:
+        yield
+    except TimeoutError as err:
+        raise EndpointTimeout(f"{where}: no complete answer within {timeout:g}s") from err
+    except httpx.ConnectTimeout as err:
+        raise EndpointTimeout(f"{where}: could not connect in time (nothing accepts)") from err
+    except httpx.TimeoutException as err:
+        raise EndpointTimeout(f"{where}: no answer within {timeout:g}s") from err
+    except httpx.ConnectError as err:
+        raise EndpointUnreachable(
+            f"{where}: nothing answers ({err or 'connection failed'}); is the server running?"
+        ) from err
+    except httpx.NetworkError as err:
+        raise EndpointUnreachable(
+            f"{where}: the connection broke ({err or type(err).__name__}); did the server die?"
+        ) from err
+    except (httpx.RemoteProtocolError, httpx.DecodingError) as err:
+        raise BadResponse(f"{where}: the server broke off or garbled its answer: {err}") from err
+    except (httpx.HTTPError, httpx.InvalidURL) as err:
+        raise EndpointError(f"{where}: {err or type(err).__name__}") from err
+
+
+async def _raise_status(
+    method: str, url: str, response: httpx.Response, hint: str = ""
+) -> NoReturn:
+    """Fail on a non-200 answer, naming the status and what the server said."""
+    raw = b""
+    with contextlib.suppress(httpx.HTTPError):
+        async for piece in response.aiter_bytes():
+            raw += piece
+            if len(raw) >= _ERROR_BODY_LIMIT:
+                break
+    said = _message_of(raw.decode(errors="replace"))
+    message = f"{method} {url}: HTTP {response.status_code}" + (f": {said}" if said else "")
+    cause = httpx.HTTPStatusError(message, request=response.request, response=response)
+    raise BadResponse(message + (f"; {hint}" if hint else "")) from cause
+
+
+def _worth_retrying(err: EndpointError) -> bool:
+    """Tell whether a failed completion may pass if tried again (the server is coming up)."""
+    if isinstance(err, EndpointUnreachable | EndpointTimeout):
+        return True
+    cause = err.__cause__
+    if isinstance(cause, httpx.HTTPStatusError):
+        status = cause.response.status_code
+        return status >= 500 or status in (408, 429)
+    return isinstance(cause, httpx.TransportError | _ServerFault)
+
+
+def _message_of(text: str) -> str:
+    """Say what an error body says: OpenAI, llama-swap and FastAPI shapes, or the text."""
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        return _snip(text)
+    return _snip(_error_text(body)) if isinstance(body, dict) else _snip(text)
+
+
+def _error_text(body: dict[str, Any]) -> str:
+    """Dig the message out of ``{"error": {"message"}}``, ``{"error": "..."}`` or ``{"detail"}``."""
+    for key in ("error", "detail", "message"):
+        value = body.get(key)
+        if isinstance(value, dict):
+            inner = value.get("message") or value.get("msg")
+            kind = value.get("type")
+            if isinstance(inner, str):
+                prefix = f"{kind}: " if isinstance(kind, str) and kind not in inner else ""
+                return prefix + inner
+            return json.dumps(value)
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            return "; ".join(str(v.get("msg", v)) for v in value if isinstance(v, dict))
+        if isinstance(value, str) and value:
+            return value
+    return "" if not body else json.dumps(body)
+
+
+def _json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise BadResponse(f"{where}: the answer is not JSON: {_snip(raw)}") from err
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    obj = _json(raw, what)
+    if not isinstance(obj, dict):
+        raise BadResponse(f"{what} is not a JSON object: {_snip(raw)}")
+    return obj
+
+
+def _reason(err: EndpointError) -> str:
+    """Drop the ``METHOD URL: `` that starts an error message."""
+    return err.message.split(": ", 1)[-1]
+
+
+def _snip(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    text = " ".join(text.split())
+    return text if len(text) <= _SNIPPET else text[: _SNIPPET - 1] + "…"

@@ -1,0 +1,1 @@
+"""gpuswapctl: the command-line client of gpuswapd."""

@@ -1,0 +1,78 @@
+"""Talk to gpuswapd over its socket: one JSON request, events, one reply."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from gpuswapd.errors import GpuswapError
+
+DEFAULT_SOCKET = "/run/gpuswapd/gpuswapd.sock"
+
+
+class Unreachable(Exception):
+    """gpuswapd's socket cannot be reached."""
+
+
+def socket_path(explicit: str | None) -> str:
+    """Pick the socket: --socket, then $GPUSWAPD_SOCKET, then the default."""
+    return explicit or os.environ.get("GPUSWAPD_SOCKET") or DEFAULT_SOCKET
+
+
+class Client:
+    """One connection to gpuswapd."""
+
+    def __init__(self, path: str, connect_timeout: float = 5.0) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout)
+        try:
+            self._sock.connect(path)
+        except FileNotFoundError:
+            self._sock.close()
+            raise Unreachable(f"{path} does not exist: is gpuswapd running? (systemctl status gpuswapd)") from None
+        except PermissionError:
+            self._sock.close()
+            raise Unreachable(f"permission denied on {path}: join its group (usermod -aG gpuswap $USER)") from None
+        except OSError as err:
+            self._sock.close()
+            raise Unreachable(f"cannot connect to {path}: {err.strerror or err}") from None
+        self._sock.settimeout(None)
+        self._file = self._sock.makefile("rb")
+
+    def fileno(self) -> int:
+        """Return the socket's file descriptor (for select)."""
+        return self._sock.fileno()
+
+    def request(self, message: dict[str, Any], on_event: Callable[[dict[str, Any]], None] | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
+        """Send one request; pass events to ``on_event``; return the reply or raise its error."""
+        self._sock.settimeout(timeout)
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        while True:
+            line = self._file.readline()
+            if not line:
+                raise Unreachable(f"gpuswapd closed the connection on {self.path} without a reply")
+            data = json.loads(line)
+            if "event" in data:
+                if on_event is not None:
+                    on_event(data)
+                continue
+            if not data.get("ok"):
+                raise GpuswapError.from_dict(data.get("error") or {"message": "no reason given"})
+            reply: dict[str, Any] = data
+            return reply
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

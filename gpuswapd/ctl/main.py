@@ -1,0 +1,159 @@
+"""gpuswapctl: acquire, renew and release the GPU window; status; plan; run a command under a lease.
+
+Exit codes (also in gpuswapctl(1)):
+  0  done: the lease is held (acquire, run: CMD's own code), or the request succeeded
+  1  the GPU was not obtained: the window failed to open or was closed
+  2  usage error: bad arguments
+  3  gpuswapd cannot be reached
+  4  refused: a bad request, permission denied, or no such lease
+  5  not ready: --no-wait and no window is open
+  6  timed out: --timeout passed before the window was ready
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from gpuswapd.ctl.client import Client, Unreachable, socket_path
+from gpuswapd.ctl.render import Progress, print_plan, print_status
+from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, WindowError
+from gpuswapd.timespan import SpanError, format_span, parse_span
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_NOT_READY, EXIT_TIMEOUT = range(7)
+
+
+def _span(text: str) -> float:
+    try:
+        seconds = parse_span(text)
+    except SpanError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite time span")
+    return seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the command line."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", metavar="PATH", help="gpuswapd's socket (default $GPUSWAPD_SOCKET or "
+                        "/run/gpuswapd/gpuswapd.sock)")
+    common.add_argument("--json", action="store_true", help="print the reply as JSON")
+    parser = argparse.ArgumentParser(prog="gpuswapctl", parents=[common], description=__doc__.split("\n")[0],
+                                     epilog="Durations use systemd's syntax: 15m, 1h 30min, 90s.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    acquire = sub.add_parser("acquire", parents=[common], help="hold the GPU window (opening it if needed)")
+    acquire.add_argument("--for", dest="duration", type=_span, metavar="SPAN", help="lease duration (default: the daemon's default_lease)")
+    acquire.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
+    acquire.add_argument("--no-wait", action="store_true", help="fail at once (exit 5) unless a window is already open")
+    acquire.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
+
+    renew = sub.add_parser("renew", parents=[common], help="extend a lease")
+    renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
+    renew.add_argument("--for", dest="duration", type=_span, metavar="SPAN", required=True, help="new duration from now")
+    renew.add_argument("--holder", metavar="NAME", help="whose lease (default: the caller)")
+
+    release = sub.add_parser("release", parents=[common], help="give a lease back")
+    release.add_argument("lease", nargs="?", help="lease id (default: every lease of the caller)")
+    release.add_argument("--holder", metavar="NAME", help="whose leases (default: the caller)")
+
+    sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
+    sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
+    history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
+    history.add_argument("--limit", type=int, default=10, help="how many windows (default 10)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run gpuswapctl."""
+    args = build_parser().parse_args(argv)
+    try:
+        with Client(socket_path(args.socket)) as client:
+            return _run(args, client)
+    except Unreachable as err:
+        print(f"gpuswapctl: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except GpuswapError as err:
+        phase = f" (in {err.phase})" if err.phase else ""
+        print(f"gpuswapctl: {err.message}{phase}", file=sys.stderr)
+        return exit_code(err)
+    except KeyboardInterrupt:
+        return 130
+
+
+def exit_code(err: GpuswapError) -> int:
+    """Map an error from gpuswapd to the documented exit code."""
+    if isinstance(err, AcquireTimeout):
+        return EXIT_TIMEOUT
+    if isinstance(err, NotReady):
+        return EXIT_NOT_READY
+    if isinstance(err, RequestError):
+        return EXIT_REFUSED
+    if isinstance(err, WindowError):
+        return EXIT_FAILED
+    return EXIT_FAILED
+
+
+def _emit(args: argparse.Namespace, reply: dict[str, Any], text: str) -> None:
+    print(json.dumps(reply, indent=2) if args.json else text)
+
+
+def _run(args: argparse.Namespace, client: Client) -> int:
+    if args.command == "acquire":
+        return _acquire(args, client)
+    if args.command == "renew":
+        req: dict[str, Any] = {"op": "renew", "for": args.duration}
+        req.update({k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v})
+        reply = client.request(req)
+        _emit(args, reply, _lease_line(reply["lease"], "renewed"))
+    elif args.command == "release":
+        req = {"op": "release", **{k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v}}
+        reply = client.request(req)
+        _emit(args, reply, "\n".join(f"released lease {lease['id']} of {lease['holder']}" for lease in reply["released"]))
+    elif args.command == "status":
+        reply = client.request({"op": "status"})
+        print(json.dumps(reply, indent=2)) if args.json else print_status(reply)
+    elif args.command == "plan":
+        reply = client.request({"op": "plan"})
+        print(json.dumps(reply, indent=2)) if args.json else print_plan(reply["plan"])
+        return EXIT_OK if reply["plan"]["ok"] else EXIT_FAILED
+    elif args.command == "history":
+        reply = client.request({"op": "history", "limit": args.limit})
+        _emit(args, reply, "\n".join(_history_line(w) for w in reply["windows"]) or "no windows yet")
+    return EXIT_OK
+
+
+def _acquire(args: argparse.Namespace, client: Client) -> int:
+    req: dict[str, Any] = {"op": "acquire", "wait": not args.no_wait}
+    if args.duration:
+        req["for"] = args.duration
+    if args.holder:
+        req["holder"] = args.holder
+    if args.timeout:
+        req["timeout"] = args.timeout
+    progress = Progress(enabled=not args.json)
+    try:
+        reply = client.request(req, on_event=progress.event)
+    finally:
+        progress.close()
+    _emit(args, reply, _lease_line(reply["lease"], "acquired") + (" (capped by max_lease)" if reply.get("capped") else ""))
+    return EXIT_OK
+
+
+def _lease_line(lease: dict[str, Any], verb: str) -> str:
+    until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease["expires_at"]))
+    return f"{verb} lease {lease['id']} for {lease['holder']} until {until} ({format_span(round(lease['remaining_s']))} left)"
+
+
+def _history_line(window: dict[str, Any]) -> str:
+    took = (window.get("closed_at") or time.time()) - window["opened_at"]
+    error = f" error: {window['error']['message']}" if window.get("error") else ""
+    return f"{window['id']}  {window.get('outcome') or '?':<11} {format_span(round(took, 1))}{error}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""What gpuswapctl prints for people: phase progress, status, plan."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from gpuswapd.timespan import format_span
+
+
+class Progress:
+    """Show the window's phases: a live line with elapsed time on a terminal, plain lines otherwise."""
+
+    def __init__(self, enabled: bool = True, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.tty = enabled and stream.isatty()
+        self._phase: str | None = None
+        self._base = time.monotonic()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def event(self, event: dict[str, Any]) -> None:
+        """Take one event from gpuswapd."""
+        if not self.enabled or event.get("event") != "phase":
+            return
+        with self._lock:
+            # Elapsed time is the window's, so a client that joins late shows the true age.
+            self._base = time.monotonic() - float(event.get("elapsed_s", 0.0))
+            if self.tty and self._phase is not None:
+                self._line(final=True)
+            self._phase = str(event["phase"])
+            if not self.tty:
+                self.stream.write(f"gpuswapctl: {self._phase} (at {event.get('elapsed_s', 0):.1f}s)\n")
+                self.stream.flush()
+        if self.tty and self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
+
+    def _line(self, final: bool = False) -> None:
+        elapsed = time.monotonic() - self._base
+        end = "\n" if final else ""
+        self.stream.write(f"\r\033[K{'✓' if final else '…'} {self._phase:<18} {elapsed:6.1f}s{end}")
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._done.wait(0.2):
+            with self._lock:
+                self._line()
+
+    def close(self) -> None:
+        """Finish the live line."""
+        self._done.set()
+        if self.tty and self._phase is not None:
+            with self._lock:
+                self._line(final=True)
+
+
+def _ago(ts: float | None) -> str:
+    return "-" if ts is None else f"{format_span(round(max(0.0, time.time() - ts)))} ago"
+
+
+def _timings(window: dict[str, Any]) -> str:
+    return "  ".join(f"{t['phase']} {t['took_s']:.2f}s" for t in window["timings"] if "took_s" in t)
+
+
+def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    """Print the window's phase, leases and the last window."""
+    window = reply.get("window")
+    out.write(f"phase: {reply['phase']}\n")
+    if window:
+        out.write(f"window: {window['id']} opened {_ago(window['opened_at'])}\n")
+        if window.get("degraded"):
+            out.write(f"DEGRADED: {window['degraded']}\n")
+        if window.get("error"):
+            out.write(f"error: {window['error']['message']}\n")
+        for lease in window["leases"]:
+            out.write(f"  lease {lease['id']}  {lease['holder']:<30} {format_span(round(lease['remaining_s']))} left\n")
+    if reply.get("waiting"):
+        out.write(f"waiting: {reply['waiting']} acquire(s)\n")
+    last = reply.get("last")
+    if last:
+        out.write(f"last window: {last['id']} {last.get('outcome')} {_ago(last.get('closed_at'))}\n")
+        if last.get("error"):
+            out.write(f"  error: {last['error']['message']} (in {last['error'].get('phase')})\n")
+        out.write(f"  {_timings(last)}\n")
+
+
+def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    """Print what a window would do now."""
+    out.write(f"stop units:    {', '.join(plan['units']) or '(none active)'}\n")
+    out.write(f"pause timers:  {', '.join(plan['timers']) or '(none)'}\n")
+    if plan["jobs_running"]:
+        out.write(f"jobs running:  {', '.join(plan['jobs_running'])} (the window waits for them)\n")
+    if plan["resident_busy"]:
+        out.write(f"resident busy: {plan['resident_busy']}\n")
+    c = plan["container"]
+    out.write(f"container:     {c['name']} from {c['image']} ({'created per window' if c['create'] else 'existing'})\n")
+    vram = plan.get("vram")
+    if vram:
+        out.write(f"VRAM:          {vram['free']} free of {vram['total']} now; "
+                  f"{vram.get('free_after_stop', '?')} once the units stop; window needs {vram['window_needs']}\n")
+    for problem in plan["problems"]:
+        out.write(f"problem:       {problem}\n")
+    out.write("ok: a window can open now\n" if plan["ok"] else "not ok: a window would fail now\n")

@@ -1,0 +1,161 @@
+"""The gpuswapd daemon: startup, serve, graceful shutdown (systemd's SIGTERM restores the resident)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+
+from gpuswapd import __version__
+from gpuswapd.adapters.docker import Docker
+from gpuswapd.adapters.gpu import make_probe
+from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.adapters.systemd import Systemd
+from gpuswapd.blocking import blocking
+from gpuswapd.config import DEFAULT_PATH, Config, load_config
+from gpuswapd.engine import ContainerEngine
+from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
+from gpuswapd.listen import activation_socket, own_socket
+from gpuswapd.logs import log, setup_logging
+from gpuswapd.notify import Notifier
+from gpuswapd.plan import make_plan
+from gpuswapd.resident import Resident
+from gpuswapd.server import Server
+from gpuswapd.state import StateStore
+from gpuswapd.vram import Vram
+from gpuswapd.window import Window
+
+EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
+SHUTDOWN_BOUND_S = 600.0
+
+
+class Daemon:
+    """One gpuswapd process: the adapters, the window and the socket server."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.notifier = Notifier()
+        self.systemd = Systemd()
+        self.docker = Docker()
+        self.http = ModelHttp()
+        self.store = StateStore(config.daemon.state_dir)
+        self.vram = Vram(make_probe(config.gpu), self.systemd)
+        self.resident = Resident(config, self.systemd, self.http)
+        self.engine = ContainerEngine(config.window, self.docker, self.http)
+        self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier)
+        self.server = Server(config, self.window, self.store, self.systemd,
+                             lambda: make_plan(config, self.resident, self.engine, self.vram))
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self._own_socket: str | None = None
+
+    async def run(self) -> int:
+        """Start up, serve until asked to stop, shut down."""
+        try:
+            sock = await self.startup()
+        except ConfigError as err:
+            print(f"gpuswapd: {err.message}", file=sys.stderr)
+            return EX_CONFIG
+        except GpuswapError as err:
+            print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
+            return 1
+        await self.server.start(sock)
+        self._recover()
+        self.notifier.send(ready="1", status=str(self.window.phase))
+        log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket)
+        watchdog = asyncio.create_task(self._feed_watchdog())
+        await self._stop.wait()
+        watchdog.cancel()
+        await self.shutdown()
+        return 0
+
+    async def startup(self) -> socket.socket:
+        """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
+        self.store.prepare()
+        await blocking(self.systemd.connect)
+        await self._check_image()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        sock = activation_socket()
+        if sock is None:
+            sock = own_socket(self.config.daemon.socket, self.config.daemon.socket_group)
+            self._own_socket = self.config.daemon.socket
+        return sock
+
+    def _recover(self) -> None:
+        """Pick up a window an earlier gpuswapd left open (a crash, a restart)."""
+        try:
+            record = self.store.load()
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.error("state_unreadable", error=str(err), moved_to=f"{self.store.current}.corrupt")
+            return
+        if record is not None:
+            self.window.recover(record)
+
+    async def _check_image(self) -> None:
+        """Refuse to start on a configured image that Docker does not have; Docker may be down."""
+        c = self.config.window.container
+        try:
+            await blocking(self.docker.ping)
+        except DockerUnavailable as err:
+            log.warning("docker_unavailable_at_start", error=err.message)
+            return
+        if c.create and not await blocking(self.docker.image_present, c.image):
+            raise ConfigError(f"window.container.image: {c.image!r} is not in Docker "
+                              f"(`docker pull {c.image}` or `docker load` it)")
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("forced_exit", signal=signal.Signals(sig).name)
+            sys.exit(1)  # a second signal: stop waiting for the restore
+        log.info("stopping", signal=signal.Signals(sig).name, on_shutdown=self.config.daemon.on_shutdown)
+        self._stop.set()
+
+    async def _feed_watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        while interval is not None:
+            self.notifier.send(watchdog="1")
+            await asyncio.sleep(interval)
+
+    async def shutdown(self) -> None:
+        """Stop serving; restore the resident first when ``on_shutdown = "restore"``."""
+        self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
+        restore = self.config.daemon.on_shutdown == "restore"
+        await self.server.close()
+        try:
+            await asyncio.wait_for(self.window.shutdown(restore=restore), SHUTDOWN_BOUND_S)
+        except TimeoutError:
+            log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
+        await self.http.aclose()
+        self.systemd.close()
+        if self._own_socket is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._own_socket)
+        log.info("gpuswapd_stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the daemon (``gpuswapd --config PATH``)."""
+    parser = argparse.ArgumentParser(prog="gpuswapd", description="Hand the GPU between a resident model and an engine.")
+    parser.add_argument("--config", default=str(DEFAULT_PATH), help=f"configuration file (default {DEFAULT_PATH})")
+    parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"gpuswapd {__version__}")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"gpuswapd: {err.message}", file=sys.stderr)
+        return EX_CONFIG
+    if args.check_config:
+        print(f"{args.config}: ok")
+        return 0
+    return asyncio.run(Daemon(config).run())
+

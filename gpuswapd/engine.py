@@ -1,0 +1,186 @@
+"""The engine that owns the GPU during a window, behind one interface.
+
+The window only asks an engine to come up, to prove it serves, and to go down. Today that is
+a Docker container started and stopped; vLLM's sleep mode (weights to CPU RAM, GPU freed) can
+later implement the same interface without touching the phase table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from gpuswapd.adapters.docker import Docker
+from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.blocking import blocking
+from gpuswapd.config import WindowConfig
+from gpuswapd.errors import (
+    ContainerNotFound,
+    DockerError,
+    EndpointError,
+    EngineFailed,
+    ImageNotFound,
+    WindowError,
+)
+from gpuswapd.logs import log
+
+MANAGED_LABEL = "io.gpuswapd.managed"
+WINDOW_LABEL = "io.gpuswapd.window"
+
+
+class Engine(Protocol):
+    """What a window needs of its engine."""
+
+    async def preflight(self) -> None:
+        """Check, changing nothing, that the engine could come up now."""
+
+    async def bring_up(self, window_id: str) -> dict[str, Any]:
+        """Start the engine; return what must be recorded to take it down later."""
+
+    async def wait_serving(self, timeout: float) -> float:
+        """Wait until the engine answers health checks; fail early if it dies."""
+
+    async def healthy(self) -> bool:
+        """Tell whether the engine answers its health check now."""
+
+    def exit_reason(self) -> str | None:
+        """Say why the engine stopped, if it has."""
+
+    async def adopt(self, record: dict[str, Any]) -> bool:
+        """Take over an engine an earlier gpuswapd started; tell whether it still serves."""
+
+    async def take_down(self, record: dict[str, Any] | None) -> None:
+        """Stop the engine and free the GPU (removing what bring_up created)."""
+
+
+class ContainerEngine:
+    """An engine in a Docker container, created or started per window."""
+
+    def __init__(self, config: WindowConfig, docker: Docker, http: ModelHttp) -> None:
+        self.config = config
+        self.docker = docker
+        self.http = http
+        self._exit: str | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        """Return the container's name."""
+        return self.config.container.name
+
+    async def preflight(self) -> None:
+        """Check Docker, the image or container, and that the engine's port is free."""
+        c = self.config.container
+        await blocking(self.docker.ping)
+        if c.create:
+            if not await blocking(self.docker.image_present, c.image):
+                raise ImageNotFound(f"image {c.image!r} is not in Docker: `docker pull {c.image}` or `docker load` it")
+            state = await blocking(self.docker.state, c.name)
+            if state is not None and state.labels.get(MANAGED_LABEL) != "1":
+                raise DockerError(f"a container named {c.name!r} exists and was not made by gpuswapd: "
+                                  f"remove it (`docker rm -f {c.name}`) or set window.container.create = false")
+            if state is not None and state.running:
+                raise DockerError(f"container {c.name!r} is already running: stop it first (`docker stop {c.name}`)")
+        else:
+            state = await blocking(self.docker.state, c.name)
+            if state is None:
+                raise ContainerNotFound(f"no container named {c.name!r} (window.container.create = false)")
+            if state.running:
+                raise DockerError(f"container {c.name!r} is already running: stop it first (`docker stop {c.name}`)")
+        port = self._port()
+        if port is not None and await blocking(_port_taken, port):
+            raise WindowError(f"port {port} of {self.config.health_url} is already in use by something "
+                              f"else: `ss -ltnp 'sport = :{port}'` shows what")
+
+    def _port(self) -> int | None:
+        parts = urlsplit(self.config.health_url)
+        if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+            return None
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+    async def bring_up(self, window_id: str) -> dict[str, Any]:
+        """Create (or find) and start the container; watch it for an early exit."""
+        c = self.config.container
+        self._exit = None
+        if c.create:
+            stale = await blocking(self.docker.state, c.name)
+            if stale is not None:  # one of ours, left by an earlier window (checked in preflight)
+                await blocking(self.docker.remove, c.name)
+            await blocking(self.docker.create, c, {MANAGED_LABEL: "1", WINDOW_LABEL: window_id})
+        await blocking(self.docker.start, c.name)
+        self._watch = asyncio.create_task(self._watch_exit())
+        log.info("engine_started", container=c.name, image=c.image, created=c.create)
+        return {"name": c.name, "created": c.create, "image": c.image}
+
+    async def _watch_exit(self) -> None:
+        while True:
+            state = await blocking(self.docker.wait_exit, self.name, 1.0)
+            if state is not None:
+                tail = (await blocking(self.docker.logs_tail, self.name, 5)).strip().splitlines()
+                last = f": {tail[-1].strip()}" if tail else ""
+                self._exit = f"container {self.name} exited with code {state.exit_code}{last}"
+                log.warning("engine_exited", container=self.name, exit_code=state.exit_code, last_log=last)
+                return
+
+    def exit_reason(self) -> str | None:
+        """Say why the container stopped, if it has."""
+        return self._exit
+
+    async def adopt(self, record: dict[str, Any]) -> bool:
+        """Watch a container an earlier gpuswapd started, if it runs and answers health."""
+        state = await blocking(self.docker.state, self.name)
+        if state is None or not state.running:
+            return False
+        self._exit = None
+        self._watch = asyncio.create_task(self._watch_exit())
+        return await self.healthy()
+
+    async def wait_serving(self, timeout: float) -> float:
+        """Poll health until 200 within ``timeout``; a container that exits fails at once."""
+        try:
+            return await self.http.wait_healthy(self.config.health_url, timeout, abort=self.exit_reason)
+        except EndpointError as err:
+            raise EngineFailed(err.message) from err
+
+    async def healthy(self) -> bool:
+        """Tell whether health answers 200 now."""
+        return await self.http.health(self.config.health_url) == 200 and self._exit is None
+
+    async def take_down(self, record: dict[str, Any] | None) -> None:
+        """Stop the container (SIGTERM, then SIGKILL after stop_timeout) and remove it if created."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        c = self.config.container
+        await blocking(self.docker.stop, c.name, c.stop_timeout)
+        if record is None or record.get("created", c.create):
+            await blocking(self.docker.remove, c.name)
+        log.info("engine_stopped", container=c.name)
+
+
+def _port_taken(port: int) -> bool:
+    """Tell whether something listens on the local port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def warm_and_verify(http: ModelHttp, config: WindowConfig) -> None:
+    """Send the warmup completions, then the verifying one that must be answered."""
+    w = config.warmup
+    try:
+        for n in range(w.requests):
+            # A cold engine compiles kernels on its first requests: these run before READY.
+            reply = await http.chat(config.verify.url, config.verify.model, w.prompt, w.max_tokens,
+                                    config.verify.timeout)
+            log.info("engine_warmup", request=n + 1, of=w.requests,
+                     completion_tokens=reply.completion_tokens, took_s=round(reply.total_s, 3))
+        reply = await http.verify(config.verify)
+    except EndpointError as err:
+        raise EngineFailed(f"the engine did not answer a completion at {config.verify.url}: {err.message}") from err
+    log.info("engine_verified", completion_tokens=reply.completion_tokens, took_s=round(reply.total_s, 3))

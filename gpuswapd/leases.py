@@ -1,0 +1,100 @@
+"""Leases on the GPU window: who holds it, until when. Pure logic; the caller owns the clock."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpuswapd.errors import LeaseNotFound
+
+
+@dataclass
+class Lease:
+    """One holder's claim on the open window."""
+
+    id: str
+    holder: str
+    granted_at: float
+    expires_at: float
+    unit: str | None = None
+    uid: int | None = None
+
+    def remaining(self, now: float) -> float:
+        """Return the seconds left, never negative."""
+        return max(0.0, self.expires_at - now)
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        """Serialize; with ``now``, include the seconds remaining."""
+        out = asdict(self)
+        if now is not None:
+            out["remaining_s"] = round(self.remaining(now), 3)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Lease:
+        """Rebuild a lease from ``to_dict`` output."""
+        return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
+                   float(data["expires_at"]), data.get("unit"), data.get("uid"))
+
+
+class LeaseBook:
+    """The leases of the current window."""
+
+    def __init__(self, leases: list[Lease] | None = None) -> None:
+        self._leases: dict[str, Lease] = {lease.id: lease for lease in leases or []}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def all(self) -> list[Lease]:
+        """List the leases, oldest first."""
+        return sorted(self._leases.values(), key=lambda lease: lease.granted_at)
+
+    def grant(self, holder: str, duration: float, now: float, unit: str | None = None,
+              uid: int | None = None) -> Lease:
+        """Grant a new lease of ``duration`` seconds from ``now``."""
+        lease = Lease(secrets.token_hex(6), holder, now, now + duration, unit, uid)
+        self._leases[lease.id] = lease
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        """Find a lease by id."""
+        try:
+            return self._leases[lease_id]
+        except KeyError:
+            raise LeaseNotFound(f"no lease {lease_id!r} (it may have expired or been released)") from None
+
+    def renew(self, lease_id: str, duration: float, now: float) -> Lease:
+        """Extend a lease to end ``duration`` seconds from ``now``."""
+        lease = self.get(lease_id)
+        lease.expires_at = now + duration
+        return lease
+
+    def release(self, lease_id: str) -> Lease:
+        """End one lease."""
+        lease = self.get(lease_id)
+        del self._leases[lease_id]
+        return lease
+
+    def matching(self, match: Callable[[Lease], bool]) -> list[Lease]:
+        """List the leases ``match`` accepts."""
+        return [lease for lease in self.all() if match(lease)]
+
+    def expire(self, now: float) -> list[Lease]:
+        """Remove and return the leases that have run out."""
+        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in gone:
+            del self._leases[lease.id]
+        return gone
+
+    def next_expiry(self) -> float | None:
+        """Return when the next lease runs out, if any."""
+        return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def clear(self) -> list[Lease]:
+        """End every lease; return them."""
+        gone = self.all()
+        self._leases.clear()
+        return gone

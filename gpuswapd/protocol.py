@@ -1,0 +1,104 @@
+"""The socket protocol: one JSON object per line each way; requests are validated here.
+
+A request is ``{"op": ..., ...}``. The daemon answers with zero or more events
+(``{"event": "phase", ...}``) and then exactly one reply: ``{"ok": true, ...}`` or
+``{"ok": false, "error": {"code", "message", "phase"?}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gpuswapd.errors import GpuswapError, RequestError
+from gpuswapd.timespan import SpanError, parse_span
+
+MAX_LINE = 64 * 1024
+MAX_SPAN_S = 10 * 365 * 86400.0
+OPS = ("acquire", "release", "renew", "status", "plan", "history")
+_FIELDS: dict[str, set[str]] = {
+    "acquire": {"for", "holder", "wait", "timeout"},
+    "release": {"lease", "holder"},
+    "renew": {"lease", "holder", "for"},
+    "status": set(),
+    "plan": set(),
+    "history": {"limit"},
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request."""
+
+    op: str
+    duration: float | None = None
+    holder: str | None = None
+    lease: str | None = None
+    wait: bool = True
+    timeout: float | None = None
+    limit: int = 20
+
+
+def _span(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise RequestError(f"{key!r} must be a time span such as \"15m\" or a number of seconds")
+    try:
+        seconds = parse_span(value) if isinstance(value, str) else float(value)
+    except SpanError as err:
+        raise RequestError(f"{key!r}: {err}") from None
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_SPAN_S:
+        raise RequestError(f"{key!r} must be a positive time span of at most 10 years, got {value!r}")
+    return seconds
+
+
+def _text(value: Any, key: str, limit: int = 256) -> str:
+    if not isinstance(value, str) or not value or len(value) > limit or not value.isprintable():
+        raise RequestError(f"{key!r} must be a non-empty printable string of at most {limit} characters")
+    return value
+
+
+def parse_request(line: bytes) -> Request:
+    """Decode and validate one request line."""
+    try:
+        data = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RequestError("request is not UTF-8") from None
+    except json.JSONDecodeError as err:
+        raise RequestError(f"request is not JSON: {err.msg} at column {err.colno}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request must be a JSON object such as {\"op\": \"status\"}")
+    op = data.get("op")
+    if op not in _FIELDS:
+        raise RequestError(f"unknown op {op!r}: expected one of {', '.join(OPS)}")
+    unknown = set(data) - _FIELDS[op] - {"op"}
+    if unknown:
+        raise RequestError(f"unknown field(s) for {op}: {', '.join(sorted(map(str, unknown)))}")
+    wait = data.get("wait", True)
+    if not isinstance(wait, bool):
+        raise RequestError("'wait' must be true or false")
+    limit = data.get("limit", 20)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+        raise RequestError("'limit' must be an integer from 1 to 1000")
+    if op == "renew" and "for" not in data:
+        raise RequestError("renew needs 'for': the new duration from now")
+    return Request(
+        op=op,
+        duration=_span(data["for"], "for") if "for" in data else None,
+        holder=_text(data["holder"], "holder") if "holder" in data else None,
+        lease=_text(data["lease"], "lease", 64) if "lease" in data else None,
+        wait=wait,
+        timeout=_span(data["timeout"], "timeout") if "timeout" in data else None,
+        limit=limit,
+    )
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Encode one message as a line."""
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def error_reply(err: GpuswapError) -> dict[str, Any]:
+    """Build the reply that carries an error."""
+    return {"ok": False, "error": err.to_dict()}

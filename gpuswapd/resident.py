@@ -1,0 +1,114 @@
+"""The resident side of the GPU: its units, their dependents, the agent timers, and proof it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.adapters.systemd import Systemd, TimerState
+from gpuswapd.blocking import blocking
+from gpuswapd.config import Config
+from gpuswapd.errors import EndpointError, ResidentBusy, VerifyFailed
+from gpuswapd.logs import log
+
+POLL_S = 0.25
+
+
+class Resident:
+    """Stops and restores the resident units and pauses and resumes the agent timers."""
+
+    def __init__(self, config: Config, systemd: Systemd, http: ModelHttp) -> None:
+        self.config = config
+        self.systemd = systemd
+        self.http = http
+
+    async def drain(self) -> None:
+        """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
+        idle = self.config.resident.idle
+        deadline = time.monotonic() + idle.wait
+        while True:
+            try:
+                busy = await self.http.idle(idle)
+            except EndpointError as err:
+                # Nothing answers: nothing is in flight (the resident may be down already).
+                log.info("resident_idle_probe_unanswered", error=err.message)
+                return
+            if not busy.busy:
+                return
+            if time.monotonic() >= deadline:
+                units = ", ".join(self.config.resident.units)
+                message = f"resident {units} is busy: {busy.detail} (waited {idle.wait:g}s)"
+                if idle.on_busy == "fail":
+                    raise ResidentBusy(message + "; try again later or set resident.idle.on_busy = \"proceed\"")
+                log.warning("resident_busy_proceeding", detail=busy.detail)
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def timers(self) -> list[TimerState]:
+        """List the timers matching ``timers.pause``."""
+        return await blocking(self.systemd.timers, self.config.timers.pause)
+
+    async def wait_jobs(self, timers: list[str], deadline: float) -> None:
+        """Wait until no service of these timers runs, up to a monotonic deadline."""
+        while True:
+            running = [t.service for t in await self.timers() if t.name in timers and t.job_running]
+            if not running:
+                return
+            if time.monotonic() >= deadline:
+                raise ResidentBusy(
+                    f"agent jobs still running after {self.config.timers.wait_for_jobs:g}s: "
+                    f"{', '.join(running)}; they use the resident, so the window waits for them "
+                    "(raise timers.wait_for_jobs or stop them)"
+                )
+            await asyncio.sleep(POLL_S)
+
+    async def pause(self, timers: list[str]) -> None:
+        """Stop the timers (their running services are left alone)."""
+        for name in timers:
+            await blocking(self.systemd.stop, name, self.config.resident.stop_timeout)
+            log.info("timer_paused", timer=name)
+
+    async def resume(self, timers: list[str]) -> None:
+        """Start the timers again, each even if another fails."""
+        failures = []
+        for name in timers:
+            try:
+                await blocking(self.systemd.start, name, self.config.resident.start_timeout)
+                log.info("timer_resumed", timer=name)
+            except Exception as err:
+                failures.append(name)
+                log.error("timer_resume_failed", timer=name, error=str(err))
+        if failures:
+            raise VerifyFailed(f"could not start timers again: {', '.join(failures)}")
+
+    async def closure(self) -> list[str]:
+        """List the active resident units and everything that Requires/BindsTo/PartOf them."""
+        return await blocking(self.systemd.stop_closure, self.config.resident.units)
+
+    async def stop(self, units: list[str]) -> None:
+        """Stop the units, dependents first."""
+        for name in reversed(units):
+            started = time.monotonic()
+            await blocking(self.systemd.stop, name, self.config.resident.stop_timeout)
+            log.info("unit_stopped", unit=name, took_s=round(time.monotonic() - started, 3))
+
+    async def start(self, units: list[str]) -> None:
+        """Start the units, the resident first, then its dependents."""
+        for name in units:
+            started = time.monotonic()
+            await blocking(self.systemd.start, name, self.config.resident.start_timeout)
+            log.info("unit_started", unit=name, took_s=round(time.monotonic() - started, 3))
+
+    async def verify(self) -> float:
+        """Get a real completion from the resident, retrying while it loads; return seconds taken."""
+        check = self.config.resident.verify
+        started = time.monotonic()
+        try:
+            reply = await self.http.verify(check, retry_until=started + check.timeout)
+        except EndpointError as err:
+            raise VerifyFailed(f"the resident did not answer a completion at {check.url} "
+                               f"within {check.timeout:g}s: {err.message}") from err
+        took = time.monotonic() - started
+        log.info("resident_verified", took_s=round(took, 3), completion_tokens=reply.completion_tokens)
+        return took

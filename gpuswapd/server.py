@@ -1,0 +1,197 @@
+"""The Unix socket server: validates each request, checks who asks, answers; never dies of a client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gpuswapd import __version__
+from gpuswapd.blocking import blocking
+from gpuswapd.config import Config
+from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, PermissionDenied, RequestError
+from gpuswapd.leases import Lease
+from gpuswapd.logs import log
+from gpuswapd.peers import Peer, credentials
+from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
+from gpuswapd.state import StateStore
+from gpuswapd.vram import UnitNamer
+from gpuswapd.window import Window
+
+FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
+IDLE_S = 60.0            # between requests on one connection
+WRITE_S = 10.0           # a client that does not read its replies is dropped after this
+READ_ONLY = frozenset({"status", "history"})
+
+
+class Server:
+    """Serves the socket protocol for one window."""
+
+    def __init__(self, config: Config, window: Window, store: StateStore, units: UnitNamer,
+                 planner: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self.config = config
+        self.window = window
+        self.store = store
+        self.units = units
+        self.planner = planner
+        self.started_at = time.time()
+        self._server: asyncio.Server | None = None
+        self._clients: set[asyncio.Task[Any]] = set()
+
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on a listening socket (our own, or one systemd handed over)."""
+        self._server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_LINE)
+
+    async def close(self) -> None:
+        """Stop accepting and drop the connected clients."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._clients):
+            task.cancel()
+        if self._clients:
+            await asyncio.wait(self._clients, timeout=2)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._clients.add(task)
+        try:
+            peer = await self._identify(writer)
+            await self._serve(peer, reader, writer)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a bug must not take the daemon down with one client
+            log.exception("client_handler_crashed")
+        finally:
+            self._clients.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _identify(self, writer: asyncio.StreamWriter) -> Peer:
+        peer = credentials(writer.get_extra_info("socket"))
+        unit = await blocking(self.units.unit_of_pid, peer.pid)
+        # Only a service owns its leases; a login session's scope is a person at a shell.
+        return Peer(peer.pid, peer.uid, peer.gid, unit if unit and unit.endswith(".service") else None)
+
+    async def _serve(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        wait = FIRST_REQUEST_S
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), wait)
+            except (ValueError, asyncio.LimitOverrunError):
+                await self._send(writer, error_reply(RequestError(f"request line longer than {MAX_LINE} bytes")))
+                return
+            except TimeoutError:
+                await self._send(writer, error_reply(RequestError(f"no request within {wait:g}s")))
+                return
+            if not line:
+                return
+            if not line.endswith(b"\n"):
+                return  # the client hung up mid-line
+            wait = IDLE_S
+            try:
+                request = parse_request(line)
+                self._authorize(peer, request)
+                reply = await self._dispatch(peer, request, reader, writer)
+            except GpuswapError as err:
+                reply = error_reply(err)
+            if reply is None:  # the client went away while waiting
+                return
+            await self._send(writer, reply)
+
+    def _authorize(self, peer: Peer, request: Request) -> None:
+        d = self.config.daemon
+        if peer.uid == 0 or (d.socket_group and peer.in_group(d.socket_group)):
+            return
+        if request.op in READ_ONLY and d.status_public:
+            return
+        who = f"user {peer.user} (uid {peer.uid})"
+        raise PermissionDenied(f"{who} may not {request.op}: only root and members of group "
+                               f"{d.socket_group!r} may (add the user to it: usermod -aG {d.socket_group} {peer.user})")
+
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        writer.write(encode(message))
+        await asyncio.wait_for(writer.drain(), WRITE_S)
+
+    async def _dispatch(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+        d = self.config.daemon
+        if req.op == "acquire":
+            return await self._acquire(peer, req, reader, writer)
+        if req.op == "release":
+            gone = self.window.release(lease_id=req.lease, match=_callers(peer, req.holder))
+            if not gone:
+                raise LeaseNotFound(f"{req.holder or peer.holder} holds no lease")
+            return {"ok": True, "released": [lease.to_dict() for lease in gone]}
+        if req.op == "renew":
+            lease_id = req.lease or self._only_lease(peer, req.holder)
+            duration, capped = self._cap(req.duration or d.default_lease)
+            lease = self.window.renew(lease_id, duration)
+            return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped}
+        if req.op == "status":
+            return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
+                    **self.window.status()}
+        if req.op == "history":
+            return {"ok": True, "windows": self.store.history(req.limit)}
+        return {"ok": True, "plan": await self.planner()}
+
+    def _only_lease(self, peer: Peer, holder: str | None) -> str:
+        held = [lease for lease in self.window.leases() if _callers(peer, holder)(lease)]
+        if len(held) != 1:
+            raise LeaseNotFound(f"{holder or peer.holder} holds {len(held)} leases: name the lease to renew")
+        return held[0].id
+
+    def _cap(self, duration: float) -> tuple[float, bool]:
+        cap = self.config.daemon.max_lease
+        return min(duration, cap), duration > cap
+
+    async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+        duration, capped = self._cap(req.duration or self.config.daemon.default_lease)
+        started = time.monotonic()
+
+        def progress(event: dict[str, Any]) -> None:
+            if not writer.is_closing():
+                writer.write(encode(event))
+
+        acquire = asyncio.create_task(self.window.acquire(
+            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
+            wait=req.wait, listener=progress))
+        # The client sends nothing while it waits; EOF means it went away (killed, timed out).
+        gone = asyncio.create_task(reader.read(1))
+        try:
+            done, _ = await asyncio.wait({acquire, gone}, timeout=req.timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if acquire not in done:
+            acquire.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GpuswapError):
+                await acquire
+            if gone in done:
+                log.info("acquire_withdrawn", holder=req.holder or peer.holder, reason="client went away")
+                return None
+            raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
+                                 f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
+        lease = acquire.result()
+        return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
+                "waited_s": round(time.monotonic() - started, 3)}
+
+
+def _callers(peer: Peer, holder: str | None) -> Callable[[Lease], bool]:
+    """Match the leases a caller means when it names no lease id.
+
+    ``--holder NAME`` means that holder's; a service means its own (its unit's); a person at a
+    shell means every lease their user took from outside a unit.
+    """
+    if holder is not None:
+        return lambda lease: lease.holder == holder
+    if peer.unit is not None:
+        return lambda lease: lease.unit == peer.unit or lease.holder == peer.unit
+    return lambda lease: lease.unit is None and lease.uid == peer.uid

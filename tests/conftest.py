@@ -1,0 +1,61 @@
+"""Fixtures shared by the whole suite: the test world and a gpuswapd running against it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.stack.config import stack_config
+from tests.stack.daemon import RunningDaemon
+from tests.stack.probe import Probe
+from tests.stack.world import Stack
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    """The test world, up for the whole session (``GPUSWAPD_KEEP_STACK=1`` leaves it up after)."""
+    world = Stack()
+    with world.exclusive():
+        took = world.up()
+        print(f"\ntest world up in {took:.1f}s")
+        # The whole session talks to this world: its bus (pydbus's SystemBus() is a per-process
+        # singleton that reads this once), its dockerd, its VRAM ledger.
+        os.environ.update(world.env())
+        yield world
+        if os.environ.get("GPUSWAPD_KEEP_STACK") != "1":
+            world.down()
+
+
+@pytest.fixture
+def world(stack: Stack) -> Stack:
+    """The test world, reset to its baseline before the test."""
+    stack.reset()
+    return stack
+
+
+@pytest.fixture
+def probe(world: Stack) -> Probe:
+    """A reader of the world's real state."""
+    return Probe(world)
+
+
+@pytest.fixture
+def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[..., RunningDaemon]]:
+    """Start gpuswapd with the stack's config (overrides as keyword sections); stopped after the test."""
+    started: list[RunningDaemon] = []
+
+    def start(wait: bool = True, **sections: dict[str, Any]) -> RunningDaemon:
+        name = request.node.name.replace("[", "-").replace("]", "")[:36] + f"-{len(started)}"
+        config = stack_config(world, name, **sections)
+        socket = Path(config).parent / "gpuswapd.sock"
+        daemon = RunningDaemon(world, config, socket)
+        started.append(daemon)
+        return daemon.start(wait=wait)
+
+    yield start
+    for daemon in started:
+        daemon.stop()

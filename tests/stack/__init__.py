@@ -1,0 +1,1 @@
+"""The test world shared by the integration tests and the demo."""

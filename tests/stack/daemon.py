@@ -1,0 +1,98 @@
+"""Run the real gpuswapd and gpuswapctl against the test world (tests, demo, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.stack.world import Stack, StackError
+
+BIN = Path(sys.executable).parent
+
+
+class RunningDaemon:
+    """A gpuswapd process started with a config for the stack."""
+
+    def __init__(self, stack: Stack, config: Path, socket: Path) -> None:
+        self.stack = stack
+        self.config = config
+        self.socket = socket
+        self.env = {**os.environ, **stack.env(), "GPUSWAPD_SOCKET": str(socket), "PYTHONUNBUFFERED": "1"}
+        self.log = config.with_suffix(".log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> RunningDaemon:
+        """Start gpuswapd; with ``wait``, until its socket answers."""
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(BIN / "gpuswapd"), "--config", str(self.config)],
+                                         env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        if wait:
+            deadline = time.monotonic() + 30
+            while self.ctl("status", "--json").returncode != 0:
+                if self.proc.poll() is not None:
+                    raise StackError(f"gpuswapd exited with {self.proc.returncode}; log {self.log}:\n{self.tail()}")
+                if time.monotonic() > deadline:
+                    raise StackError(f"gpuswapd did not answer within 30s; log {self.log}:\n{self.tail()}")
+                time.sleep(0.05)
+        return self
+
+    def tail(self, lines: int = 40) -> str:
+        """Return the end of the daemon's log."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def ctl(self, *args: str, timeout: float = 180, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        """Run gpuswapctl with the daemon's socket."""
+        return subprocess.run([str(BIN / "gpuswapctl"), *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, **kwargs)
+
+    def ctl_json(self, *args: str) -> dict[str, Any]:
+        """Run gpuswapctl --json and parse its reply (it must succeed)."""
+        out = self.ctl(*args, "--json")
+        if out.returncode != 0:
+            raise AssertionError(f"gpuswapctl {' '.join(args)} exited {out.returncode}: {out.stderr}")
+        reply: dict[str, Any] = json.loads(out.stdout)
+        return reply
+
+    def status(self) -> dict[str, Any]:
+        """Read gpuswapd's status."""
+        return self.ctl_json("status")
+
+    def wait_phase(self, phase: str, timeout: float = 120) -> dict[str, Any]:
+        """Wait until the window is in ``phase`` (polling status)."""
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.status()
+            if status["phase"] == phase:
+                return status
+            time.sleep(0.1)
+        raise AssertionError(f"phase {phase} not reached in {timeout}s; last status {status}\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to gpuswapd."""
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 120) -> int:
+        """Stop gpuswapd with SIGTERM (as systemd does) and wait for it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise StackError(f"gpuswapd did not stop within {timeout}s:\n{self.tail()}") from None
+
+    def kill(self) -> None:
+        """Kill gpuswapd with SIGKILL (a crash)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()

@@ -1,0 +1,374 @@
+"""The simulated GPU's VRAM ledger, shared by every simulated GPU user through a directory.
+
+Layout of the directory (``--dir`` or ``$GPUSIM_DIR``)::
+
+    ledger.json        {"total_bytes", "release_lag_s", "holders": {NAME: {...}}, "ooms": [...]}
+    ledger.lock        flock(2) guarding every read-modify-write of ledger.json
+    holders/NAME.lock  flock(2)ed LOCK_EX by the live holder NAME
+
+A holder is alive while its lock is held. The kernel drops the lock when the last fd of that
+open file goes away: when the process dies (in any PID namespace, even in a container that
+bind-mounts the directory), but not across ``exec`` (the fd is inheritable), which is how
+``gpu_hold.py`` hands a claim to the program it runs.
+
+A dead holder's memory stays used for ``release_lag_s`` after it is first *seen* dead (every
+read reaps), like VRAM that the driver releases some time after the process exits. That lagging
+memory also counts against new claims: restarting a big user too soon fails with out of memory,
+as on a real GPU. ``release()`` (a live process freeing its memory, e.g. vLLM sleep mode) frees
+at once.
+
+PIDs come from ``/proc/locks``: the kernel names the process that called flock(2), translated
+into the reader's PID namespace (0 when not visible there). That PID survives ``exec``; a child
+that inherits the fd over ``fork`` holds the lock too, but ``/proc/locks`` still names the
+parent, even after the parent has exited. So the PID is checked against ``/proc/PID/fd``, and
+if it does not hold the file open any more, ``/proc/*/fd`` is searched for the process that does.
+
+CLI::
+
+    ledger.py init --total 24GiB --lag 1.5
+    ledger.py show | ooms | reset
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+ENV_DIR = "GPUSIM_DIR"
+LEDGER = "ledger.json"
+LOCK = "ledger.lock"
+HOLDERS = "holders"
+
+_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class LedgerError(Exception):
+    """The ledger cannot do what was asked."""
+
+
+class HolderAlive(LedgerError):
+    """A claim was made for a name whose holder is still alive."""
+
+
+class OutOfMemory(LedgerError):
+    """A claim did not fit in the free memory (the simulated CUDA out-of-memory error)."""
+
+    def __init__(self, name: str, wanted_bytes: int, free_bytes: int, total_bytes: int) -> None:
+        self.name = name
+        self.wanted_bytes = wanted_bytes
+        self.free_bytes = free_bytes
+        self.total_bytes = total_bytes
+        super().__init__(
+            f"CUDA error: out of memory (GPU 0: tried to allocate {gib(wanted_bytes)}; "
+            f"{gib(max(free_bytes, 0))} free of {gib(total_bytes)} total) [{name}]"
+        )
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a size in bytes: a plain number or one with an IEC suffix (``21GiB``, ``512MiB``)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise ValueError(f"not a size: {text!r} (use bytes or KiB/MiB/GiB/TiB)")
+    return int(float(match.group(1)) * unit)
+
+
+def gib(nbytes: int) -> str:
+    """Format bytes as GiB with two decimals, like CUDA's messages."""
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def default_dir() -> Path:
+    """Return the ledger directory named by ``$GPUSIM_DIR``."""
+    value = os.environ.get(ENV_DIR)
+    if not value:
+        raise LedgerError(f"no ledger directory: pass --dir or set {ENV_DIR}")
+    return Path(value)
+
+
+def _load(directory: Path) -> dict[str, Any]:
+    """Read ledger.json (the caller holds the ledger lock)."""
+    try:
+        with open(directory / LEDGER, encoding="utf-8") as f:
+            state: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        raise LedgerError(f"no ledger in {directory}: run `ledger.py init` first") from None
+    return state
+
+
+def _save(directory: Path, state: dict[str, Any]) -> None:
+    """Replace ledger.json atomically (the caller holds the ledger lock)."""
+    tmp = directory / f"{LEDGER}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=1)
+    # Holders may run as other users (a unit's User=): keep the ledger writable for them.
+    os.chmod(tmp, 0o666)
+    os.replace(tmp, directory / LEDGER)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[dict[str, Any]]:
+    """Hold the ledger lock, yield the state, and write it back if the block ends normally."""
+    try:
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except FileNotFoundError:
+        raise LedgerError(f"no ledger in {directory}: run `ledger.py init` first") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        state = _load(directory)
+        yield state
+        _save(directory, state)
+    finally:
+        os.close(fd)
+
+
+def _lock_is_held(path: Path) -> bool:
+    """Tell whether some process holds the flock on ``path`` (probing from a fresh open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _reap(directory: Path, state: dict[str, Any], now: float) -> None:
+    """Mark holders whose lock is free as dead and drop those whose release lag has passed."""
+    for key, holder in list(state["holders"].items()):
+        if holder["dead_at"] is None and not _lock_is_held(directory / holder["lock"]):
+            holder["dead_at"] = now
+        if holder["dead_at"] is not None and now >= holder["dead_at"] + state["release_lag_s"]:
+            del state["holders"][key]
+
+
+def _used(state: dict[str, Any]) -> int:
+    """Sum the bytes of live and lagging holders."""
+    return sum(int(h["bytes"]) for h in state["holders"].values())
+
+
+def init(directory: str | Path, total_bytes: int, release_lag_s: float) -> None:
+    """Create (or start afresh) the ledger in ``directory``."""
+    directory = Path(directory)
+    (directory / HOLDERS).mkdir(parents=True, exist_ok=True)
+    for d in (directory, directory / HOLDERS):
+        os.chmod(d, 0o777)
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        os.fchmod(fd, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        state = {"total_bytes": total_bytes, "release_lag_s": release_lag_s, "holders": {}}
+        _save(directory, {**state, "ooms": []})
+    finally:
+        os.close(fd)
+
+
+def claim(directory: str | Path, name: str, nbytes: int) -> int:
+    """Claim ``nbytes`` for ``name``; return the inheritable fd whose lock keeps the claim."""
+    if not _NAME.match(name):
+        raise LedgerError(f"bad holder name {name!r}")
+    if nbytes < 0:
+        raise LedgerError("cannot claim a negative size")
+    directory = Path(directory)
+    oom: OutOfMemory | None = None
+    fd = -1
+    with _locked(directory) as state:
+        now = time.time()
+        _reap(directory, state, now)
+        previous = state["holders"].get(name)
+        if previous is not None:
+            if previous["dead_at"] is None:
+                raise HolderAlive(f"{name} is held by a live process")
+            # Its memory is still lagging: keep counting it, under another key.
+            state["holders"][f"{name}~{previous['registered_at']:.6f}"] = previous
+            del state["holders"][name]
+        free = state["total_bytes"] - _used(state)
+        if nbytes > free:
+            oom = OutOfMemory(name, nbytes, free, state["total_bytes"])
+            state["ooms"].append(
+                {"name": name, "wanted_bytes": nbytes, "free_bytes": free, "at": now}
+            )
+        else:
+            rel = f"{HOLDERS}/{name}.lock"
+            fd = os.open(directory / rel, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                msg = f"{name}: its lock is held by a process not in the ledger"
+                raise HolderAlive(msg) from None
+            os.set_inheritable(fd, True)
+            state["holders"][name] = {
+                "bytes": nbytes,
+                "lock": rel,
+                "registered_at": now,
+                "dead_at": None,
+            }
+    if oom is not None:
+        raise oom
+    return fd
+
+
+def release(directory: str | Path, name: str, fd: int) -> None:
+    """Free a live claim at once (a live process freeing its memory) and close its fd."""
+    directory = Path(directory)
+    with _locked(directory) as state:
+        holder = state["holders"].get(name)
+        if holder is not None and holder["dead_at"] is None:
+            mine = os.fstat(fd)
+            try:
+                theirs = os.stat(directory / holder["lock"])
+            except FileNotFoundError:
+                theirs = None
+            if theirs is not None and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+                del state["holders"][name]
+    os.close(fd)
+
+
+def _flock_entries() -> list[tuple[int, int, int]]:
+    """List ``(pid, device, inode)`` of the granted FLOCK entries of ``/proc/locks``."""
+    entries = []
+    try:
+        with open("/proc/locks", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 6741 fe:00:15362107 0 EOF"; waiters have "->" after "1:".
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            dev = os.makedev(int(major, 16), int(minor, 16))
+            entries.append((int(parts[4]), dev, int(inode)))
+        except ValueError:
+            continue
+    return entries
+
+
+def _holds_open(pid: int, st: os.stat_result, trust_unreadable: bool) -> bool:
+    """Tell whether process ``pid`` has the file ``st`` open."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except PermissionError:
+        return trust_unreadable
+    except OSError:
+        return False
+    for n in names:
+        try:
+            s = os.stat(f"{fd_dir}/{n}")
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def holder_pid(lock_path: str | Path) -> int | None:
+    """Return the PID (in this PID namespace) of the process holding ``lock_path``, if any."""
+    try:
+        st = os.stat(lock_path)
+    except FileNotFoundError:
+        return None
+    same_inode = [(pid, dev) for pid, dev, ino in _flock_entries() if ino == st.st_ino]
+    # The device in /proc/locks is the superblock's; stat() may differ (btrfs subvolumes).
+    exact = [pid for pid, dev in same_inode if dev == st.st_dev]
+    for pid in exact or [pid for pid, _ in same_inode]:
+        if pid > 0 and _holds_open(pid, st, trust_unreadable=True):
+            return pid
+    # The locker is gone (or hidden) but the lock lives on in a process that inherited the fd.
+    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    return next((p for p in pids if _holds_open(p, st, trust_unreadable=False)), None)
+
+
+def snapshot(directory: str | Path) -> dict[str, Any]:
+    """Reap, then report total/used/free bytes and the holders (with their PIDs)."""
+    directory = Path(directory)
+    with _locked(directory) as state:
+        _reap(directory, state, time.time())
+        holders = []
+        for key, h in sorted(state["holders"].items(), key=lambda kv: kv[1]["registered_at"]):
+            pid = holder_pid(directory / h["lock"]) if h["dead_at"] is None else None
+            name = key.split("~")[0]
+            holders.append({"name": name, "pid": pid, "bytes": h["bytes"], "dead_at": h["dead_at"]})
+        used = _used(state)
+        total = int(state["total_bytes"])
+    return {
+        "total_bytes": total,
+        "used_bytes": used,
+        "free_bytes": total - used,
+        "holders": holders,
+    }
+
+
+def ooms(directory: str | Path) -> list[dict[str, Any]]:
+    """Return the out-of-memory records, oldest first."""
+    with _locked(Path(directory)) as state:
+        return list(state["ooms"])
+
+
+def reset(directory: str | Path) -> None:
+    """Forget the OOM records and every dead holder (lagging or not); live holders stay."""
+    directory = Path(directory)
+    with _locked(directory) as state:
+        _reap(directory, state, time.time())
+        state["holders"] = {k: h for k, h in state["holders"].items() if h["dead_at"] is None}
+        state["ooms"] = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ledger CLI."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dir", dest="sub_dir", help=f"ledger directory (default ${ENV_DIR})")
+    parser = argparse.ArgumentParser(description="simulated GPU VRAM ledger")
+    parser.add_argument("--dir", help=f"ledger directory (default ${ENV_DIR})")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_init = sub.add_parser("init", parents=[common], help="create a fresh ledger")
+    p_init.add_argument("--total", required=True, type=parse_size, help="e.g. 24GiB")
+    p_init.add_argument("--lag", type=float, default=1.5, help="release lag in seconds")
+    for name in ("show", "ooms", "reset"):
+        sub.add_parser(name, parents=[common])
+    args = parser.parse_args(argv)
+    try:
+        directory = Path(args.sub_dir or args.dir) if (args.sub_dir or args.dir) else default_dir()
+        if args.command == "init":
+            init(directory, args.total, args.lag)
+        elif args.command == "show":
+            print(json.dumps(snapshot(directory), indent=2))
+        elif args.command == "ooms":
+            print(json.dumps(ooms(directory), indent=2))
+        else:
+            reset(directory)
+    except LedgerError as e:
+        print(f"ledger: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""The test world: a real systemd with its own D-Bus, a real dockerd, a simulated GPU.
+
+systemd 252 runs as PID 1 of its own PID+mount namespace (``unshare``), with a private tmpfs
+on /tmp (a systemd that reached sysinit.target with the host's /tmp visible would wipe it) and
+``STACKDIR/run`` bind-mounted on /run, so its system bus is reachable from outside at
+``STACKDIR/run/dbus/system_bus_socket``. dockerd runs in a PID namespace of its own, on its own
+socket. Killing either namespace's PID 1 ends every process in it, so ``down`` can always leave
+nothing behind, and it only ever signals the PIDs it recorded at ``up``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.stack import llama, units
+
+DEFAULT_ROOT = Path(os.environ.get("GPUSWAPD_STACK_DIR", "/var/tmp/gpuswapd-stack"))
+SIM_PYTHON = "/usr/bin/python3"  # stdlib only: the same interpreter runs in the container
+ENGINE_IMAGE = "hyperqwen-sim:latest"
+AGENTS = ("triage", "review", "digest", "summarize", "index", "lint", "report")
+OTHER_TIMER = "backup-models.timer"
+VRAM_TOTAL = "24GiB"
+RESIDENT_VRAM = "21GiB"
+ENGINE_VRAM = "19.5GiB"
+RELEASE_LAG_S = 0.5
+RESIDENT_PORT, PROXY_PORT, ENGINE_PORT = 8081, 8080, 18020
+
+
+class StackError(RuntimeError):
+    """The test world could not be brought up or down."""
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where everything of one stack lives."""
+
+    root: Path
+
+    @property
+    def run(self) -> Path:
+        """Return the directory bind-mounted on /run inside the namespace."""
+        return self.root / "run"
+
+    @property
+    def units(self) -> Path:
+        """Return the namespace systemd's only unit directory."""
+        return self.root / "units"
+
+    @property
+    def sim(self) -> Path:
+        """Return the copy of the simulators that units run."""
+        return self.root / "sim"
+
+    @property
+    def bin(self) -> Path:
+        """Return the directory with the fake nvidia-smi."""
+        return self.root / "bin"
+
+    @property
+    def gpu(self) -> Path:
+        """Return the VRAM ledger's directory."""
+        return self.root / "gpu"
+
+    @property
+    def control(self) -> Path:
+        """Return the directory of knobs tests turn (agent hold files)."""
+        return self.root / "control"
+
+    @property
+    def logs(self) -> Path:
+        """Return the directory of every process's log."""
+        return self.root / "logs"
+
+    @property
+    def docker(self) -> Path:
+        """Return dockerd's data and exec roots."""
+        return self.root / "docker"
+
+    @property
+    def bus(self) -> Path:
+        """Return the namespace's system bus socket."""
+        return self.run / "dbus" / "system_bus_socket"
+
+    @property
+    def docker_sock(self) -> Path:
+        """Return dockerd's API socket."""
+        return self.root / "docker.sock"
+
+    @property
+    def pids(self) -> Path:
+        """Return the record of the processes ``up`` started."""
+        return self.root / "pids.json"
+
+
+def _start_time(pid: int) -> int | None:
+    """Read a process's start time (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process ``up`` started, identified by PID and start time (PIDs get reused)."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> Proc:
+        """Identify a running process."""
+        start = _start_time(pid)
+        if start is None:
+            raise StackError(f"process {pid} is gone")
+        return cls(pid, start)
+
+    def alive(self) -> bool:
+        """Tell whether this very process still runs (and is not a zombie)."""
+        if _start_time(self.pid) != self.start:
+            return False
+        with contextlib.suppress(OSError):
+            return " Z " not in Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1][:4]
+        return False
+
+    def signal(self, sig: int) -> None:
+        """Send a signal if this very process still runs."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait until the process has exited (reaping it if it is our child)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(self.pid, os.WNOHANG)
+            if not self.alive():
+                return True
+            time.sleep(0.05)
+        return False
+
+
+def _wait(what: str, check: Any, timeout: float, interval: float = 0.1) -> Any:
+    """Poll ``check()`` until it returns something true, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as err:  # the thing is still coming up
+            last = err
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise StackError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """GET a URL and return its status code (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:
+        return 0
+
+
+class Stack:
+    """One test world, rooted in a directory outside /tmp."""
+
+    def __init__(self, root: Path = DEFAULT_ROOT, cache: Path = llama.DEFAULT_CACHE_DIR) -> None:
+        self.paths = Paths(root)
+        self.cache = cache
+
+    # -- what tests and the demo read -------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """Return the environment that points gpuswapd and its tools at this stack."""
+        return {
+            "DBUS_SYSTEM_BUS_ADDRESS": f"unix:path={self.paths.bus}",
+            "DOCKER_HOST": f"unix://{self.paths.docker_sock}",
+            "GPUSIM_DIR": str(self.paths.gpu),
+            "PATH": f"{self.paths.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        }
+
+    def _procs(self) -> dict[str, Proc]:
+        try:
+            data = json.loads(self.paths.pids.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {name: Proc(**p) for name, p in data.items()}
+
+    def running(self) -> bool:
+        """Tell whether this stack's systemd and dockerd are up."""
+        procs = self._procs()
+        return bool(procs) and all(p.alive() for p in procs.values())
+
+    # -- up ---------------------------------------------------------------------------------
+
+    def up(self) -> float:
+        """Bring the stack up (building what is missing); return the boot time in seconds."""
+        if os.geteuid() != 0:
+            raise StackError("the test world needs root (it boots systemd and dockerd)")
+        server = llama.ensure_llama_server(self.cache)
+        models = {kind: llama.ensure_model(self.cache, kind) for kind in ("tiny", "slow")}
+        if self.running():
+            self.reset()
+            return 0.0
+        self.down()
+        started = time.monotonic()
+        self._lay_out(server, models)
+        procs = {"systemd": self._boot_systemd(), "dockerd": self._boot_dockerd()}
+        self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
+        self._import_image()
+        self.wait_baseline()
+        return time.monotonic() - started
+
+    def _lay_out(self, server: Path, models: dict[str, Path]) -> None:
+        p = self.paths
+        for d in (p.run, p.units, p.bin, p.gpu, p.control, p.logs, p.docker / "data", p.docker / "exec"):
+            d.mkdir(parents=True, exist_ok=True)
+        for stale in (p.run, p.units, p.control):
+            for child in stale.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        shutil.rmtree(p.sim, ignore_errors=True)
+        shutil.copytree(Path(__file__).parent / "sim", p.sim, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.rmtree(p.gpu, ignore_errors=True)
+        self._ledger("init", "--total", VRAM_TOTAL, "--lag", str(RELEASE_LAG_S))
+        smi = p.bin / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\nGPUSIM_DIR={p.gpu} exec {SIM_PYTHON} {p.sim}/nvidia_smi.py \"$@\"\n")
+        smi.chmod(0o755)
+        spec = units.Spec(
+            root=p.root, python=SIM_PYTHON, sim=p.sim, gpu=p.gpu, control=p.control, logs=p.logs,
+            llama_server=server, model=self.resident_model, agents=AGENTS, other_timer=OTHER_TIMER,
+            resident_vram=RESIDENT_VRAM, resident_port=RESIDENT_PORT, proxy_port=PROXY_PORT,
+        )
+        self.use_model(models["tiny"])
+        for name, text in units.render(spec).items():
+            (p.units / name).write_text(text)
+        boot = p.root / "boot.sh"
+        boot.write_text(
+            "#!/bin/sh\nset -e\n"
+            "mount --make-rprivate /\n"
+            # A private /tmp before systemd starts: its tmpfiles cleanup must never see the host's.
+            "mount -t tmpfs tmpfs /tmp\n"
+            f"mount --bind {p.run} /run\n"
+            "mkdir -p /run/systemd/system /run/dbus\n"
+            f"export container=gpuswapd-test SYSTEMD_UNIT_PATH={p.units}\n"
+            "exec /usr/lib/systemd/systemd --unit=stack.target\n"
+        )
+        boot.chmod(0o755)
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        log = open(self.paths.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        with log:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=True)
+        # unshare --fork: the namespace's PID 1 is unshare's child; killing it ends the namespace.
+        pid1 = _wait(f"{name} to start", lambda: (_children(child.pid) or [None])[0], 10, 0.01)
+        return Proc.of(pid1)
+
+    def _boot_systemd(self) -> Proc:
+        proc = self._spawn("systemd", ["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                                       str(self.paths.root / "boot.sh")])
+        _wait("the stack's system bus", lambda: self._busctl("list") == 0, 30)
+        return proc
+
+    def _boot_dockerd(self) -> Proc:
+        p = self.paths
+        proc = self._spawn("dockerd", [
+            "unshare", "--pid", "--fork", "--mount-proc", "dockerd",
+            "--host", f"unix://{p.docker_sock}", "--data-root", str(p.docker / "data"),
+            "--exec-root", str(p.docker / "exec"), "--pidfile", str(p.docker / "dockerd.pid"),
+            "--iptables=false", "--ip6tables=false", "--bridge=none", "--storage-driver=vfs",
+        ])
+        _wait("dockerd", lambda: self.docker("version", "--format", "{{.Server.Version}}").returncode == 0, 60)
+        return proc
+
+    def _manager(self, method: str, unit: str, mode: str) -> None:
+        subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", method, "ss", unit, mode],
+                       env={**os.environ, **self.env()}, check=True, capture_output=True, timeout=30)
+
+    def _busctl(self, *args: str) -> int:
+        return subprocess.run(["busctl", "--system", *args], env={**os.environ, **self.env()},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10).returncode
+
+    def docker(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run the docker CLI against this stack's dockerd."""
+        return subprocess.run(["docker", *args], env={**os.environ, **self.env()}, check=check,
+                              capture_output=True, text=True, timeout=60)
+
+    def _ledger(self, *args: str) -> str:
+        out = subprocess.run([SIM_PYTHON, str(self.paths.sim / "ledger.py"), "--dir", str(self.paths.gpu), *args],
+                             check=True, capture_output=True, text=True, timeout=30)
+        return out.stdout
+
+    def ledger(self) -> dict[str, Any]:
+        """Read the VRAM ledger: total, used, free, holders."""
+        snapshot: dict[str, Any] = json.loads(self._ledger("show"))
+        return snapshot
+
+    def ooms(self) -> list[dict[str, Any]]:
+        """List the CUDA out-of-memory failures the ledger recorded."""
+        found: list[dict[str, Any]] = json.loads(self._ledger("ooms"))
+        return found
+
+    def _import_image(self) -> None:
+        """Make the engine's image without a registry: a tiny rootfs; /usr comes from the host."""
+        tar_path = self.paths.root / "engine-rootfs.tar"
+        with tarfile.open(tar_path, "w") as tar:
+            for d in ("usr", "etc", "tmp", "proc", "sys", "dev", "gpu", "opt", "opt/engine"):
+                info = tarfile.TarInfo(d)
+                info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+                tar.addfile(info)
+            for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin")):
+                info = tarfile.TarInfo(link)
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                tar.addfile(info)
+            for f in sorted(self.paths.sim.glob("*.py")):
+                tar.add(f, arcname=f"opt/engine/{f.name}")
+        self.docker("import", "--change", f'CMD ["{SIM_PYTHON}", "/opt/engine/engine_sim.py"]',
+                    str(tar_path), ENGINE_IMAGE, check=True)
+
+    @property
+    def resident_model(self) -> Path:
+        """Return the path strata's llama-server loads: a link to the tiny or the slow model."""
+        return self.paths.root / "models" / "strata.gguf"
+
+    def use_model(self, model: Path) -> bool:
+        """Point strata at ``model`` (it takes effect when strata restarts); tell if it changed."""
+        link = self.resident_model
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and link.resolve() == model.resolve():
+            return False
+        tmp = link.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(model)
+        tmp.replace(link)
+        return True
+
+    # -- state between tests ----------------------------------------------------------------
+
+    def wait_baseline(self, timeout: float = 60) -> None:
+        """Wait until the resident serves through the proxy and every timer is armed."""
+        _wait("strata /health 200", lambda: http_status(f"http://127.0.0.1:{RESIDENT_PORT}/health") == 200, timeout)
+        _wait("llama-swap /health 200", lambda: http_status(f"http://127.0.0.1:{PROXY_PORT}/health") == 200, timeout)
+
+    def reset(self) -> None:
+        """Return a running stack to its baseline: no containers, all units up, no faults."""
+        for cid in self.docker("ps", "-aq").stdout.split():
+            self.docker("rm", "-f", cid)
+        for f in self.paths.control.iterdir():
+            f.unlink()
+        for f in ("engine-fault.json", "nvidia-smi.fail"):
+            (self.paths.gpu / f).unlink(missing_ok=True)
+        self._ledger("reset")
+        if self.use_model(llama.ensure_model(self.cache, "tiny")):
+            self._manager("RestartUnit", "strata.service", "replace")
+        self._manager("StartUnit", "stack.target", "replace")
+        self.wait_baseline()
+
+    # -- down -------------------------------------------------------------------------------
+
+    def down(self) -> None:
+        """Stop everything ``up`` started, by recorded PID; leave nothing running."""
+        procs = self._procs()
+        dockerd, systemd = procs.get("dockerd"), procs.get("systemd")
+        if dockerd and dockerd.alive():
+            for cid in self.docker("ps", "-aq").stdout.split():
+                self.docker("rm", "-f", cid)
+            dockerd.signal(signal.SIGTERM)
+            if not dockerd.wait_gone(20):
+                dockerd.signal(signal.SIGKILL)
+        if systemd and systemd.alive():
+            # Stop the units cleanly first (their cgroups go with them), then end the namespace.
+            self._busctl("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                         "org.freedesktop.systemd1.Manager", "StartUnit", "ss", "stack-halt.target", "isolate")
+            with contextlib.suppress(StackError):
+                _wait("the stack's units to stop", lambda: not self._units_left(), 20)
+            systemd.signal(signal.SIGKILL)
+        for name, proc in procs.items():
+            if not proc.wait_gone(20):
+                raise StackError(f"{name} (pid {proc.pid}) did not exit")
+        self.paths.pids.unlink(missing_ok=True)
+
+    def _units_left(self) -> bool:
+        out = subprocess.run(["busctl", "--system", "--json=short", "call", "org.freedesktop.systemd1",
+                              "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                              "ListUnitsByPatterns", "asas", "1", "active", "1", "*.service"],
+                             env={**os.environ, **self.env()}, capture_output=True, text=True, timeout=10)
+        names = [row[0] for row in json.loads(out.stdout)["data"][0]] if out.returncode == 0 else []
+        return any(n != "dbus.service" for n in names)
+
+    # -- sharing one stack ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the stack for this process (ports are fixed: one stack at a time per machine)."""
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.root.parent / f".{self.paths.root.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print("waiting for another user of the test world to finish…", file=sys.stderr)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
