@@ -117,7 +117,16 @@ class ContainerEngine:
 
     async def _watch_exit(self) -> None:
         while True:
-            state = await blocking(self.docker.wait_exit, self.name, 1.0)
+            try:
+                state = await blocking(self.docker.wait_exit, self.name, 1.0)
+            except ContainerNotFound:
+                self._exit = f"container {self.name} was removed behind gpuswapd's back"
+                log.warning("engine_removed", container=self.name)
+                return
+            except DockerError as err:
+                self._exit = f"lost Docker while watching {self.name}: {err.message}"
+                log.warning("engine_watch_lost", container=self.name, error=err.message)
+                return
             if state is not None:
                 tail = (await blocking(self.docker.logs_tail, self.name, 5)).strip().splitlines()
                 last = f": {tail[-1].strip()}" if tail else ""
@@ -182,5 +191,5 @@ async def warm_and_verify(http: ModelHttp, config: WindowConfig) -> None:
                      completion_tokens=reply.completion_tokens, took_s=round(reply.total_s, 3))
         reply = await http.verify(config.verify)
     except EndpointError as err:
-        raise EngineFailed(f"the engine did not answer a completion at {config.verify.url}: {err.message}") from err
+        raise EngineFailed(f"the engine did not answer a completion: {err.message}") from err
     log.info("engine_verified", completion_tokens=reply.completion_tokens, took_s=round(reply.total_s, 3))

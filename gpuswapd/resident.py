@@ -9,7 +9,7 @@ from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd, TimerState
 from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
-from gpuswapd.errors import EndpointError, ResidentBusy, VerifyFailed
+from gpuswapd.errors import EndpointError, EndpointUnreachable, ResidentBusy, VerifyFailed
 from gpuswapd.logs import log
 
 POLL_S = 0.25
@@ -30,10 +30,14 @@ class Resident:
         while True:
             try:
                 busy = await self.http.idle(idle)
-            except EndpointError as err:
-                # Nothing answers: nothing is in flight (the resident may be down already).
+            except EndpointUnreachable as err:
+                # Nothing listens: nothing is in flight (the resident may be down already). A probe
+                # that answers wrongly is another matter: that fails the window below.
                 log.info("resident_idle_probe_unanswered", error=err.message)
                 return
+            except EndpointError as err:
+                raise ResidentBusy(f"cannot tell whether the resident is idle: {err.message}; fix "
+                                   "[resident.idle] or set kind = \"none\"") from err
             if not busy.busy:
                 return
             if time.monotonic() >= deadline:
@@ -107,8 +111,8 @@ class Resident:
         try:
             reply = await self.http.verify(check, retry_until=started + check.timeout)
         except EndpointError as err:
-            raise VerifyFailed(f"the resident did not answer a completion at {check.url} "
-                               f"within {check.timeout:g}s: {err.message}") from err
+            raise VerifyFailed(f"the resident did not answer a completion within {check.timeout:g}s: "
+                               f"{err.message}") from err
         took = time.monotonic() - started
         log.info("resident_verified", took_s=round(took, 3), completion_tokens=reply.completion_tokens)
         return took

@@ -152,7 +152,7 @@ class SmiProbe:
             ) from err
         if proc.returncode != 0:
             # nvidia-smi prints its errors on stdout, other failures land on stderr.
-            said = " ".join((err_text.strip() + " " + out.strip()).split()) or "no output"
+            said = " ".join((err_text + " " + out).split()).rstrip(".") or "no output"
             raise GpuProbeError(
                 f"{what} failed (exit {proc.returncode}): {said}; is the NVIDIA driver loaded? "
                 f"Otherwise {_NO_PROBE}"

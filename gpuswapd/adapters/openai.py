@@ -47,7 +47,9 @@ class Completion:
     @property
     def answered(self) -> bool:
         """Tell whether the model gave an answer (not only reasoning)."""
-        return bool(self.text.strip())
+        # Whitespace counts: it proves the server generates answer tokens (tiny test models
+        # answer "\n\n..."); the failure that matters is reasoning with no answer at all.
+        return bool(self.text)
 
 
 @dataclass(frozen=True)
@@ -670,7 +672,8 @@ def _worth_retrying(err: EndpointError) -> bool:
     if isinstance(cause, httpx.HTTPStatusError):
         status = cause.response.status_code
         return status >= 500 or status in (408, 429)
-    return isinstance(cause, httpx.TransportError | _ServerFault)
+    # Not every TransportError: a URL without http:// will not get better by trying again.
+    return isinstance(cause, httpx.RemoteProtocolError | _ServerFault)
 
 
 def _message_of(text: str) -> str:
@@ -707,10 +710,10 @@ def _json(raw: bytes, where: str) -> Any:
         raise BadResponse(f"{where}: the answer is not JSON: {_snip(raw)}") from err
 
 
-def _json_object(raw: bytes, what: str) -> dict[str, Any]:
-    obj = _json(raw, what)
+def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+    obj = _json(raw, where)
     if not isinstance(obj, dict):
-        raise BadResponse(f"{what} is not a JSON object: {_snip(raw)}")
+        raise BadResponse(f"{where}: the answer is not a JSON object: {_snip(raw)}")
     return obj
 
 

@@ -154,11 +154,13 @@ def own_dockerd() -> Iterator[Dockerd | None]:
 
 
 @pytest.fixture(scope="session")
-def host(own_dockerd: Dockerd | None, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The DOCKER_HOST the tests use, with the tiny image imported."""
+def host(own_dockerd: Dockerd | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The DOCKER_HOST the tests use, with the tiny image imported (and removed from a host not ours)."""
     url = own_dockerd.host if own_dockerd else os.environ["DOCKER_HOST"]
     import_image(url, tmp_path_factory.mktemp("image"))
-    return url
+    yield url
+    if own_dockerd is None:
+        cli(url, "rmi", "-f", IMAGE, check=False)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -537,7 +538,7 @@ def test_events_split_across_and_packed_into_network_chunks() -> None:
               + "data: [DONE]\n\n" + sse(delta(content="after done")))
     raw = stream.encode()
     cuts = [0, 3, 17, 18, 60, 61, 200, 201, 202, 260, len(raw)]  # mid-line, mid-JSON, mid-CRLF
-    pieces = [raw[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    pieces = [raw[a:b] for a, b in itertools.pairwise(cuts)]
 
     async def body(http: ModelHttp) -> None:
         server, url = await raw_server(pieces)
@@ -559,7 +560,7 @@ def test_llama_cpp_error_line_and_broken_off_stream() -> None:
                 await http.chat(url, "m", "hi", 10, 10)
         server, url = await raw_server([sse(delta(content="a")).encode()])
         async with server:
-            with pytest.raises(BadResponse, match="ended without .DONE. or a finish_reason after 1"):
+            with pytest.raises(BadResponse, match=r"ended without \[DONE\] or a finish_reason after 1"):
                 await http.chat(url, "m", "hi", 10, 10)
         server, url = await raw_server([b"data: {\"choices\": [oops\n\n"])
         async with server:
@@ -606,14 +607,14 @@ def test_llama_server_chat_health_and_verify_through_llama_swap(world: World) ->
         assert 1 <= reply.chunks <= 16 and reply.ttft_s is not None
         assert await http.wait_healthy(f"{server.base}/health", 30) < 0.5
         direct = await http.chat(server.chat_url, "strata", "Tell me a story", 40, 60)
-        assert direct.completion_tokens == 40 and direct.prompt_tokens and direct.text.strip()
+        assert direct.completion_tokens == 40 and direct.prompt_tokens and direct.answered
 
     run(body)
 
 
 @pytest.mark.stack
 def test_llama_server_idle_slots_and_metrics_busy_during_a_stream(world: World) -> None:
-    server = world.llama("slow")
+    server = world.llama("tiny")
     slots = IdleConfig(kind="llama.cpp-slots", url=f"{server.base}/slots")
     gauge = IdleConfig(kind="prometheus", url=f"{server.base}/metrics",
                        metric="llamacpp:requests_processing")
@@ -623,7 +624,8 @@ def test_llama_server_idle_slots_and_metrics_busy_during_a_stream(world: World) 
         quiet = await http.idle(slots)
         assert not quiet.busy and quiet.detail == "0 of 2 slots processing"
         assert not (await http.idle(gauge)).busy
-        stream = asyncio.create_task(http.chat(server.chat_url, "strata", "Go on", 1500, 120))
+        # ~1.5 s on an idle 2-core box; probes must see it busy before it ends.
+        stream = asyncio.create_task(http.chat(server.chat_url, "strata", "Go on", 2000, 300))
         seen: set[str] = set()
         while not stream.done() and len(seen) < 2:
             for probe in (slots, gauge):
@@ -632,9 +634,8 @@ def test_llama_server_idle_slots_and_metrics_busy_during_a_stream(world: World) 
                     seen.add(busy.detail)
             await asyncio.sleep(0.05)
         assert seen == {"1 of 2 slots processing", "llamacpp:requests_processing = 1"}
-        assert not stream.done(), "the stream ended before both probes saw it"
         reply = await stream
-        assert reply.completion_tokens == 1500
+        assert reply.completion_tokens == 2000
         assert not (await http.idle(slots)).busy and not (await http.idle(gauge)).busy
 
     run(body)

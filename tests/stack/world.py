@@ -40,6 +40,11 @@ RELEASE_LAG_S = 0.5
 RESIDENT_PORT, PROXY_PORT, ENGINE_PORT = 8081, 8080, 18020
 
 
+def _bus_escape(name: str) -> str:
+    """Escape a unit name the way systemd names its D-Bus object path."""
+    return "".join(c if c.isalnum() else f"_{ord(c):02x}" for c in name)
+
+
 class StackError(RuntimeError):
     """The test world could not be brought up or down."""
 
@@ -379,11 +384,29 @@ class Stack:
             f.unlink()
         for f in ("engine-fault.json", "nvidia-smi.fail"):
             (self.paths.gpu / f).unlink(missing_ok=True)
-        self._ledger("reset")
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
-            self._manager("RestartUnit", "strata.service", "replace")
+            self.restart_resident()
+        self._ledger("reset")
         self._manager("StartUnit", "stack.target", "replace")
         self.wait_baseline()
+
+    def restart_resident(self) -> None:
+        """Restart strata as a GPU needs it: stop, wait until the ledger freed its VRAM, start."""
+        self._manager("StopUnit", "strata.service", "replace")
+        _wait("strata to stop", lambda: self._active_state("strata.service") in ("inactive", "failed"), 30)
+        _wait("strata's VRAM to come free",
+              lambda: all(h["name"] != "strata" for h in self.ledger()["holders"]), 30, 0.05)
+        self._manager("StartUnit", "stack.target", "replace")
+        _wait("strata to start", lambda: self._active_state("strata.service") == "active", 30)
+        self.wait_baseline()
+
+    def _active_state(self, unit: str) -> str:
+        out = subprocess.run(["busctl", "--system", "--json=short", "get-property", "org.freedesktop.systemd1",
+                              "/org/freedesktop/systemd1/unit/" + _bus_escape(unit), "org.freedesktop.systemd1.Unit",
+                              "ActiveState"], env={**os.environ, **self.env()}, capture_output=True, text=True,
+                             timeout=10, check=True)
+        state: str = json.loads(out.stdout)["data"]
+        return state
 
     # -- down -------------------------------------------------------------------------------
 
