@@ -46,10 +46,11 @@ class RunningDaemon:
         """Return the end of the daemon's log."""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def ctl(self, *args: str, timeout: float = 180, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        """Run gpuswapctl with the daemon's socket."""
-        return subprocess.run([str(BIN / "gpuswapctl"), *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, **kwargs)
+    def ctl(self, *args: str, timeout: float = 180, capture: bool = True,
+            check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run gpuswapctl with the daemon's socket (``capture=False``: straight to this terminal)."""
+        return subprocess.run([str(BIN / "gpuswapctl"), *args], env=self.env, capture_output=capture,
+                              text=True, timeout=timeout, check=check)
 
     def ctl_json(self, *args: str) -> dict[str, Any]:
         """Run gpuswapctl --json and parse its reply (it must succeed)."""
