@@ -77,8 +77,14 @@ class Daemon:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
         self.store.prepare()
         await blocking(self.systemd.connect)
-        await self._check_image()
         loop = asyncio.get_running_loop()
+
+        def on_state(unit: str, state: str) -> None:  # called from the GLib thread
+            if state in ("inactive", "failed"):
+                loop.call_soon_threadsafe(self.window.unit_gone, unit)
+
+        await blocking(self.systemd.watch_active_state, on_state)
+        await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         sock = activation_socket()

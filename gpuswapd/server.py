@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpuswapd import __version__
+from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
 from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, PermissionDenied, RequestError
@@ -18,7 +19,6 @@ from gpuswapd.logs import log
 from gpuswapd.peers import Peer, credentials
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
 from gpuswapd.state import StateStore
-from gpuswapd.vram import UnitNamer
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
@@ -30,7 +30,7 @@ READ_ONLY = frozenset({"status", "history"})
 class Server:
     """Serves the socket protocol for one window."""
 
-    def __init__(self, config: Config, window: Window, store: StateStore, units: UnitNamer,
+    def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd,
                  planner: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         self.config = config
         self.window = window
@@ -180,6 +180,9 @@ class Server:
             raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
                                  f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
         lease = acquire.result()
+        if lease.unit is not None and not (await blocking(self.units.state, lease.unit)).active:
+            # The unit died while it waited: its watcher may have fired before the lease existed.
+            self.window.unit_gone(lease.unit)
         return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
                 "waited_s": round(time.monotonic() - started, 3)}
 

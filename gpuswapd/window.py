@@ -122,6 +122,17 @@ class Window:
         self._leases_changed(rec)
         return gone
 
+    def unit_gone(self, unit: str) -> list[Lease]:
+        """End the leases held by a unit that became inactive or failed (it may have crashed)."""
+        if self.record is None:
+            return []
+        gone = [self.record.leases.release(lease.id) for lease in self.record.leases.matching(lambda x: x.unit == unit)]
+        for lease in gone:
+            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason=f"{unit} is no longer active")
+        if gone:
+            self._leases_changed(self.record)
+        return gone
+
     def renew(self, lease_id: str, duration: float) -> Lease:
         """Extend a lease to end ``duration`` seconds from now."""
         rec = self._open_record()

@@ -125,7 +125,8 @@ class Systemd:
         self._manager: Any = None
         self._props: dict[str, Any] = {}
         self._subscription: Any = None
-        self._watchers: list[Callable[[str, str], None]] = []
+        self._state_subscription: Any = None
+        self._state_watchers: list[Callable[[str, str], None]] = []
 
     @_systemd_errors
     def connect(self) -> None:
@@ -153,20 +154,28 @@ class Systemd:
                 # One subscription per connection; another Systemd on this connection made it.
                 if Gio.DBusError.get_remote_error(err) != "org.freedesktop.systemd1.AlreadySubscribed":
                     raise
-            _start_glib_loop()
+            self._state_subscription = None
             self._bus, self._manager = bus, manager
+            self._subscribe_states()
+            _start_glib_loop()
+
+    def _subscribe_states(self) -> None:
+        if self._state_watchers and self._state_subscription is None and self._bus is not None:
+            self._state_subscription = self._bus.subscribe(
+                sender=_SYSTEMD, iface="org.freedesktop.DBus.Properties", signal="PropertiesChanged",
+                arg0=_UNIT_IFACE, signal_fired=self._on_properties_changed,
+            )
 
     def close(self) -> None:
-        """Stop receiving job signals."""
-        if self._subscription is not None:
-            self._subscription.unsubscribe()
-            self._subscription = None
+        """Stop receiving signals."""
+        for sub in (self._subscription, self._state_subscription):
+            if sub is not None:
+                sub.unsubscribe()
+        self._subscription = self._state_subscription = None
 
     def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
         _job_id, path, unit, result = params
         self._jobs.removed(path, result)
-        for watcher in list(self._watchers):
-            watcher(unit, result)
 
     def _mgr(self) -> Any:
         if self._manager is None or self._bus.con.is_closed():
@@ -267,9 +276,34 @@ class Systemd:
             return None
         return str(props["Id"])
 
-    def add_job_watcher(self, watcher: Callable[[str, str], None]) -> None:
-        """Call ``watcher(unit, result)`` from the signal thread whenever a job ends."""
-        self._watchers.append(watcher)
+    def watch_active_state(self, watcher: Callable[[str, str], None]) -> None:
+        """Call ``watcher(unit, active_state)`` from the signal thread when a unit's state changes."""
+        self.connect()
+        with self._lock:
+            self._state_watchers.append(watcher)
+            self._subscribe_states()
+
+    def _on_properties_changed(self, _sender: str, path: str, _iface: str, _sig: str, params: Any) -> None:
+        iface, changed, _invalidated = params
+        if iface != _UNIT_IFACE or "ActiveState" not in changed:
+            return
+        unit = unit_from_path(path)
+        for watcher in list(self._state_watchers):
+            watcher(unit, str(changed["ActiveState"]))
+
+
+def unit_from_path(path: str) -> str:
+    """Name the unit of a systemd object path (``…/unit/strata_2eservice`` is strata.service)."""
+    escaped = path.rsplit("/", 1)[-1]
+    out, i = [], 0
+    while i < len(escaped):
+        if escaped[i] == "_" and i + 2 < len(escaped):
+            out.append(chr(int(escaped[i + 1:i + 3], 16)))
+            i += 3
+        else:
+            out.append(escaped[i])
+            i += 1
+    return "".join(out)
 
 
 _glib_lock = threading.Lock()

@@ -18,8 +18,10 @@ import sys
 import time
 from typing import Any
 
+from gpuswapd.ctl import bench
 from gpuswapd.ctl.client import Client, Unreachable, socket_path
 from gpuswapd.ctl.render import Progress, print_plan, print_status
+from gpuswapd.ctl.run import run_under_lease
 from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, WindowError
 from gpuswapd.timespan import SpanError, format_span, parse_span
 
@@ -36,14 +38,21 @@ def _span(text: str) -> float:
     return seconds
 
 
+def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    parser.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS if suppress else None,
+                        help="gpuswapd's socket (default $GPUSWAPD_SOCKET or /run/gpuswapd/gpuswapd.sock)")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+                        help="print the reply as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the command line."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", metavar="PATH", help="gpuswapd's socket (default $GPUSWAPD_SOCKET or "
-                        "/run/gpuswapd/gpuswapd.sock)")
-    common.add_argument("--json", action="store_true", help="print the reply as JSON")
-    parser = argparse.ArgumentParser(prog="gpuswapctl", parents=[common], description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="gpuswapctl", description=__doc__.split("\n")[0],
                                      epilog="Durations use systemd's syntax: 15m, 1h 30min, 90s.")
+    _common_options(parser, suppress=False)
+    # The same options after the subcommand; SUPPRESS keeps them from resetting what came before it.
+    common = argparse.ArgumentParser(add_help=False)
+    _common_options(common, suppress=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     acquire = sub.add_parser("acquire", parents=[common], help="hold the GPU window (opening it if needed)")
@@ -61,17 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("lease", nargs="?", help="lease id (default: every lease of the caller)")
     release.add_argument("--holder", metavar="NAME", help="whose leases (default: the caller)")
 
+    run = sub.add_parser("run", parents=[common], help="hold a lease while a command runs",
+                         usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] -- COMMAND [ARG...]")
+    run.add_argument("--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs")
+    run.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
+    run.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
+
     sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
     sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
     history.add_argument("--limit", type=int, default=10, help="how many windows (default 10)")
+    bench.add_parser(sub, common, _span)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run gpuswapctl."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "run":
+            return _run_command(parser, args)
+        if args.command == "bench":
+            return bench.run_bench(args, socket_path(args.socket))
         with Client(socket_path(args.socket)) as client:
             return _run(args, client)
     except Unreachable as err:
@@ -127,14 +149,26 @@ def _run(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
-def _acquire(args: argparse.Namespace, client: Client) -> int:
-    req: dict[str, Any] = {"op": "acquire", "wait": not args.no_wait}
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        parser.error("run needs a command after --")
+    return run_under_lease(socket_path(args.socket), command, _acquire_request(args), quiet=args.json)
+
+
+def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
+    req: dict[str, Any] = {"op": "acquire", "wait": not getattr(args, "no_wait", False)}
     if args.duration:
         req["for"] = args.duration
     if args.holder:
         req["holder"] = args.holder
     if args.timeout:
         req["timeout"] = args.timeout
+    return req
+
+
+def _acquire(args: argparse.Namespace, client: Client) -> int:
+    req = _acquire_request(args)
     progress = Progress(enabled=not args.json)
     try:
         reply = client.request(req, on_event=progress.event)

@@ -38,6 +38,7 @@ RESIDENT_VRAM = "21GiB"
 ENGINE_VRAM = "19.5GiB"
 RELEASE_LAG_S = 0.5
 RESIDENT_PORT, PROXY_PORT, ENGINE_PORT = 8081, 8080, 18020
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _bus_escape(name: str) -> str:
@@ -231,21 +232,21 @@ class Stack:
         """Bring the stack up (building what is missing); return the boot time in seconds."""
         if os.geteuid() != 0:
             raise StackError("the test world needs root (it boots systemd and dockerd)")
-        server = llama.ensure_llama_server(self.cache)
+        llama.ensure_llama_server(self.cache)
         models = {kind: llama.ensure_model(self.cache, kind) for kind in ("tiny", "slow")}
         if self.running():
             self.reset()
             return 0.0
         self.down()
         started = time.monotonic()
-        self._lay_out(server, models)
+        self._lay_out(models)
         procs = {"systemd": self._boot_systemd(), "dockerd": self._boot_dockerd()}
         self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
         self._import_image()
         self.wait_baseline()
         return time.monotonic() - started
 
-    def _lay_out(self, server: Path, models: dict[str, Path]) -> None:
+    def _lay_out(self, models: dict[str, Path]) -> None:
         p = self.paths
         for d in (p.run, p.units, p.bin, p.gpu, p.control, p.logs, p.docker / "data", p.docker / "exec"):
             d.mkdir(parents=True, exist_ok=True)
@@ -259,26 +260,38 @@ class Stack:
         smi = p.bin / "nvidia-smi"
         smi.write_text(f"#!/bin/sh\nGPUSIM_DIR={p.gpu} exec {SIM_PYTHON} {p.sim}/nvidia_smi.py \"$@\"\n")
         smi.chmod(0o755)
-        spec = units.Spec(
-            root=p.root, python=SIM_PYTHON, sim=p.sim, gpu=p.gpu, control=p.control, logs=p.logs,
-            llama_server=server, model=self.resident_model, agents=AGENTS, other_timer=OTHER_TIMER,
-            resident_vram=RESIDENT_VRAM, resident_port=RESIDENT_PORT, proxy_port=PROXY_PORT,
-        )
         self.use_model(models["tiny"])
-        for name, text in units.render(spec).items():
+        for name, text in units.render(self._spec()).items():
             (p.units / name).write_text(text)
         boot = p.root / "boot.sh"
+        # Units run gpuswapd from this checkout and its .venv: if they live under /tmp, carry them
+        # across the private /tmp below.
+        carry = p.root / "carry"
+        keep = (f"mkdir -p {carry} && mount --bind {REPO} {carry}\n", f"mkdir -p {REPO} && mount --bind {carry} {REPO}\n")
+        if not str(REPO).startswith("/tmp/"):
+            keep = ("", "")
         boot.write_text(
             "#!/bin/sh\nset -e\n"
             "mount --make-rprivate /\n"
+            f"{keep[0]}"
             # A private /tmp before systemd starts: its tmpfiles cleanup must never see the host's.
             "mount -t tmpfs tmpfs /tmp\n"
+            f"{keep[1]}"
             f"mount --bind {p.run} /run\n"
             "mkdir -p /run/systemd/system /run/dbus\n"
             f"export container=gpuswapd-test SYSTEMD_UNIT_PATH={p.units}\n"
             "exec /usr/lib/systemd/systemd --unit=stack.target\n"
         )
         boot.chmod(0o755)
+
+    def _spec(self) -> units.Spec:
+        p = self.paths
+        return units.Spec(
+            root=p.root, python=SIM_PYTHON, sim=p.sim, gpu=p.gpu, control=p.control, logs=p.logs,
+            llama_server=llama.server_path(self.cache), model=self.resident_model, agents=AGENTS,
+            other_timer=OTHER_TIMER, resident_vram=RESIDENT_VRAM, resident_port=RESIDENT_PORT,
+            proxy_port=PROXY_PORT,
+        )
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:
         log = open(self.paths.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
@@ -382,6 +395,7 @@ class Stack:
             self.docker("rm", "-f", cid)
         for f in self.paths.control.iterdir():
             f.unlink()
+        self._remove_extra_units()
         for f in ("engine-fault.json", "nvidia-smi.fail"):
             (self.paths.gpu / f).unlink(missing_ok=True)
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
@@ -389,6 +403,43 @@ class Stack:
         self._ledger("reset")
         self._manager("StartUnit", "stack.target", "replace")
         self.wait_baseline()
+
+    def install_unit(self, name: str, text: str, dropins: dict[str, str] | None = None) -> None:
+        """Add a unit (and drop-ins) to the world's systemd and reload it."""
+        (self.paths.units / name).write_text(text)
+        if dropins:
+            d = self.paths.units / f"{name}.d"
+            d.mkdir(exist_ok=True)
+            for conf, body in dropins.items():
+                (d / conf).write_text(body)
+        self._reload()
+
+    def _reload(self) -> None:
+        subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", "Reload"], env={**os.environ, **self.env()},
+                       check=True, capture_output=True, timeout=30)
+
+    def _remove_extra_units(self) -> None:
+        extra = [f for f in self.paths.units.iterdir() if f.name not in self._base_units]
+        for f in extra:
+            if not f.name.endswith(".d"):
+                subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                                "org.freedesktop.systemd1.Manager", "StopUnit", "ss", f.name, "replace"],
+                               env={**os.environ, **self.env()}, capture_output=True, timeout=30)
+        for f in extra:
+            _wait(f"{f.name} to stop", lambda f=f: f.name.endswith(".d") or
+                  self._active_state(f.name) in ("inactive", "failed"), 30)
+        for f in extra:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+        if extra:
+            self._reload()
+            subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                            "org.freedesktop.systemd1.Manager", "ResetFailed"], env={**os.environ, **self.env()},
+                           capture_output=True, timeout=30)
+
+    @property
+    def _base_units(self) -> set[str]:
+        return set(units.render(self._spec()).keys())
 
     def restart_resident(self) -> None:
         """Restart strata as a GPU needs it: stop, wait until the ledger freed its VRAM, start."""

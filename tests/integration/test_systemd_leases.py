@@ -1,0 +1,172 @@
+"""Leases that fit systemd: consumer units with the shipped drop-in, run, socket activation, who may ask."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+
+from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.stack.config import stack_config
+from tests.stack.daemon import BIN, RunningDaemon
+from tests.stack.probe import Probe
+from tests.stack.world import REPO, Stack
+
+Start = Callable[..., RunningDaemon]
+DROPIN = (REPO / "units" / "examples" / "gpuswap-lease.conf").read_text()
+
+
+def _manager(world: Stack, method: str, *args: str) -> None:
+    subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                    "org.freedesktop.systemd1.Manager", method, *args], env={**os.environ, **world.env()},
+                   check=True, capture_output=True, timeout=30)
+
+
+def _wait_state(probe: Probe, unit: str, states: set[str], timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (state := probe.active_state(unit)) not in states:
+        assert time.monotonic() < deadline, f"{unit} stayed {state}, wanted {states}"
+        time.sleep(0.1)
+    return state
+
+
+def _consumer(world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN,
+              **service: str) -> None:
+    """Install a consumer service with the shipped drop-in, pointed at this checkout's gpuswapctl."""
+    body = (f"[Unit]\nDescription=a consumer of the GPU window\nDefaultDependencies=no\n\n[Service]\n"
+            f"Environment=GPUSWAPD_SOCKET={daemon.socket}\nExecStart={exec_start}\n"
+            + "".join(f"{k}={v}\n" for k, v in service.items()))
+    world.install_unit(name, body, {"gpuswap-lease.conf": dropin.replace("/usr/bin/gpuswapctl", str(BIN / "gpuswapctl"))})
+
+
+def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
+        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    daemon = gpuswapd()
+    seen = world.paths.control / "consumer.status"
+    _consumer(world, daemon, "consumer.service",
+              f"/bin/sh -c '{BIN}/gpuswapctl status --json > {seen}; exec sleep 300'")
+    _manager(world, "StartUnit", "ss", "consumer.service", "replace")
+    _wait_state(probe, "consumer.service", {"active"})
+    deadline = time.monotonic() + 10
+    while not seen.exists() or not seen.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    at_exec_start = json.loads(seen.read_text())
+    assert at_exec_start["phase"] == "READY"  # the window was open before ExecStart= ran
+    [lease] = at_exec_start["window"]["leases"]
+    assert lease["holder"] == "consumer.service" and lease["unit"] == "consumer.service"
+    assert_window_open(probe)
+    _manager(world, "StopUnit", "ss", "consumer.service", "replace")
+    status = daemon.wait_phase("IDLE", timeout=60)
+    assert status["last"]["outcome"] == "closed"
+    assert_resident_back(probe)
+
+
+def test_a_failed_consumer_without_exec_stop_post_loses_its_lease(gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    daemon = gpuswapd(daemon={"linger": "2s"})
+    dropin = "\n".join(line for line in DROPIN.splitlines() if not line.startswith("ExecStopPost="))
+    _consumer(world, daemon, "consumer-crash.service", "/bin/sh -c 'sleep 1; exit 1'", dropin)
+    _manager(world, "StartUnit", "ss", "consumer-crash.service", "replace")
+    _wait_state(probe, "consumer-crash.service", {"active"})
+    assert daemon.status()["window"]["leases"][0]["unit"] == "consumer-crash.service"
+    _wait_state(probe, "consumer-crash.service", {"failed"})
+    failed_at = time.monotonic()
+    while daemon.status()["window"]["leases"]:
+        assert time.monotonic() - failed_at < 3, "the failed unit's lease outlived it"
+        time.sleep(0.05)
+    daemon.wait_phase("IDLE", timeout=60)
+    closing = next(t for t in daemon.status()["last"]["timings"] if t["phase"] == "CLOSING")
+    ready = next(t for t in daemon.status()["last"]["timings"] if t["phase"] == "READY")
+    assert ready["took_s"] >= 1.0 + 2.0 - 0.2  # the unit's second of work, then linger
+    assert closing["started_at"] >= ready["started_at"]
+    assert_resident_back(probe)
+
+
+def test_run_returns_the_commands_exit_code_and_leaves_no_lease(gpuswapd: Start) -> None:
+    daemon = gpuswapd(daemon={"linger": "30s"})
+    out = daemon.ctl("run", "--for", "5m", "--", "sh", "-c", "exit 7")
+    assert out.returncode == 7, out.stderr
+    status = daemon.status()
+    assert status["phase"] == "READY" and status["window"]["leases"] == []
+
+
+def test_run_without_the_gpu_does_not_run_the_command(gpuswapd: Start, world: Stack) -> None:
+    daemon = gpuswapd(window__container={"image": "hyperqwen-sim:latest", "command": ["/usr/bin/false"]})
+    marker = world.paths.control / "ran"
+    out = daemon.ctl("run", "--for", "5m", "--", "touch", str(marker))
+    assert out.returncode == 1 and "exited with code 1" in out.stderr
+    assert not marker.exists()
+
+
+def _as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
+    """Run gpuswapctl as user nobody (optionally in supplementary groups), from a copy it can read."""
+    pkg = world.paths.root / "pkg"
+    if not (pkg / "gpuswapd").exists():
+        shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
+    group_args = [f"--groups={groups}"] if groups else ["--clear-groups"]
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", *group_args, "/usr/bin/python3", "-m",
+                           "gpuswapd.ctl.main", "--socket", str(daemon.socket), *args],
+                          env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_only_root_and_the_socket_group_may_acquire(gpuswapd: Start, world: Stack) -> None:
+    daemon = gpuswapd(daemon={"socket_group": "users", "linger": "1s"})
+    assert oct(daemon.socket.stat().st_mode & 0o777) == "0o660"
+    os.chmod(daemon.socket, 0o666)  # more open than configured: the daemon itself must refuse
+    refused = _as_nobody(daemon, world, "acquire", "--for", "1m")
+    assert refused.returncode == 4
+    assert "user nobody (uid 65534) may not acquire" in refused.stderr and "users" in refused.stderr
+    assert daemon.status()["phase"] == "IDLE"
+    assert _as_nobody(daemon, world, "status").returncode == 0  # read-only status is public
+    member = _as_nobody(daemon, world, "acquire", "--for", "1m", groups="100")
+    assert member.returncode == 0, member.stderr
+    assert daemon.status()["window"]["leases"][0]["holder"].startswith("nobody[")
+    assert daemon.ctl("release", "--holder", daemon.status()["window"]["leases"][0]["holder"]).returncode == 0
+
+
+def test_socket_activation_serves_on_the_socket_systemd_hands_over(
+        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    home = world.paths.root / "gpuswapd" / "activated"
+    home.mkdir(parents=True, exist_ok=True)
+    config = stack_config(world, "activated")
+    text = config.read_text().replace(str(home / "gpuswapd.sock"), str(home / "not-used.sock"))
+    config.write_text(text)
+    sock = home / "activated.sock"
+    env = world.env()
+    world.install_unit("gpuswapd-test.socket",
+                       f"[Unit]\nDefaultDependencies=no\n[Socket]\nListenStream={sock}\nSocketMode=0660\n")
+    world.install_unit("gpuswapd-test.service",
+                       f"[Unit]\nDefaultDependencies=no\n[Service]\nType=notify\n"
+                       f"ExecStart={BIN}/gpuswapd --config {config}\n"
+                       f"Environment=DOCKER_HOST={env['DOCKER_HOST']} PATH={env['PATH']}\n"
+                       f"StandardOutput=append:{home}/gpuswapd.log\nStandardError=inherit\n")
+    _manager(world, "StartUnit", "ss", "gpuswapd-test.socket", "replace")
+    _wait_state(probe, "gpuswapd-test.socket", {"active"})
+    assert probe.active_state("gpuswapd-test.service") == "inactive"
+    daemon = RunningDaemon(world, config, sock)
+    out = daemon.ctl("status", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["phase"] == "IDLE"
+    assert probe.active_state("gpuswapd-test.service") == "active"
+    assert not (home / "not-used.sock").exists()  # it served systemd's socket, not one of its own
+
+
+def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
+        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    daemon = gpuswapd(window__container={"env": {"PORT": "18020", "GPUSIM_DIR": "/gpu", "ENGINE_VRAM": "19.5GiB",
+                                                 "ENGINE_BOOT_DELAY": "8"}})
+    _consumer(world, daemon, "consumer-slow.service", "/bin/sleep 300",
+              DROPIN.replace("TimeoutStartSec=20min", "TimeoutStartSec=3s"))
+    _manager(world, "StartUnit", "ss", "consumer-slow.service", "replace")
+    assert _wait_state(probe, "consumer-slow.service", {"failed"}, timeout=30) == "failed"
+    assert probe.prop("consumer-slow.service", "Result", "org.freedesktop.systemd1.Service") == "timeout"
+    status = daemon.wait_phase("IDLE", timeout=90)
+    assert status["last"]["outcome"] == "rolled_back"
+    assert status["last"]["error"]["code"] == "window_cancelled"
+    assert status["window"] is None
+    assert_resident_back(probe)
+
