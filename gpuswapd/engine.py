@@ -52,6 +52,9 @@ class Engine(Protocol):
     async def adopt(self, record: dict[str, Any]) -> bool:
         """Take over an engine an earlier gpuswapd started; tell whether it still serves."""
 
+    async def watch(self, interval: float) -> str:
+        """Return why the engine failed, as soon as it does."""
+
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the engine and free the GPU (removing what bring_up created)."""
 
@@ -64,6 +67,7 @@ class ContainerEngine:
         self.docker = docker
         self.http = http
         self._exit: str | None = None
+        self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
 
     @property
@@ -105,6 +109,7 @@ class ContainerEngine:
         """Create (or find) and start the container; watch it for an early exit."""
         c = self.config.container
         self._exit = None
+        self._exited.clear()
         if c.create:
             stale = await blocking(self.docker.state, c.name)
             if stale is not None:  # one of ours, left by an earlier window (checked in preflight)
@@ -122,16 +127,19 @@ class ContainerEngine:
             except ContainerNotFound:
                 self._exit = f"container {self.name} was removed behind gpuswapd's back"
                 log.warning("engine_removed", container=self.name)
+                self._exited.set()
                 return
             except DockerError as err:
                 self._exit = f"lost Docker while watching {self.name}: {err.message}"
                 log.warning("engine_watch_lost", container=self.name, error=err.message)
+                self._exited.set()
                 return
             if state is not None:
                 tail = (await blocking(self.docker.logs_tail, self.name, 5)).strip().splitlines()
                 last = f": {tail[-1].strip()}" if tail else ""
                 self._exit = f"container {self.name} exited with code {state.exit_code}{last}"
                 log.warning("engine_exited", container=self.name, exit_code=state.exit_code, last_log=last)
+                self._exited.set()
                 return
 
     def exit_reason(self) -> str | None:
@@ -144,6 +152,7 @@ class ContainerEngine:
         if state is None or not state.running:
             return False
         self._exit = None
+        self._exited.clear()
         self._watch = asyncio.create_task(self._watch_exit())
         return await self.healthy()
 
@@ -153,6 +162,26 @@ class ContainerEngine:
             return await self.http.wait_healthy(self.config.health_url, timeout, abort=self.exit_reason)
         except EndpointError as err:
             raise EngineFailed(err.message) from err
+
+    async def watch(self, interval: float) -> str:
+        """Return why the engine failed: its container exited, or health failed (503/500 at once)."""
+        misses = 0
+        while True:
+            if self._exited.is_set() or self._watch is None:
+                return self._exit or f"container {self.name} is not being watched"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), interval)
+                continue
+            try:
+                status = await self.http.health(self.config.health_url)
+            except EndpointError as err:
+                status, detail = 0, err.message
+            else:
+                detail = f"HTTP {status}" if status else "nothing answers"
+            # EngineDeadError answers 503 (or 500) at once; a slow answer may just be load.
+            misses = 0 if status == 200 else misses + (2 if status in (500, 503) else 1)
+            if misses >= 2:
+                return f"{self.config.health_url} failed: {detail}"
 
     async def healthy(self) -> bool:
         """Tell whether health answers 200 now."""

@@ -25,7 +25,8 @@ class Phase(StrEnum):
 
 P = Phase
 # IDLE ─acquire→ DRAINING → PAUSING_TIMERS → STOPPING_RESIDENT → WAITING_VRAM → BOOTING → WARMING → READY
-# READY ─engine fails→ RECOVERING → (WARMING → READY) | CLOSING
+# READY ─engine fails→ RECOVERING → (WARMING → READY) | CLOSING; a restart that fails warming goes back
+# to RECOVERING for the next restart.
 # READY ─last lease gone + linger→ CLOSING → WAITING_VRAM → RESTORING → RESUMING_TIMERS → IDLE
 # Any failure before READY rolls back through CLOSING; DRAINING changed nothing, so it returns to IDLE.
 # RESTORING that fails waits in DEGRADED and tries again; the timers stay paused meanwhile.
@@ -36,7 +37,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.STOPPING_RESIDENT: frozenset({P.WAITING_VRAM, P.CLOSING}),
     P.WAITING_VRAM: frozenset({P.BOOTING, P.RESTORING, P.CLOSING}),
     P.BOOTING: frozenset({P.WARMING, P.CLOSING}),
-    P.WARMING: frozenset({P.READY, P.CLOSING}),
+    P.WARMING: frozenset({P.READY, P.CLOSING, P.RECOVERING}),
     P.READY: frozenset({P.RECOVERING, P.CLOSING}),
     P.RECOVERING: frozenset({P.WARMING, P.CLOSING}),
     P.CLOSING: frozenset({P.WAITING_VRAM, P.RESTORING}),

@@ -127,7 +127,7 @@ class Server:
         if req.op == "release":
             gone = self.window.release(lease_id=req.lease, match=_callers(peer, req.holder))
             if not gone:
-                raise LeaseNotFound(f"{req.holder or peer.holder} holds no lease")
+                raise LeaseNotFound(f"{req.holder or peer.holder} holds no lease{self.window.closed_because()}")
             return {"ok": True, "released": [lease.to_dict() for lease in gone]}
         if req.op == "renew":
             lease_id = req.lease or self._only_lease(peer, req.holder)
@@ -143,7 +143,9 @@ class Server:
 
     def _only_lease(self, peer: Peer, holder: str | None) -> str:
         held = [lease for lease in self.window.leases() if _callers(peer, holder)(lease)]
-        if len(held) != 1:
+        if not held:
+            raise LeaseNotFound(f"{holder or peer.holder} holds no lease{self.window.closed_because()}")
+        if len(held) > 1:
             raise LeaseNotFound(f"{holder or peer.holder} holds {len(held)} leases: name the lease to renew")
         return held[0].id
 

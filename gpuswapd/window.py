@@ -18,7 +18,8 @@ import structlog
 
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine, warm_and_verify
-from gpuswapd.errors import GpuswapError, LeaseNotFound, NotReady, WindowCancelled
+from gpuswapd.errors import EngineFailed, GpuswapError, LeaseNotFound, NotReady, WindowCancelled
+from gpuswapd.failpoints import failpoint
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
@@ -157,8 +158,14 @@ class Window:
 
     def _open_record(self) -> WindowRecord:
         if self.record is None or not len(self.record.leases):
-            raise LeaseNotFound("no lease is held: the window is not open")
+            raise LeaseNotFound(f"no lease is held{self.closed_because()}")
         return self.record
+
+    def closed_because(self) -> str:
+        """Say why no window is open, when the last one ended badly (for lease errors)."""
+        if self.record is None and self.last is not None and self.last.error is not None:
+            return f": the window closed: {self.last.error['message']}"
+        return ""
 
     def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
         lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
@@ -185,6 +192,12 @@ class Window:
         for listener in list(self._listeners):
             listener(event)
 
+    async def _phase(self, rec: WindowRecord, phase: Phase) -> None:
+        """Enter a phase, then stop at its failpoint if a test asked for one."""
+        self._enter(rec, phase)
+        closing = any(t.phase is Phase.CLOSING for t in rec.timings)
+        await failpoint(f"{phase}:closing" if closing and phase is not Phase.CLOSING else str(phase))
+
     def recover(self, rec: WindowRecord) -> None:
         """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
         self.record = rec
@@ -200,8 +213,7 @@ class Window:
         rec.leases.expire(time.time())
         if rec.phase is Phase.READY and len(rec.leases) and rec.container and await self.engine.adopt(rec.container):
             log.info("window_adopted", leases=len(rec.leases))
-            await self._hold(rec)
-            await self._close(rec, outcome="closed")
+            await self._hold_then_close(rec)
             return
         await self._close(rec, outcome="recovered")
 
@@ -233,14 +245,29 @@ class Window:
         if failure is not None:
             await self._fail_opening(rec, failure)
             return
-        self._enter(rec, Phase.READY)
-        self.notifier.send(status=f"READY (window {rec.id})")
+        await self._ready(rec)
+        await self._hold_then_close(rec)
+
+    async def _ready(self, rec: WindowRecord) -> None:
+        """Enter READY and give every waiting acquire its lease."""
+        await self._phase(rec, Phase.READY)
         for waiter in list(self._waiters):
             if not waiter.future.done():
                 waiter.future.set_result(self._grant(rec, waiter))
         self._waiters.clear()
-        await self._hold(rec)
-        await self._close(rec, outcome="closed")
+
+    async def _hold_then_close(self, rec: WindowRecord) -> None:
+        """Hold the window while it is wanted and the engine serves, then close it."""
+        if await self._hold(rec):
+            await self._close(rec, outcome="closed")
+            return
+        assert rec.error is not None
+        err = GpuswapError.from_dict(rec.error)
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(err)
+        self._waiters.clear()
+        await self._close(rec, outcome="engine_failed")
 
     async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:
         rec.fail(err)
@@ -257,58 +284,106 @@ class Window:
 
     async def _open(self, rec: WindowRecord) -> None:
         cfg = self.config
-        self._enter(rec, Phase.DRAINING)
+        await self._phase(rec, Phase.DRAINING)
         await self.engine.preflight()
         await self.vram.read()
         timers = [t.name for t in await self.resident.timers() if t.active_state == "active"]
         await self.resident.wait_jobs(timers, time.monotonic() + cfg.timers.wait_for_jobs)
         await self.resident.drain()
 
-        self._enter(rec, Phase.PAUSING_TIMERS)
+        await self._phase(rec, Phase.PAUSING_TIMERS)
         rec.timers = timers
         self.store.save(rec)
         await self.resident.pause(timers)
         # A job its timer started just before the pause must not lose the resident under it.
         await self.resident.wait_jobs(timers, time.monotonic() + cfg.timers.wait_for_jobs)
 
-        self._enter(rec, Phase.STOPPING_RESIDENT)
+        await self._phase(rec, Phase.STOPPING_RESIDENT)
         rec.units = await self.resident.closure()
         self.store.save(rec)
         await self.resident.stop(rec.units)
 
-        self._enter(rec, Phase.WAITING_VRAM)
+        await self._phase(rec, Phase.WAITING_VRAM)
         await self.vram.wait_free(cfg.gpu.window_needs, cfg.gpu.release_timeout)
 
-        self._enter(rec, Phase.BOOTING)
+        await self._phase(rec, Phase.BOOTING)
         rec.container = {"name": cfg.window.container.name, "created": cfg.window.container.create}
         self.store.save(rec)
         rec.container = await self.engine.bring_up(rec.id)
         self.store.save(rec)
         await self.engine.wait_serving(cfg.window.boot_timeout)
 
-        self._enter(rec, Phase.WARMING)
+        await self._phase(rec, Phase.WARMING)
         await warm_and_verify(self.resident.http, cfg.window)
 
-    async def _hold(self, rec: WindowRecord) -> None:
-        """Keep the window READY while leases last, plus ``linger`` after the last one ends."""
+    async def _hold(self, rec: WindowRecord) -> bool:
+        """Keep the window READY while leases last, plus ``linger``; False if the engine was lost.
+
+        A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
+        to ``max_restarts`` times per window.
+        """
         linger_from: float | None = None
-        while not self._stopping.is_set():
-            now = time.time()
-            for lease in rec.leases.expire(now):
-                log.info("lease_expired", lease=lease.id, holder=lease.holder)
+        watch = asyncio.create_task(self.engine.watch(self.config.window.watch_interval), name="engine-watch")
+        try:
+            while not self._stopping.is_set():
+                if watch.done():
+                    if not await self._recover_engine(rec, watch.result()):
+                        return False
+                    watch = asyncio.create_task(self.engine.watch(self.config.window.watch_interval))
+                now = time.time()
+                for lease in rec.leases.expire(now):
+                    log.info("lease_expired", lease=lease.id, holder=lease.holder)
+                    self.store.save(rec)
+                if len(rec.leases):
+                    linger_from = None
+                else:
+                    linger_from = now if linger_from is None else linger_from
+                    if now - linger_from >= self.config.daemon.linger:
+                        return True
+                wake_at = min(t for t in (rec.leases.next_expiry(),
+                                          linger_from + self.config.daemon.linger if linger_from else None)
+                              if t is not None)
+                self._wake.clear()
+                waker = asyncio.create_task(self._wake.wait())
+                await asyncio.wait({waker, watch}, timeout=max(0.0, wake_at - now),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waker.cancel()
+            return True
+        finally:
+            watch.cancel()
+
+    async def _recover_engine(self, rec: WindowRecord, reason: str) -> bool:
+        """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
+        cfg = self.config
+        log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.window.max_restarts)
+        await self._phase(rec, Phase.RECOVERING)
+        while rec.restarts < cfg.window.max_restarts:
+            rec.restarts += 1
+            self.store.save(rec)
+            try:
+                await self.engine.take_down(rec.container)
+                # A GPU frees memory some time after the process died: restarting at once would
+                # fail with out of memory.
+                await self.vram.wait_free(cfg.gpu.window_needs, cfg.gpu.release_timeout)
+                rec.container = await self.engine.bring_up(rec.id)
                 self.store.save(rec)
-            if len(rec.leases):
-                linger_from = None
-            else:
-                linger_from = now if linger_from is None else linger_from
-                if now - linger_from >= self.config.daemon.linger:
-                    return
-            wake_at = min(t for t in (rec.leases.next_expiry(),
-                                      linger_from + self.config.daemon.linger if linger_from else None)
-                          if t is not None)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wake_at - now))
+                await self.engine.wait_serving(cfg.window.boot_timeout)
+                await self._phase(rec, Phase.WARMING)
+                await warm_and_verify(self.resident.http, cfg.window)
+            except GpuswapError as err:
+                reason = err.message
+                log.error("engine_restart_failed", restart=rec.restarts, error=reason)
+                if rec.phase is Phase.WARMING:
+                    await self._phase(rec, Phase.RECOVERING)
+                continue
+            log.info("engine_recovered", restart=rec.restarts)
+            await self._ready(rec)
+            return True
+        rec.fail(EngineFailed(f"the engine failed and {rec.restarts} restart(s) did not bring it back "
+                              f"(window.max_restarts = {cfg.window.max_restarts}): {reason}; "
+                              "the GPU went back to the resident", phase=str(Phase.RECOVERING)))
+        self.store.save(rec)
+        return False
 
     async def _close(self, rec: WindowRecord, outcome: str) -> None:
         """Take the engine down, wait for VRAM, restore and verify the resident, resume the timers.
@@ -322,7 +397,7 @@ class Window:
             if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
                 continue
             if rec.phase is not phase:
-                self._enter(rec, phase)
+                await self._phase(rec, phase)
             try:
                 await step(rec)
             except _Interrupted:
@@ -371,7 +446,7 @@ class Window:
             except GpuswapError as err:
                 rec.degraded = err.message
                 log.error("restore_failed", error=err.message, retry_in_s=delay)
-                self._enter(rec, Phase.DEGRADED)
+                await self._phase(rec, Phase.DEGRADED)
                 self.notifier.send(status=f"DEGRADED: {err.message}")
                 if self._stopping.is_set():
                     # Leave the record as it is: the next gpuswapd goes on restoring from it.
@@ -379,7 +454,7 @@ class Window:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 delay = min(delay * 2, cap)
-                self._enter(rec, Phase.RESTORING)
+                await self._phase(rec, Phase.RESTORING)
 
     def _finish(self, rec: WindowRecord) -> None:
         self._enter(rec, Phase.IDLE)

@@ -48,11 +48,11 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
     """Start gpuswapd with the stack's config (overrides as keyword sections); stopped after the test."""
     started: list[RunningDaemon] = []
 
-    def start(wait: bool = True, **sections: dict[str, Any]) -> RunningDaemon:
-        name = request.node.name.replace("[", "-").replace("]", "")[:36] + f"-{len(started)}"
+    def start(wait: bool = True, env: dict[str, str] | None = None, **sections: dict[str, Any]) -> RunningDaemon:
+        name = request.node.name.replace("[", "-").replace("]", "").replace(":", "-")[:36] + f"-{len(started)}"
         config = stack_config(world, name, **sections)
         socket = Path(config).parent / "gpuswapd.sock"
-        daemon = RunningDaemon(world, config, socket)
+        daemon = RunningDaemon(world, config, socket, env)
         started.append(daemon)
         return daemon.start(wait=wait)
 

@@ -361,36 +361,11 @@ def warn(results: list[Result]) -> None:
 # -- the command ---------------------------------------------------------------------------------
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser, span: Any) -> None:
-    """Add ``bench`` to gpuswapctl's subcommands."""
-    bench = sub.add_parser("bench", parents=[common], help="measure the window's engine under a lease")
-    bench.add_argument("--prompts", default="chat", metavar="chat|long-context|FILE.jsonl",
-                       help="built-in set or a JSONL file of {\"prompt\"|\"messages\", \"max_tokens\"?} (default chat)")
-    bench.add_argument("--url", help="chat completions URL (default: [window.verify] url of the config)")
-    bench.add_argument("--model", help="model name (default: [window.verify] model of the config)")
-    bench.add_argument("--config", metavar="PATH", help=f"the daemon's configuration, for the defaults "
-                       f"(default $GPUSWAPD_CONFIG or {DEFAULT_PATH})")
-    bench.add_argument("--max-tokens", type=_positive, default=512, metavar="N",
-                       help="max_tokens of each request without its own (default 512)")
-    bench.add_argument("--repeat", type=_positive, default=1, metavar="N", help="run the set N times (default 1)")
-    bench.add_argument("--for", dest="duration", type=span, metavar="SPAN",
-                       help="lease duration, renewed while the benchmark runs (default: the daemon's default_lease)")
-    bench.add_argument("--no-lease", action="store_true", help="do not acquire a lease (the engine must be up)")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def run_bench(args: argparse.Namespace, socket: str) -> int:
     """Run ``gpuswapctl bench``; return its exit code (lease errors propagate as GpuswapError)."""
     try:
+        if args.max_tokens < 1 or args.repeat < 1:
+            raise BenchUsageError("--max-tokens and --repeat must be at least 1")
         prompts = select_prompts(args.prompts)
         url, model = endpoint(args)
     except BenchUsageError as err:

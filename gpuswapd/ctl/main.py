@@ -18,7 +18,6 @@ import sys
 import time
 from typing import Any
 
-from gpuswapd.ctl import bench
 from gpuswapd.ctl.client import Client, Unreachable, socket_path
 from gpuswapd.ctl.render import Progress, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
@@ -81,7 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
     history.add_argument("--limit", type=int, default=10, help="how many windows (default 10)")
-    bench.add_parser(sub, common, _span)
+
+    bench = sub.add_parser("bench", parents=[common], help="measure the window's engine under a lease",
+                           description="Hold a lease and time streamed completions against the window's engine.")
+    bench.add_argument("--prompts", default="chat", metavar="chat|long-context|FILE.jsonl",
+                       help='a built-in set, or JSONL of {"prompt"|"messages", "max_tokens"?} (default chat)')
+    bench.add_argument("--url", help="chat completions URL (default: [window.verify] url of the config)")
+    bench.add_argument("--model", help="model name (default: [window.verify] model of the config)")
+    bench.add_argument("--config", metavar="PATH", help="gpuswapd's configuration, for --url and --model "
+                       "(default $GPUSWAPD_CONFIG or /etc/gpuswapd/gpuswapd.toml)")
+    bench.add_argument("--max-tokens", type=int, default=512, metavar="N",
+                       help="per request without its own (default 512)")
+    bench.add_argument("--repeat", type=int, default=1, metavar="N", help="run the set N times (default 1)")
+    bench.add_argument("--for", dest="duration", type=_span, metavar="SPAN",
+                       help="lease duration, renewed while it runs (default: the daemon's default_lease)")
+    bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
     return parser
 
 
@@ -93,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run_command(parser, args)
         if args.command == "bench":
-            return bench.run_bench(args, socket_path(args.socket))
+            # Imported here: httpx and the config parser would slow every other command's start.
+            from gpuswapd.ctl.bench import run_bench
+
+            return run_bench(args, socket_path(args.socket))
         with Client(socket_path(args.socket)) as client:
             return _run(args, client)
     except Unreachable as err:

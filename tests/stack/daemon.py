@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +20,21 @@ BIN = Path(sys.executable).parent
 class RunningDaemon:
     """A gpuswapd process started with a config for the stack."""
 
-    def __init__(self, stack: Stack, config: Path, socket: Path) -> None:
+    def __init__(self, stack: Stack, config: Path, socket: Path, env: dict[str, str] | None = None) -> None:
         self.stack = stack
         self.config = config
         self.socket = socket
-        self.env = {**os.environ, **stack.env(), "GPUSWAPD_SOCKET": str(socket), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, **stack.env(), "GPUSWAPD_SOCKET": str(socket), "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
         self.log = config.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True) -> RunningDaemon:
-        """Start gpuswapd; with ``wait``, until its socket answers."""
+    def start(self, wait: bool = True, env: dict[str, str] | None = None) -> RunningDaemon:
+        """Start gpuswapd (``env`` for this start only); with ``wait``, until its socket answers."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(BIN / "gpuswapd"), "--config", str(self.config)],
-                                         env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                                         env={**self.env, **(env or {})}, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL)
         if wait:
             deadline = time.monotonic() + 30
             while self.ctl("status", "--json").returncode != 0:
@@ -97,3 +100,12 @@ class RunningDaemon:
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
+
+    def state_phase(self) -> str | None:
+        """Read the phase gpuswapd last persisted (its state file), without asking it."""
+        state_dir = Path(tomllib.loads(self.config.read_text())["daemon"]["state_dir"])
+        try:
+            phase: str = json.loads((state_dir / "current.json").read_text())["phase"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return phase

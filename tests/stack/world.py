@@ -391,6 +391,8 @@ class Stack:
 
     def reset(self) -> None:
         """Return a running stack to its baseline: no containers, all units up, no faults."""
+        if not self._procs()["dockerd"].alive():
+            self.start_dockerd()
         for cid in self.docker("ps", "-aq").stdout.split():
             self.docker("rm", "-f", cid)
         for f in self.paths.control.iterdir():
@@ -404,15 +406,35 @@ class Stack:
         self._manager("StartUnit", "stack.target", "replace")
         self.wait_baseline()
 
-    def install_unit(self, name: str, text: str, dropins: dict[str, str] | None = None) -> None:
-        """Add a unit (and drop-ins) to the world's systemd and reload it."""
-        (self.paths.units / name).write_text(text)
+    def install_unit(self, name: str, text: str | None, dropins: dict[str, str] | None = None) -> None:
+        """Add a unit (or, with ``text=None``, drop-ins to an existing one) and reload systemd."""
+        if text is not None:
+            (self.paths.units / name).write_text(text)
         if dropins:
             d = self.paths.units / f"{name}.d"
             d.mkdir(exist_ok=True)
             for conf, body in dropins.items():
                 (d / conf).write_text(body)
         self._reload()
+
+    def remove_dropins(self, name: str) -> None:
+        """Remove a unit's drop-ins and reload systemd."""
+        shutil.rmtree(self.paths.units / f"{name}.d", ignore_errors=True)
+        self._reload()
+
+    def stop_dockerd(self) -> None:
+        """Stop the world's dockerd (as a crash of Docker would look to gpuswapd)."""
+        dockerd = self._procs()["dockerd"]
+        dockerd.signal(signal.SIGTERM)
+        if not dockerd.wait_gone(30):
+            dockerd.signal(signal.SIGKILL)
+            dockerd.wait_gone(10)
+
+    def start_dockerd(self) -> None:
+        """Start the world's dockerd again (after ``stop_dockerd``)."""
+        procs = self._procs()
+        procs["dockerd"] = self._boot_dockerd()
+        self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
 
     def _reload(self) -> None:
         subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",

@@ -1,0 +1,472 @@
+"""How long a GPU swap takes with gpuswapd, what it would take at the least, and by hand.
+
+    .venv/bin/python -m tests.benchmarks.swap_bench [--cycles 5] [--no-naive]
+
+Each cycle, on the test world, in turn:
+
+- **gpuswapd**: ``gpuswapctl acquire`` (wall time: what a client waits for READY), then
+  ``gpuswapctl release`` until the window is IDLE (the record's ``closed_at``: resident verified,
+  timers resumed). ``linger`` is 0 so closing starts at once. The daemon's own phase timings come
+  from ``status``.
+- **direct**: the same physical steps back to back, with no daemon and 10 ms polling, straight
+  against the real systems: StopUnit over D-Bus (waiting for JobRemoved), the VRAM ledger, the
+  Docker SDK, the engine's /health, the same warmup and verify completions, docker stop/rm,
+  StartUnit, a completion through llama-swap, the timers. This is the time the world needs by
+  construction (resident stop, VRAM release lag, engine boot, completions, resident load);
+  gpuswapd's overhead is gpuswapd - direct, paired per cycle.
+- **naive**: ``naive_swap.sh open|close``, the manual procedure with one-second polling.
+
+Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import docker
+from gi.repository import GLib
+from pydbus import SystemBus
+
+from gpuswapd.config import Config, load_config
+from gpuswapd.ctl.client import Client
+from tests.benchmarks.report import RESULTS_DIR, spread, table, write_results
+from tests.stack.config import stack_config
+from tests.stack.daemon import BIN, RunningDaemon
+from tests.stack.sim import ledger
+from tests.stack.world import ENGINE_PORT, PROXY_PORT, RELEASE_LAG_S, RESIDENT_PORT, Stack, StackError
+
+POLL_S = 0.01
+HOLDER = "swap-bench"
+NAIVE = Path(__file__).with_name("naive_swap.sh")
+OPEN_STEPS = ("drain", "pause_timers", "stop_resident", "wait_vram", "boot", "warm")
+CLOSE_STEPS = ("take_down", "wait_vram_close", "restore", "resume_timers")
+# gpuswapd's phases against the direct steps that do the same physical work.
+PHASE_STEPS = (("DRAINING", ("drain",)), ("PAUSING_TIMERS", ("pause_timers",)),
+               ("STOPPING_RESIDENT", ("stop_resident",)), ("WAITING_VRAM", ("wait_vram",)),
+               ("BOOTING", ("boot",)), ("WARMING", ("warm",)), ("CLOSING", ("take_down",)),
+               ("WAITING_VRAM#2", ("wait_vram_close",)), ("RESTORING", ("restore",)),
+               ("RESUMING_TIMERS", ("resume_timers",)))
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise StackError(f"{what} did not happen within {timeout:g}s")
+        time.sleep(POLL_S)
+
+
+# -- the direct run ------------------------------------------------------------------------------
+
+
+class Bus:
+    """systemd's manager on the world's bus (pydbus), waiting for jobs by their JobRemoved signal."""
+
+    def __init__(self) -> None:
+        self.bus = SystemBus()  # DBUS_SYSTEM_BUS_ADDRESS: the world's bus
+        self.mgr = self.bus.get("org.freedesktop.systemd1", "/org/freedesktop/systemd1")[
+            "org.freedesktop.systemd1.Manager"]
+        self._done: dict[str, str] = {}
+        self._cond = threading.Condition()
+        self.bus.subscribe(sender="org.freedesktop.systemd1", iface="org.freedesktop.systemd1.Manager",
+                           signal="JobRemoved", signal_fired=self._removed)
+        self.mgr.Subscribe()
+        self._loop = GLib.MainLoop()
+        threading.Thread(target=self._loop.run, name="glib", daemon=True).start()
+
+    def _removed(self, _sender: str, _obj: str, _iface: str, _signal: str, params: Any) -> None:
+        _id, job, _unit, result = params
+        with self._cond:
+            self._done[job] = result
+            self._cond.notify_all()
+
+    def jobs(self, method: str, units: list[str], timeout: float = 60.0) -> None:
+        """Queue StartUnit/StopUnit for every unit at once and wait until all jobs are done."""
+        paths = [getattr(self.mgr, method)(unit, "replace") for unit in units]
+        with self._cond:
+            if not self._cond.wait_for(lambda: all(p in self._done for p in paths), timeout):
+                raise StackError(f"{method} {units} not done within {timeout:g}s")
+            results = [self._done.pop(p) for p in paths]
+        if any(r != "done" for r in results):
+            raise StackError(f"{method} {units}: {results}")
+
+    def active(self, pattern: str) -> list[str]:
+        """List the active units matching a glob."""
+        return [row[0] for row in self.mgr.ListUnitsByPatterns(["active"], [pattern])]
+
+    def close(self) -> None:
+        """Stop the GLib loop."""
+        self._loop.quit()
+
+
+def free_bytes(gpu: Path) -> int:
+    """Read the ledger's free memory (reading is what reaps dead holders, as nvidia-smi does)."""
+    return int(ledger.snapshot(gpu)["free_bytes"])
+
+
+def complete(port: int, model: str, prompt: str, max_tokens: int, timeout: float = 60.0) -> bool:
+    """Stream one chat completion to the end; tell whether it carried answer text."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            resp.read()
+            return False
+        answered = False
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    answered |= bool((choice.get("delta") or {}).get("content"))
+        return answered
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def http_status(port: int, path: str) -> int:
+    """GET a local path; 0 when nothing answers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    except (OSError, http.client.HTTPException):
+        return 0
+    finally:
+        conn.close()
+
+
+class Direct:
+    """One window's physical steps, back to back, with 10 ms polling and no daemon."""
+
+    def __init__(self, stack: Stack, config: Config) -> None:
+        self.stack = stack
+        self.config = config
+        self.bus = Bus()
+        self.docker = docker.from_env()
+        self.timers: list[str] = []
+
+    def _timed(self, steps: dict[str, float], name: str, action: Callable[[], None]) -> None:
+        started = time.monotonic()
+        action()
+        steps[name] = time.monotonic() - started
+
+    def open(self) -> dict[str, float]:
+        """Open a window; return each step's seconds."""
+        steps: dict[str, float] = {}
+        cfg, gpu = self.config, self.stack.paths.gpu
+        def drain() -> None:
+            _wait("an idle resident", lambda: http_status(RESIDENT_PORT, "/slots") == 200)
+
+        self._timed(steps, "drain", drain)
+
+        def pause() -> None:
+            self.timers = sorted(t for p in cfg.timers.pause for t in self.bus.active(p))
+            self.bus.jobs("StopUnit", self.timers)
+
+        self._timed(steps, "pause_timers", pause)
+        # One job: stopping strata stops llama-swap (Requires=) in the same transaction.
+        self._timed(steps, "stop_resident", lambda: self.bus.jobs("StopUnit", ["strata.service"]))
+        self._timed(steps, "wait_vram", lambda: _wait("VRAM", lambda: free_bytes(gpu) >= cfg.gpu.window_needs))
+
+        def boot() -> None:
+            c = cfg.window.container
+            api = self.docker.api
+            host = api.create_host_config(binds=[f"{h}:{t}" for h, t in c.volumes.items()],
+                                          network_mode=c.network_mode or None)
+            api.create_container(image=c.image, name=c.name, environment=[f"{k}={v}" for k, v in c.env.items()],
+                                 host_config=host)
+            api.start(c.name)
+            _wait("engine health", lambda: http_status(ENGINE_PORT, "/health") == 200)
+
+        self._timed(steps, "boot", boot)
+
+        def warm() -> None:
+            w, v = cfg.window.warmup, cfg.window.verify
+            for _ in range(w.requests):
+                complete(ENGINE_PORT, v.model, w.prompt, w.max_tokens)
+            if not complete(ENGINE_PORT, v.model, v.prompt, v.max_tokens):
+                raise StackError("the engine did not answer the verifying completion")
+
+        self._timed(steps, "warm", warm)
+        return steps
+
+    def close(self) -> dict[str, float]:
+        """Close the window; return each step's seconds."""
+        steps: dict[str, float] = {}
+        cfg, gpu = self.config, self.stack.paths.gpu
+        c = cfg.window.container
+
+        def take_down() -> None:
+            self.docker.api.stop(c.name, timeout=int(c.stop_timeout))
+            self.docker.api.remove_container(c.name, force=True)
+
+        self._timed(steps, "take_down", take_down)
+        self._timed(steps, "wait_vram_close",
+                    lambda: _wait("VRAM", lambda: free_bytes(gpu) >= cfg.gpu.resident_needs))
+        r = cfg.resident.verify
+
+        def restore() -> None:
+            self.bus.jobs("StartUnit", ["llama-swap.service"])  # pulls strata in (Requires=)
+            _wait("a resident completion", lambda: complete(PROXY_PORT, r.model, r.prompt, r.max_tokens))
+
+        self._timed(steps, "restore", restore)
+        self._timed(steps, "resume_timers", lambda: self.bus.jobs("StartUnit", self.timers))
+        return steps
+
+    def close_all(self) -> None:
+        """Let go of the bus and Docker."""
+        self.bus.close()
+        self.docker.close()
+
+
+# -- gpuswapd ------------------------------------------------------------------------------------
+
+
+def status(socket: Path) -> dict[str, Any]:
+    """Ask gpuswapd for its status over the socket."""
+    with Client(str(socket)) as client:
+        return client.request({"op": "status"})
+
+
+def phase_times(window: dict[str, Any]) -> dict[str, float]:
+    """Return each phase's seconds; the second WAITING_VRAM (closing) is WAITING_VRAM#2."""
+    out: dict[str, float] = {}
+    for t in window["timings"]:
+        name = t["phase"] if t["phase"] not in out else f"{t['phase']}#2"
+        if t.get("ended_at") is not None:
+            out[name] = t["ended_at"] - t["started_at"]
+    return out
+
+
+def gpuswapd_cycle(daemon: RunningDaemon) -> dict[str, Any]:
+    """Acquire and release through gpuswapctl; return the client's and the daemon's view."""
+    started = time.monotonic()
+    out = daemon.ctl("acquire", "--for", "10m", "--holder", HOLDER, "--json")
+    open_s = time.monotonic() - started
+    if out.returncode != 0:
+        raise StackError(f"acquire failed: {out.stderr}\n{daemon.tail()}")
+    released_at = time.time()
+    out = daemon.ctl("release", "--holder", HOLDER)
+    release_cli_s = time.time() - released_at
+    if out.returncode != 0:
+        raise StackError(f"release failed: {out.stderr}")
+    deadline = time.monotonic() + 120
+    while (now := status(daemon.socket))["phase"] != "IDLE":
+        if time.monotonic() > deadline:
+            raise StackError(f"no IDLE within 120s: {now['phase']}\n{daemon.tail()}")
+        time.sleep(0.05)
+    last = now["last"]
+    if last["outcome"] != "closed" or last["error"]:
+        raise StackError(f"the window did not close cleanly: {last['outcome']} {last['error']}")
+    phases = phase_times(last)
+    ready = next(t for t in last["timings"] if t["phase"] == "READY")
+    closing = next(t for t in last["timings"] if t["phase"] == "CLOSING")
+    return {"open_s": open_s, "close_s": last["closed_at"] - released_at, "release_cli_s": release_cli_s,
+            "open_daemon_s": ready["started_at"] - last["opened_at"],
+            "close_daemon_s": last["closed_at"] - closing["started_at"], "phases": phases}
+
+
+# -- naive ---------------------------------------------------------------------------------------
+
+
+def naive_env(stack: Stack, config: Config) -> dict[str, str]:
+    """The environment of naive_swap.sh: the world's, the ledger and the engine's env file."""
+    env_file = RESULTS_DIR / "naive-engine.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in config.window.container.env.items()))
+    return {**os.environ, **stack.env(), "GPU_DIR": str(stack.paths.gpu), "ENV_FILE": str(env_file),
+            "TIMERS_FILE": str(RESULTS_DIR / "naive-timers"),
+            "WINDOW_NEEDS_MIB": str(config.gpu.window_needs // 2**20),
+            "RESIDENT_NEEDS_MIB": str(config.gpu.resident_needs // 2**20),
+            "WARMUPS": str(config.window.warmup.requests)}
+
+
+def naive_step(env: dict[str, str], step: str) -> float:
+    """Run ``naive_swap.sh STEP``; return its wall time."""
+    started = time.monotonic()
+    out = subprocess.run(["bash", str(NAIVE), step], env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
+    if out.returncode != 0:
+        raise StackError(f"naive_swap.sh {step} failed ({out.returncode}): {out.stderr}")
+    return took
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def at_baseline(stack: Stack) -> None:
+    """Wait until the resident serves, no container exists and the agent timers are armed."""
+    stack.wait_baseline()
+    if stack.docker("ps", "-aq").stdout.strip():
+        raise StackError("a container is left over from the last run")
+
+
+def cli_startup(daemon: RunningDaemon, times: int = 5) -> list[float]:
+    """Time ``gpuswapctl status --json``: the interpreter start every client call pays."""
+    out = []
+    for _ in range(times):
+        started = time.monotonic()
+        daemon.ctl("status", "--json", check=True)
+        out.append(time.monotonic() - started)
+    return out
+
+
+def probe_cost(stack: Stack, times: int = 5) -> list[float]:
+    """Time one read of gpuswapd's VRAM probe here: two runs of the (simulated) nvidia-smi."""
+    env = {**os.environ, **stack.env()}
+    out = []
+    for _ in range(times):
+        started = time.monotonic()
+        for query in ("--query-gpu=memory.used,memory.total,memory.free", "--query-compute-apps=pid,used_memory"):
+            subprocess.run([str(stack.paths.bin / "nvidia-smi"), "-i", "0", query, "--format=csv,noheader,nounits"],
+                           env=env, capture_output=True, check=True)
+        out.append(time.monotonic() - started)
+    return out
+
+
+def run(cycles: int, naive: bool) -> dict[str, Any]:
+    """Run the cycles; return every measurement."""
+    stack = Stack()
+    with stack.exclusive():
+        stack.up()
+        os.environ.update(stack.env())  # pydbus's SystemBus() and docker.from_env() read these
+        config_path = stack_config(stack, "swap-bench", daemon={"linger": "0s"})
+        config = load_config(config_path)
+        daemon = RunningDaemon(stack, config_path, config_path.parent / "gpuswapd.sock")
+        direct = Direct(stack, config)
+        env = naive_env(stack, config)
+        result: dict[str, Any] = {"cycles": [], "config": str(config_path)}
+        try:
+            daemon.start()
+            result["cli_startup_s"] = cli_startup(daemon)
+            result["vram_probe_s"] = probe_cost(stack)
+            for n in range(cycles):
+                cycle: dict[str, Any] = {}
+                at_baseline(stack)
+                cycle["gpuswapd"] = gpuswapd_cycle(daemon)
+                at_baseline(stack)
+                cycle["direct"] = {"open": direct.open(), "close": direct.close()}
+                if naive:
+                    at_baseline(stack)
+                    cycle["naive"] = {"open_s": naive_step(env, "open"), "close_s": naive_step(env, "close")}
+                result["cycles"].append(cycle)
+                g = cycle["gpuswapd"]
+                print(f"cycle {n + 1}/{cycles}: gpuswapd open {g['open_s']:.2f}s close {g['close_s']:.2f}s; "
+                      f"direct open {sum(cycle['direct']['open'].values()):.2f}s "
+                      f"close {sum(cycle['direct']['close'].values()):.2f}s"
+                      + (f"; naive open {cycle['naive']['open_s']:.2f}s close {cycle['naive']['close_s']:.2f}s"
+                         if naive else ""), file=sys.stderr, flush=True)
+            result["ooms"] = stack.ooms()
+        finally:
+            daemon.stop()
+            direct.close_all()
+            stack.reset()
+    return result
+
+
+def analyse(result: dict[str, Any]) -> dict[str, Any]:
+    """Compute the open/close figures, the overheads and the per-phase comparison."""
+    cycles = result["cycles"]
+    series: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        series.setdefault(name, []).append(value)
+
+    for c in cycles:
+        g, d = c["gpuswapd"], c["direct"]
+        d_open, d_close = sum(d["open"].values()), sum(d["close"].values())
+        for side, g_client, g_daemon, direct in (("open", g["open_s"], g["open_daemon_s"], d_open),
+                                                 ("close", g["close_s"], g["close_daemon_s"], d_close)):
+            add(f"{side}.gpuswapd", g_client)
+            add(f"{side}.gpuswapd_daemon", g_daemon)
+            add(f"{side}.direct", direct)
+            add(f"{side}.overhead", g_client - direct)
+            add(f"{side}.overhead_daemon", g_daemon - direct)
+            if "naive" in c:
+                add(f"{side}.naive", c["naive"][f"{side}_s"])
+                add(f"{side}.naive_ratio", c["naive"][f"{side}_s"] / g_client)
+        for phase, steps in PHASE_STEPS:
+            gp = g["phases"].get(phase, 0.0)
+            dp = sum(d["open"].get(s, 0.0) + d["close"].get(s, 0.0) for s in steps)
+            add(f"phase.{phase}.gpuswapd", gp)
+            add(f"phase.{phase}.direct", dp)
+            add(f"phase.{phase}.extra", gp - dp)
+    return {name: spread(values) for name, values in series.items()}
+
+
+def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
+    """Print the tables."""
+    rows = []
+    for side, what in (("open", "acquire → READY"), ("close", "release → resident verified, IDLE")):
+        rows.append((f"{side}: {what}", None, None, None))
+        for key, label in (("gpuswapd", "gpuswapd (gpuswapctl wall / closed_at)"),
+                           ("gpuswapd_daemon", "gpuswapd (daemon's own record)"),
+                           ("direct", "direct: inherent time of the world"),
+                           ("overhead", "overhead = gpuswapd - direct"),
+                           ("overhead_daemon", "overhead, daemon's record - direct"),
+                           ("naive", "naive_swap.sh"), ("naive_ratio", "naive / gpuswapd (x)")):
+            s = stats.get(f"{side}.{key}")
+            if s and s["n"]:
+                rows.append((f"  {label}", s["min"], s["median"], s["max"]))
+    print(table(f"\nGPU swap, {len(result['cycles'])} cycles (seconds)", ("", "min", "median", "max"), rows))
+    prows = []
+    for phase, steps in PHASE_STEPS:
+        g, d, e = (stats[f"phase.{phase}.{k}"] for k in ("gpuswapd", "direct", "extra"))
+        prows.append((phase, g["median"], f"{'+'.join(steps)}", d["median"], e["median"], e["max"]))
+    print(table("\nwhere the time goes (medians, seconds)",
+                ("gpuswapd phase", "gpuswapd", "direct step", "direct", "extra", "extra max"), prows))
+    engine_env = result.get("engine_env", {})
+    print(f"\nby construction: VRAM release lag {RELEASE_LAG_S}s; engine boot delay "
+          f"{engine_env.get('ENGINE_BOOT_DELAY', '?')}s; warmup {engine_env.get('warmups', '?')} + 1 verify "
+          f"completions; {engine_env.get('ENGINE_TOKENS_PER_CHUNK', '?')} tokens per chunk, "
+          f"{engine_env.get('ENGINE_CHUNK_DELAY', '?')}s between chunks")
+    cli, probe = result["cli_startup_s"], result["vram_probe_s"]
+    print(f"gpuswapctl start-up (status --json wall): median {statistics.median(cli):.3f}s; "
+          f"one VRAM read by the simulated nvidia-smi (2 runs): median {statistics.median(probe):.3f}s")
+    if result.get("ooms"):
+        print(f"WARNING: CUDA out-of-memory recorded by the ledger: {result['ooms']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the swap benchmark."""
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.swap_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=5, help="window cycles per variant (default 5)")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive shell script")
+    args = parser.parse_args(argv)
+    if args.cycles < 1:
+        parser.error("--cycles must be at least 1")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run(args.cycles, naive=not args.no_naive)
+    except StackError as err:
+        print(f"swap_bench: {err}", file=sys.stderr)
+        return 1
+    config = load_config(result["config"])
+    result["engine_env"] = {**config.window.container.env, "warmups": config.window.warmup.requests}
+    stats = analyse(result)
+    print_report(result, stats)
+    path = write_results("swap", {**result, "stats": stats, "gpuswapctl": str(BIN / "gpuswapctl")})
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
