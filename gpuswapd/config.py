@@ -193,7 +193,7 @@ class GpuConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class IdleConfig:
-    """``[resident.idle]``: is a request in flight on the resident?"""
+    """``[resident.idle]``: how to tell whether a request is in flight on the resident."""
 
     kind: str = _key(_choice("llama.cpp-slots", "prometheus", "command", "none"), "llama.cpp-slots")
     url: str = _key(_url, "http://127.0.0.1:8081/slots")

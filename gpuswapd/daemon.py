@@ -9,6 +9,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from gpuswapd import __version__
 from gpuswapd.adapters.docker import Docker
@@ -47,11 +49,17 @@ class Daemon:
         self.resident = Resident(config, self.systemd, self.http)
         self.engine = ContainerEngine(config.window, self.docker, self.http)
         self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier)
-        self.server = Server(config, self.window, self.store, self.systemd,
-                             lambda: make_plan(config, self.resident, self.engine, self.vram))
+        self.server = Server(
+            config,
+            self.window,
+            self.store,
+            self.systemd,
+            lambda: make_plan(config, self.resident, self.engine, self.vram),
+        )
         self._stop = asyncio.Event()
         self._signals = 0
         self._own_socket: str | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     async def run(self) -> int:
         """Start up, serve until asked to stop, shut down."""
@@ -81,7 +89,7 @@ class Daemon:
 
         def on_state(unit: str, state: str) -> None:  # called from the GLib thread
             if state in ("inactive", "failed"):
-                loop.call_soon_threadsafe(self.window.unit_gone, unit)
+                loop.call_soon_threadsafe(lambda: self._background(self.window.unit_gone(unit)))
 
         await blocking(self.systemd.watch_active_state, on_state)
         await self._check_image()
@@ -112,8 +120,15 @@ class Daemon:
             log.warning("docker_unavailable_at_start", error=err.message)
             return
         if c.create and not await blocking(self.docker.image_present, c.image):
-            raise ConfigError(f"window.container.image: {c.image!r} is not in Docker "
-                              f"(`docker pull {c.image}` or `docker load` it)")
+            raise ConfigError(
+                f"window.container.image: {c.image!r} is not in Docker (`docker pull {c.image}` or `docker load` it)"
+            )
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a coroutine from a callback, keeping a reference until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -129,10 +144,23 @@ class Daemon:
             self.notifier.send(watchdog="1")
             await asyncio.sleep(interval)
 
+    async def _system_stopping(self) -> bool:
+        """Tell whether the whole system is shutting down: systemd would refuse to start the resident."""
+        try:
+            stopping = await blocking(self.systemd.system_state) == "stopping"
+        except GpuswapError:
+            return False
+        if stopping:
+            log.warning(
+                "system_stopping_window_kept",
+                reason="the system is shutting down; the next start of gpuswapd finishes the restore",
+            )
+        return stopping
+
     async def shutdown(self) -> None:
         """Stop serving; restore the resident first when ``on_shutdown = "restore"``."""
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
-        restore = self.config.daemon.on_shutdown == "restore"
+        restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         try:
             await asyncio.wait_for(self.window.shutdown(restore=restore), SHUTDOWN_BOUND_S)
@@ -148,7 +176,9 @@ class Daemon:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the daemon (``gpuswapd --config PATH``)."""
-    parser = argparse.ArgumentParser(prog="gpuswapd", description="Hand the GPU between a resident model and an engine.")
+    parser = argparse.ArgumentParser(
+        prog="gpuswapd", description="Hand the GPU between a resident model and an engine."
+    )
     parser.add_argument("--config", default=str(DEFAULT_PATH), help=f"configuration file (default {DEFAULT_PATH})")
     parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -164,4 +194,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: ok")
         return 0
     return asyncio.run(Daemon(config).run())
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ from gpuswapd.errors import (
 from gpuswapd.logs import log
 
 MANAGED_LABEL = "io.gpuswapd.managed"
+WATCH_WAIT_S = 300.0
 WINDOW_LABEL = "io.gpuswapd.window"
 
 
@@ -69,6 +71,7 @@ class ContainerEngine:
         self._exit: str | None = None
         self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="engine-watch")
 
     @property
     def name(self) -> str:
@@ -121,9 +124,11 @@ class ContainerEngine:
         return {"name": c.name, "created": c.create, "image": c.image}
 
     async def _watch_exit(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                state = await blocking(self.docker.wait_exit, self.name, 1.0)
+                # A long wait on a thread of its own: it returns as soon as the container stops.
+                state = await loop.run_in_executor(self._pool, self.docker.wait_exit, self.name, WATCH_WAIT_S)
             except ContainerNotFound:
                 self._exit = f"container {self.name} was removed behind gpuswapd's back"
                 log.warning("engine_removed", container=self.name)
@@ -159,7 +164,8 @@ class ContainerEngine:
     async def wait_serving(self, timeout: float) -> float:
         """Poll health until 200 within ``timeout``; a container that exits fails at once."""
         try:
-            return await self.http.wait_healthy(self.config.health_url, timeout, abort=self.exit_reason)
+            return await self.http.wait_healthy(self.config.health_url, timeout, interval=0.05,
+                                               abort=self.exit_reason)
         except EndpointError as err:
             raise EngineFailed(err.message) from err
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from gpuswapd.errors import LeaseNotFound
@@ -27,7 +27,8 @@ class Lease:
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize; with ``now``, include the seconds remaining."""
-        out = asdict(self)
+        out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
+                               "expires_at": self.expires_at, "unit": self.unit, "uid": self.uid}
         if now is not None:
             out["remaining_s"] = round(self.remaining(now), 3)
         return out

@@ -28,7 +28,9 @@ def activation_socket() -> socket.socket | None:
         return None
     sock = socket.socket(fileno=SD_LISTEN_FDS_START)
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-        raise ConfigError("the socket systemd passed is not a Unix stream socket: check ListenStream= in gpuswapd.socket")
+        raise ConfigError(
+            "the socket systemd passed is not a Unix stream socket: check ListenStream= in gpuswapd.socket"
+        )
     sock.setblocking(False)
     for extra in range(SD_LISTEN_FDS_START + 1, SD_LISTEN_FDS_START + count):
         with contextlib.suppress(OSError):
@@ -45,8 +47,10 @@ def own_socket(path: str, group: str, mode: int = 0o660) -> socket.socket:
         try:
             gid = grp.getgrnam(group).gr_gid
         except KeyError:
-            raise ConfigError(f"daemon.socket_group: no group {group!r} (create it with "
-                              f"`systemd-sysusers` or `groupadd --system {group}`)") from None
+            raise ConfigError(
+                f"daemon.socket_group: no group {group!r} (create it with "
+                f"`systemd-sysusers` or `groupadd --system {group}`)"
+            ) from None
     _remove_stale(p)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # no moment at which others could connect
@@ -57,8 +61,15 @@ def own_socket(path: str, group: str, mode: int = 0o660) -> socket.socket:
         raise ConfigError(f"daemon.socket: cannot bind {p}: {err.strerror}") from None
     finally:
         os.umask(old)
-    os.chown(p, -1, gid)
-    os.chmod(p, mode)
+    try:
+        os.chown(p, -1, gid)
+        os.chmod(p, mode)
+    except OSError as err:
+        sock.close()
+        raise ConfigError(
+            f"daemon.socket: cannot give {p} group {group!r} and mode {mode:o}: {err.strerror} "
+            "(without CAP_CHOWN, let systemd create the socket: enable gpuswapd.socket)"
+        ) from None
     sock.listen(512)
     sock.setblocking(False)
     return sock

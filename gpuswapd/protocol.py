@@ -70,7 +70,7 @@ def parse_request(line: bytes) -> Request:
     if not isinstance(data, dict):
         raise RequestError("request must be a JSON object such as {\"op\": \"status\"}")
     op = data.get("op")
-    if op not in _FIELDS:
+    if not isinstance(op, str) or op not in _FIELDS:
         raise RequestError(f"unknown op {op!r}: expected one of {', '.join(OPS)}")
     unknown = set(data) - _FIELDS[op] - {"op"}
     if unknown:

@@ -9,7 +9,7 @@ from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd, TimerState
 from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
-from gpuswapd.errors import EndpointError, EndpointUnreachable, ResidentBusy, VerifyFailed
+from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, VerifyFailed
 from gpuswapd.logs import log
 
 POLL_S = 0.25
@@ -53,12 +53,10 @@ class Resident:
         """List the timers matching ``timers.pause``."""
         return await blocking(self.systemd.timers, self.config.timers.pause)
 
-    async def wait_jobs(self, timers: list[str], deadline: float) -> None:
+    async def wait_jobs(self, timers: list[TimerState], deadline: float) -> None:
         """Wait until no service of these timers runs, up to a monotonic deadline."""
-        while True:
-            running = [t.service for t in await self.timers() if t.name in timers and t.job_running]
-            if not running:
-                return
+        names = {t.name for t in timers}
+        while running := [t.service for t in timers if t.job_running]:
             if time.monotonic() >= deadline:
                 raise ResidentBusy(
                     f"agent jobs still running after {self.config.timers.wait_for_jobs:g}s: "
@@ -66,43 +64,40 @@ class Resident:
                     "(raise timers.wait_for_jobs or stop them)"
                 )
             await asyncio.sleep(POLL_S)
+            timers = [t for t in await self.timers() if t.name in names]
 
     async def pause(self, timers: list[str]) -> None:
         """Stop the timers (their running services are left alone)."""
-        for name in timers:
-            await blocking(self.systemd.stop, name, self.config.resident.stop_timeout)
-            log.info("timer_paused", timer=name)
+        if timers:
+            await blocking(self.systemd.stop, *timers, timeout=self.config.resident.stop_timeout)
+            log.info("timers_paused", timers=timers)
 
     async def resume(self, timers: list[str]) -> None:
-        """Start the timers again, each even if another fails."""
-        failures = []
-        for name in timers:
-            try:
-                await blocking(self.systemd.start, name, self.config.resident.start_timeout)
-                log.info("timer_resumed", timer=name)
-            except Exception as err:
-                failures.append(name)
-                log.error("timer_resume_failed", timer=name, error=str(err))
-        if failures:
-            raise VerifyFailed(f"could not start timers again: {', '.join(failures)}")
+        """Start the timers again (all of them, even if one fails)."""
+        if not timers:
+            return
+        try:
+            await blocking(self.systemd.start, *timers, timeout=self.config.resident.start_timeout)
+        except GpuswapError as err:
+            log.error("timers_resume_failed", error=err.message)
+            raise VerifyFailed(f"could not start timers again: {err.message}") from err
+        log.info("timers_resumed", timers=timers)
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
         return await blocking(self.systemd.stop_closure, self.config.resident.units)
 
     async def stop(self, units: list[str]) -> None:
-        """Stop the units, dependents first."""
-        for name in reversed(units):
-            started = time.monotonic()
-            await blocking(self.systemd.stop, name, self.config.resident.stop_timeout)
-            log.info("unit_stopped", unit=name, took_s=round(time.monotonic() - started, 3))
+        """Stop the units together; systemd stops dependents first (the reverse of After=)."""
+        started = time.monotonic()
+        await blocking(self.systemd.stop, *units, timeout=self.config.resident.stop_timeout)
+        log.info("units_stopped", units=units, took_s=round(time.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:
-        """Start the units, the resident first, then its dependents."""
-        for name in units:
-            started = time.monotonic()
-            await blocking(self.systemd.start, name, self.config.resident.start_timeout)
-            log.info("unit_started", unit=name, took_s=round(time.monotonic() - started, 3))
+        """Start exactly these units together; systemd orders them by After=."""
+        started = time.monotonic()
+        await blocking(self.systemd.start, *units, timeout=self.config.resident.start_timeout)
+        log.info("units_started", units=units, took_s=round(time.monotonic() - started, 3))
 
     async def verify(self) -> float:
         """Get a real completion from the resident, retrying while it loads; return seconds taken."""

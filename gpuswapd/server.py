@@ -25,6 +25,7 @@ FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped af
 IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
 READ_ONLY = frozenset({"status", "history"})
+BACKLOG = 1024
 
 
 class Server:
@@ -43,7 +44,9 @@ class Server:
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on a listening socket (our own, or one systemd handed over)."""
-        self._server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_LINE)
+        # backlog: asyncio would otherwise listen() with 100 again; a burst of clients must queue,
+        # not be refused.
+        self._server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_LINE, backlog=BACKLOG)
 
     async def close(self) -> None:
         """Stop accepting and drop the connected clients."""
@@ -59,10 +62,10 @@ class Server:
         assert task is not None
         self._clients.add(task)
         try:
-            peer = await self._identify(writer)
+            peer = credentials(writer.get_extra_info("socket"))
             await self._serve(peer, reader, writer)
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
+            log.info("client_dropped", error=repr(err))
         except asyncio.CancelledError:
             pass
         except Exception:  # a bug must not take the daemon down with one client
@@ -73,8 +76,8 @@ class Server:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
 
-    async def _identify(self, writer: asyncio.StreamWriter) -> Peer:
-        peer = credentials(writer.get_extra_info("socket"))
+    async def _identify(self, peer: Peer) -> Peer:
+        """Find the peer's service, for the requests that need it (a lease without --holder)."""
         unit = await blocking(self.units.unit_of_pid, peer.pid)
         # Only a service owns its leases; a login session's scope is a person at a shell.
         return Peer(peer.pid, peer.uid, peer.gid, unit if unit and unit.endswith(".service") else None)
@@ -101,6 +104,10 @@ class Server:
                 reply = await self._dispatch(peer, request, reader, writer)
             except GpuswapError as err:
                 reply = error_reply(err)
+            except Exception as err:  # a bug: answer, log, and keep serving everyone else
+                log.exception("request_crashed", request=line[:200].decode(errors="replace"))
+                reply = error_reply(GpuswapError(f"gpuswapd failed on this request ({type(err).__name__}); "
+                                                 "see its log (journalctl -u gpuswapd)"))
             if reply is None:  # the client went away while waiting
                 return
             await self._send(writer, reply)
@@ -122,21 +129,24 @@ class Server:
     async def _dispatch(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         d = self.config.daemon
+        if req.op in ("acquire", "release", "renew") and req.holder is None and req.lease is None:
+            peer = await self._identify(peer)
         if req.op == "acquire":
             return await self._acquire(peer, req, reader, writer)
         if req.op == "release":
-            gone = self.window.release(lease_id=req.lease, match=_callers(peer, req.holder))
+            gone = await self.window.release(lease_id=req.lease, match=_callers(peer, req.holder))
             if not gone:
                 raise LeaseNotFound(f"{req.holder or peer.holder} holds no lease{self.window.closed_because()}")
             return {"ok": True, "released": [lease.to_dict() for lease in gone]}
         if req.op == "renew":
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease)
-            lease = self.window.renew(lease_id, duration)
+            lease = await self.window.renew(lease_id, duration)
             return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped}
         if req.op == "status":
+            verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
-                    **self.window.status()}
+                    "endpoint": {"url": verify.url, "model": verify.model}, **self.window.status()}
         if req.op == "history":
             return {"ok": True, "windows": self.store.history(req.limit)}
         return {"ok": True, "plan": await self.planner()}
@@ -184,7 +194,7 @@ class Server:
         lease = acquire.result()
         if lease.unit is not None and not (await blocking(self.units.state, lease.unit)).active:
             # The unit died while it waited: its watcher may have fired before the lease existed.
-            self.window.unit_gone(lease.unit)
+            await self.window.unit_gone(lease.unit)
         return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
                 "waited_s": round(time.monotonic() - started, 3)}
 

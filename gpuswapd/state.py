@@ -34,7 +34,11 @@ class StateStore:
 
     def save(self, record: WindowRecord) -> None:
         """Write the current window: temporary file, fsync, rename, fsync the directory."""
-        self._write_atomic(self.current, json.dumps(record.to_dict(), indent=1).encode())
+        self.write_current(json.dumps(record.to_dict(), separators=(",", ":")).encode())
+
+    def write_current(self, data: bytes) -> None:
+        """Write already serialized window data atomically."""
+        self._write_atomic(self.current, data)
 
     def load(self) -> WindowRecord | None:
         """Read the current window, if one was left open; a torn or foreign file is set aside."""

@@ -12,7 +12,7 @@ from gpuswapd.errors import VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.sizes import format_size
 
-POLL_S = 0.1
+POLL_S = 0.05
 
 
 class UnitNamer(Protocol):
@@ -29,21 +29,22 @@ class Vram:
         self.probe = probe
         self._units = units
 
-    async def read(self) -> VramReading | None:
+    async def read(self, processes: bool = True) -> VramReading | None:
         """Read the GPU's memory now; None when probing is off."""
         if self.probe is None:
             return None
-        return await blocking(self.probe.read)
+        return await blocking(self.probe.read, processes)
 
     async def wait_free(self, need: int, timeout: float) -> float:
         """Wait until ``need`` bytes are free; return the seconds waited."""
         started = time.monotonic()
-        reading = await self.read()
+        reading = await self.read(processes=False)
         while reading is not None and reading.free_bytes < need:
             if time.monotonic() - started >= timeout:
-                raise VramTimeout(await self.describe_shortfall(reading, need, timeout))
+                # Only now ask who holds it: listing processes costs a second query per poll.
+                raise VramTimeout(await self.describe_shortfall(await self.read() or reading, need, timeout))
             await asyncio.sleep(POLL_S)
-            reading = await self.read()
+            reading = await self.read(processes=False)
         took = time.monotonic() - started
         if reading is not None:
             log.info("vram_free", free=format_size(reading.free_bytes), need=format_size(need), took_s=round(took, 3))

@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from gpuswapd.blocking import together
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine, warm_and_verify
 from gpuswapd.errors import EngineFailed, GpuswapError, LeaseNotFound, NotReady, WindowCancelled
@@ -26,6 +27,7 @@ from gpuswapd.notify import Notifier
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
+from gpuswapd.saver import Saver
 from gpuswapd.state import StateStore
 from gpuswapd.vram import Vram
 
@@ -44,6 +46,10 @@ class Waiter:
     future: asyncio.Future[Lease] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class _Interrupted(Exception):
+    """Closing stopped part-way because gpuswapd is stopping; the record stays for the next start."""
+
+
 class Window:
     """Opens, holds and closes the GPU window for the lease holders."""
 
@@ -54,6 +60,7 @@ class Window:
         self.engine = engine
         self.vram = vram
         self.store = store
+        self.saver = Saver(store)
         self.notifier = notifier
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
@@ -77,7 +84,7 @@ class Window:
         if self._stopping.is_set():
             raise WindowCancelled("gpuswapd is stopping")
         if self.record is not None and self.record.phase is Phase.READY:
-            return self._grant(self.record, Waiter(holder, duration, unit, uid))
+            return await self._grant(self.record, Waiter(holder, duration, unit, uid))
         if not wait:
             raise NotReady(f"the window is not open (phase {self.phase}); acquire without --no-wait opens it")
         waiter = Waiter(holder, duration, unit, uid)
@@ -92,7 +99,7 @@ class Window:
             # The client went away (or its timeout passed): a lease granted meanwhile is nobody's.
             fut = waiter.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result().id)
+                await self.release(fut.result().id)
             raise
         finally:
             if listener is not None:
@@ -111,7 +118,7 @@ class Window:
             log.info("window_abandoned", reason="the last waiting client went away")
             self._opening.cancel()
 
-    def release(self, lease_id: str | None = None, match: Callable[[Lease], bool] | None = None) -> list[Lease]:
+    async def release(self, lease_id: str | None = None, match: Callable[[Lease], bool] | None = None) -> list[Lease]:
         """End a lease by id, or every lease ``match`` accepts."""
         rec = self._open_record()
         if lease_id is not None:
@@ -120,26 +127,27 @@ class Window:
             gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(match or (lambda _: False))]
         for lease in gone:
             log.info("lease_released", lease=lease.id, holder=lease.holder)
-        self._leases_changed(rec)
+        await self._leases_changed(rec)
         return gone
 
-    def unit_gone(self, unit: str) -> list[Lease]:
+    async def unit_gone(self, unit: str) -> list[Lease]:
         """End the leases held by a unit that became inactive or failed (it may have crashed)."""
-        if self.record is None:
+        rec = self.record
+        if rec is None:
             return []
-        gone = [self.record.leases.release(lease.id) for lease in self.record.leases.matching(lambda x: x.unit == unit)]
+        gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(lambda x: x.unit == unit)]
         for lease in gone:
             log.info("lease_ended", lease=lease.id, holder=lease.holder, reason=f"{unit} is no longer active")
         if gone:
-            self._leases_changed(self.record)
+            await self._leases_changed(rec)
         return gone
 
-    def renew(self, lease_id: str, duration: float) -> Lease:
+    async def renew(self, lease_id: str, duration: float) -> Lease:
         """Extend a lease to end ``duration`` seconds from now."""
         rec = self._open_record()
         lease = rec.leases.renew(lease_id, duration, time.time())
         log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at)
-        self._leases_changed(rec)
+        await self._leases_changed(rec)
         return lease
 
     def leases(self) -> list[Lease]:
@@ -156,66 +164,61 @@ class Window:
             "last": self.last.to_dict() if self.last else None,
         }
 
-    def _open_record(self) -> WindowRecord:
-        if self.record is None or not len(self.record.leases):
-            raise LeaseNotFound(f"no lease is held{self.closed_because()}")
-        return self.record
-
     def closed_because(self) -> str:
         """Say why no window is open, when the last one ended badly (for lease errors)."""
         if self.record is None and self.last is not None and self.last.error is not None:
             return f": the window closed: {self.last.error['message']}"
         return ""
 
-    def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
+    def _open_record(self) -> WindowRecord:
+        if self.record is None or not len(self.record.leases):
+            raise LeaseNotFound(f"no lease is held{self.closed_because()}")
+        return self.record
+
+    async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
         lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration)
-        self._leases_changed(rec)
+        await self._leases_changed(rec)
         return lease
 
-    def _leases_changed(self, rec: WindowRecord) -> None:
-        self.store.save(rec)
+    async def _leases_changed(self, rec: WindowRecord) -> None:
         self._wake.set()
+        await self.saver.save(rec)
 
-    # -- the driver ------------------------------------------------------------------------
+    # -- phases ------------------------------------------------------------------------------
 
-    def _enter(self, rec: WindowRecord, phase: Phase) -> None:
-        """Enter a phase: check it, persist it, then tell systemd, the log and the waiters."""
+    async def _phase(self, rec: WindowRecord, phase: Phase) -> None:
+        """Enter a phase: check and persist it, tell systemd, the log and the waiters, then act."""
         rec.enter(phase)
-        if phase is not Phase.IDLE:
-            self.store.save(rec)
+        await self.saver.save(rec)
         structlog.contextvars.bind_contextvars(phase=str(phase))
         elapsed = round(time.time() - rec.opened_at, 3)
         log.info("phase_entered", elapsed_s=elapsed)
-        self.notifier.send(status=f"{phase}" + (f" (window {rec.id})" if phase is not Phase.IDLE else ""))
+        self.notifier.send(status=f"{phase} (window {rec.id})" + (f": {rec.degraded}" if rec.degraded else ""))
         event = {"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed}
         for listener in list(self._listeners):
             listener(event)
-
-    async def _phase(self, rec: WindowRecord, phase: Phase) -> None:
-        """Enter a phase, then stop at its failpoint if a test asked for one."""
-        self._enter(rec, phase)
         closing = any(t.phase is Phase.CLOSING for t in rec.timings)
         await failpoint(f"{phase}:closing" if closing and phase is not Phase.CLOSING else str(phase))
+
+    def _finish(self, rec: WindowRecord, outcome: str) -> None:
+        rec.outcome = outcome
+        rec.enter(Phase.IDLE)
+        self.store.append_history(rec)
+        self.store.clear()
+        self.last, self.record = rec, None
+        self.notifier.send(status="IDLE")
+        log.info("window_finished", window=rec.id, outcome=outcome,
+                 took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3))
+        structlog.contextvars.unbind_contextvars("window_id", "phase")
+
+    # -- the driver ------------------------------------------------------------------------
 
     def recover(self, rec: WindowRecord) -> None:
         """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
         self.record = rec
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
         self._driver = asyncio.create_task(self._drive(recovering=rec), name="window-driver")
-
-    async def _recover(self, rec: WindowRecord) -> None:
-        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-        if rec.phase is Phase.DRAINING:  # nothing was changed yet
-            rec.outcome = "recovered"
-            self._finish(rec)
-            return
-        rec.leases.expire(time.time())
-        if rec.phase is Phase.READY and len(rec.leases) and rec.container and await self.engine.adopt(rec.container):
-            log.info("window_adopted", leases=len(rec.leases))
-            await self._hold_then_close(rec)
-            return
-        await self._close(rec, outcome="recovered")
 
     async def _drive(self, recovering: WindowRecord | None = None) -> None:
         try:
@@ -226,6 +229,18 @@ class Window:
         finally:
             self._driver = None
             structlog.contextvars.unbind_contextvars("window_id", "phase")
+
+    async def _recover(self, rec: WindowRecord) -> None:
+        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
+        if rec.phase is Phase.DRAINING:  # nothing was changed yet
+            self._finish(rec, "recovered")
+            return
+        rec.leases.expire(time.time())
+        if rec.phase is Phase.READY and len(rec.leases) and rec.container and await self.engine.adopt(rec.container):
+            log.info("window_adopted", leases=len(rec.leases))
+            await self._hold_then_close(rec)
+            return
+        await self._close(rec, "recovered")
 
     async def _run_window(self) -> None:
         rec = self.record = WindowRecord.new()
@@ -248,59 +263,40 @@ class Window:
         await self._ready(rec)
         await self._hold_then_close(rec)
 
-    async def _ready(self, rec: WindowRecord) -> None:
-        """Enter READY and give every waiting acquire its lease."""
-        await self._phase(rec, Phase.READY)
-        for waiter in list(self._waiters):
-            if not waiter.future.done():
-                waiter.future.set_result(self._grant(rec, waiter))
-        self._waiters.clear()
-
-    async def _hold_then_close(self, rec: WindowRecord) -> None:
-        """Hold the window while it is wanted and the engine serves, then close it."""
-        if await self._hold(rec):
-            await self._close(rec, outcome="closed")
-            return
-        assert rec.error is not None
-        err = GpuswapError.from_dict(rec.error)
+    def _fail_waiters(self, err: GpuswapError) -> None:
         for waiter in self._waiters:
             if not waiter.future.done():
-                waiter.future.set_exception(err)
+                waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
         self._waiters.clear()
-        await self._close(rec, outcome="engine_failed")
 
     async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:
         rec.fail(err)
         log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase)
-        for waiter in self._waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(type(err)(err.message, phase=err.phase))
-        self._waiters.clear()
+        self._fail_waiters(err)
         if rec.phase is Phase.DRAINING:  # nothing was changed yet
-            rec.outcome = "refused"
-            self._finish(rec)
+            self._finish(rec, "refused")
         else:
-            await self._close(rec, outcome="rolled_back")
+            await self._close(rec, "rolled_back")
 
     async def _open(self, rec: WindowRecord) -> None:
         cfg = self.config
         await self._phase(rec, Phase.DRAINING)
-        await self.engine.preflight()
-        await self.vram.read()
-        timers = [t.name for t in await self.resident.timers() if t.active_state == "active"]
-        await self.resident.wait_jobs(timers, time.monotonic() + cfg.timers.wait_for_jobs)
-        await self.resident.drain()
+        # Check everything that could fail before anything is changed, all at once.
+        _, _, timers = await together(self.engine.preflight(), self.vram.read(processes=False),
+                                      self.resident.timers())
+        await together(self.resident.wait_jobs(timers, time.monotonic() + cfg.timers.wait_for_jobs),
+                       self.resident.drain())
 
         await self._phase(rec, Phase.PAUSING_TIMERS)
-        rec.timers = timers
-        self.store.save(rec)
-        await self.resident.pause(timers)
+        rec.timers = [t.name for t in timers if t.active_state == "active"]
+        await self.saver.save(rec)
+        await self.resident.pause(rec.timers)
         # A job its timer started just before the pause must not lose the resident under it.
-        await self.resident.wait_jobs(timers, time.monotonic() + cfg.timers.wait_for_jobs)
+        await self.resident.wait_jobs(await self.resident.timers(), time.monotonic() + cfg.timers.wait_for_jobs)
 
         await self._phase(rec, Phase.STOPPING_RESIDENT)
         rec.units = await self.resident.closure()
-        self.store.save(rec)
+        await self.saver.save(rec)
         await self.resident.stop(rec.units)
 
         await self._phase(rec, Phase.WAITING_VRAM)
@@ -308,13 +304,35 @@ class Window:
 
         await self._phase(rec, Phase.BOOTING)
         rec.container = {"name": cfg.window.container.name, "created": cfg.window.container.create}
-        self.store.save(rec)
+        await self.saver.save(rec)
         rec.container = await self.engine.bring_up(rec.id)
-        self.store.save(rec)
+        await self.saver.save(rec)
         await self.engine.wait_serving(cfg.window.boot_timeout)
 
         await self._phase(rec, Phase.WARMING)
         await warm_and_verify(self.resident.http, cfg.window)
+
+    async def _ready(self, rec: WindowRecord) -> None:
+        """Enter READY and give every waiting acquire its lease."""
+        await self._phase(rec, Phase.READY)
+        waiters, self._waiters = self._waiters, []
+        leases = [rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid) for w in waiters]
+        await self._leases_changed(rec)
+        for waiter, lease in zip(waiters, leases, strict=True):
+            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration)
+            if waiter.future.done():  # it went away meanwhile
+                await self.release(lease.id)
+            else:
+                waiter.future.set_result(lease)
+
+    async def _hold_then_close(self, rec: WindowRecord) -> None:
+        """Hold the window while it is wanted and the engine serves, then close it."""
+        if await self._hold(rec):
+            await self._close(rec, "closed")
+            return
+        assert rec.error is not None
+        self._fail_waiters(GpuswapError.from_dict(rec.error))
+        await self._close(rec, "engine_failed")
 
     async def _hold(self, rec: WindowRecord) -> bool:
         """Keep the window READY while leases last, plus ``linger``; False if the engine was lost.
@@ -322,26 +340,27 @@ class Window:
         A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
         to ``max_restarts`` times per window.
         """
+        interval = self.config.window.watch_interval
+        linger = self.config.daemon.linger
         linger_from: float | None = None
-        watch = asyncio.create_task(self.engine.watch(self.config.window.watch_interval), name="engine-watch")
+        watch = asyncio.create_task(self.engine.watch(interval), name="engine-watch")
         try:
             while not self._stopping.is_set():
                 if watch.done():
                     if not await self._recover_engine(rec, watch.result()):
                         return False
-                    watch = asyncio.create_task(self.engine.watch(self.config.window.watch_interval))
+                    watch = asyncio.create_task(self.engine.watch(interval), name="engine-watch")
                 now = time.time()
                 for lease in rec.leases.expire(now):
                     log.info("lease_expired", lease=lease.id, holder=lease.holder)
-                    self.store.save(rec)
+                    await self.saver.save(rec)
                 if len(rec.leases):
                     linger_from = None
                 else:
                     linger_from = now if linger_from is None else linger_from
-                    if now - linger_from >= self.config.daemon.linger:
+                    if now - linger_from >= linger:
                         return True
-                wake_at = min(t for t in (rec.leases.next_expiry(),
-                                          linger_from + self.config.daemon.linger if linger_from else None)
+                wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger)
                               if t is not None)
                 self._wake.clear()
                 waker = asyncio.create_task(self._wake.wait())
@@ -359,14 +378,14 @@ class Window:
         await self._phase(rec, Phase.RECOVERING)
         while rec.restarts < cfg.window.max_restarts:
             rec.restarts += 1
-            self.store.save(rec)
+            await self.saver.save(rec)
             try:
                 await self.engine.take_down(rec.container)
                 # A GPU frees memory some time after the process died: restarting at once would
                 # fail with out of memory.
                 await self.vram.wait_free(cfg.gpu.window_needs, cfg.gpu.release_timeout)
                 rec.container = await self.engine.bring_up(rec.id)
-                self.store.save(rec)
+                await self.saver.save(rec)
                 await self.engine.wait_serving(cfg.window.boot_timeout)
                 await self._phase(rec, Phase.WARMING)
                 await warm_and_verify(self.resident.http, cfg.window)
@@ -382,7 +401,7 @@ class Window:
         rec.fail(EngineFailed(f"the engine failed and {rec.restarts} restart(s) did not bring it back "
                               f"(window.max_restarts = {cfg.window.max_restarts}): {reason}; "
                               "the GPU went back to the resident", phase=str(Phase.RECOVERING)))
-        self.store.save(rec)
+        await self.saver.save(rec)
         return False
 
     async def _close(self, rec: WindowRecord, outcome: str) -> None:
@@ -403,13 +422,12 @@ class Window:
             except _Interrupted:
                 log.warning("window_left_for_next_start", window=rec.id, phase=str(rec.phase))
                 return
-        rec.outcome = outcome
-        self._finish(rec)
+        self._finish(rec, outcome)
 
     async def _take_down(self, rec: WindowRecord) -> None:
         for lease in rec.leases.clear():
             log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
-        self.store.save(rec)
+        await self.saver.save(rec)
         if rec.container is None:
             return
         try:
@@ -426,12 +444,6 @@ class Window:
             # fails, and the restore retries with backoff.
             log.warning("vram_not_free_restoring_anyway", error=err.message)
 
-    async def _resume(self, rec: WindowRecord) -> None:
-        try:
-            await self.resident.resume(rec.timers)
-        except GpuswapError as err:
-            rec.fail(err)
-
     async def _restore(self, rec: WindowRecord) -> None:
         """Start exactly the recorded units and verify the resident; retry with backoff."""
         if not rec.units:
@@ -447,7 +459,6 @@ class Window:
                 rec.degraded = err.message
                 log.error("restore_failed", error=err.message, retry_in_s=delay)
                 await self._phase(rec, Phase.DEGRADED)
-                self.notifier.send(status=f"DEGRADED: {err.message}")
                 if self._stopping.is_set():
                     # Leave the record as it is: the next gpuswapd goes on restoring from it.
                     raise _Interrupted from err
@@ -456,23 +467,18 @@ class Window:
                 delay = min(delay * 2, cap)
                 await self._phase(rec, Phase.RESTORING)
 
-    def _finish(self, rec: WindowRecord) -> None:
-        self._enter(rec, Phase.IDLE)
-        self.store.append_history(rec)
-        self.store.clear()
-        self.last, self.record = rec, None
-        structlog.contextvars.unbind_contextvars("window_id", "phase")
-        log.info("window_finished", window=rec.id, outcome=rec.outcome,
-                 took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3))
+    async def _resume(self, rec: WindowRecord) -> None:
+        try:
+            await self.resident.resume(rec.timers)
+        except GpuswapError as err:
+            rec.fail(err)
 
     # -- shutdown --------------------------------------------------------------------------
 
     async def shutdown(self, restore: bool) -> None:
         """Stop serving the window; with ``restore``, close it and give the GPU back first."""
         self._stopping.set()
-        for waiter in self._waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(WindowCancelled("gpuswapd is stopping"))
+        self._fail_waiters(WindowCancelled("gpuswapd is stopping"))
         if not restore:
             if self._driver is not None:
                 self._driver.cancel()
@@ -482,11 +488,6 @@ class Window:
         self._wake.set()
         if self._driver is not None:
             await asyncio.shield(self._driver)
-
-
-
-class _Interrupted(Exception):
-    """Closing stopped part-way because gpuswapd is stopping; the record stays for the next start."""
 
 
 def _closing_step(rec: WindowRecord) -> int:

@@ -46,8 +46,8 @@ class VramReading:
 class GpuProbe(Protocol):
     """Something that reads the GPU's memory."""
 
-    def read(self) -> VramReading:
-        """Read the GPU's memory now."""
+    def read(self, processes: bool = True) -> VramReading:
+        """Read the GPU's memory now (and which processes hold it, unless told not to)."""
         ...
 
 
@@ -74,12 +74,12 @@ class NvmlProbe:
         self._lock = threading.Lock()
         self._handle: Any = None
 
-    def read(self) -> VramReading:
-        """Read total/used/free memory and the compute processes of the GPU."""
+    def read(self, processes: bool = True) -> VramReading:
+        """Read total/used/free memory and (unless told not to) the compute processes of the GPU."""
         try:
             handle = self._device()
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if processes else []
         except pynvml.NVMLError as err:
             with self._lock:
                 self._handle = None  # a lost or reset GPU gets a fresh handle next time
@@ -110,17 +110,17 @@ class SmiProbe:
         self.binary = binary
         self.timeout = timeout
 
-    def read(self) -> VramReading:
-        """Read total/used/free memory and the compute processes of the GPU."""
+    def read(self, processes: bool = True) -> VramReading:
+        """Read total/used/free memory and (unless told not to) the compute processes of the GPU."""
         memory_query = "--query-gpu=memory.used,memory.total,memory.free"
         memory = self._run(memory_query)
-        apps = self._run("--query-compute-apps=pid,used_memory")
         used, total, free = _memory_row(memory, self._describe(memory_query))
+        apps_query = "--query-compute-apps=pid,used_memory"
         return VramReading(
             total_bytes=total * _MiB,
             used_bytes=used * _MiB,
             free_bytes=free * _MiB,
-            processes=_processes(apps, self._describe("--query-compute-apps=pid,used_memory")),
+            processes=_processes(self._run(apps_query), self._describe(apps_query)) if processes else (),
         )
 
     def _describe(self, query: str) -> str:

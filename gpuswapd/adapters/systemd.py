@@ -119,7 +119,7 @@ class Systemd:
 
     def __init__(self, call_timeout: float = 25.0) -> None:
         self._timeout = call_timeout
-        self._jobs = _Jobs()
+        self._jobs_done = _Jobs()
         self._lock = threading.Lock()
         self._bus: Any = None
         self._manager: Any = None
@@ -174,8 +174,8 @@ class Systemd:
         self._subscription = self._state_subscription = None
 
     def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
-        _job_id, path, unit, result = params
-        self._jobs.removed(path, result)
+        _job_id, path, _unit, result = params
+        self._jobs_done.removed(path, result)
 
     def _mgr(self) -> Any:
         if self._manager is None or self._bus.con.is_closed():
@@ -196,6 +196,14 @@ class Systemd:
         props: dict[str, Any] = self._properties(path).GetAll(iface, timeout=self._timeout)
         return props
 
+    @_systemd_errors
+    def system_state(self) -> str:
+        """Read the manager's SystemState (running, degraded, stopping, ...)."""
+        self._mgr()
+        state: str = self._properties(_MANAGER_PATH).Get("org.freedesktop.systemd1.Manager", "SystemState",
+                                                         timeout=self._timeout)
+        return state
+
     def state(self, unit: str) -> UnitState:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
@@ -208,27 +216,30 @@ class Systemd:
         return props
 
     @_systemd_errors
-    def _job(self, method: str, unit: str, timeout: float, verb: str) -> None:
-        self._require_loaded(unit)
+    def _jobs(self, method: str, units: list[str], timeout: float, verb: str) -> None:
+        """Queue one job per unit at once (systemd orders them by After=) and wait for all."""
         started = time.monotonic()
-        job = getattr(self._mgr(), method)(unit, "replace", timeout=self._timeout)
-        result = self._jobs.wait(job, max(0.0, timeout - (time.monotonic() - started)))
-        if result is None:
-            raise JobFailed(f"{verb} of {unit} did not finish within {timeout:g}s (job {job})")
-        if result != "done":
-            state = self.properties(unit)
-            raise JobFailed(
-                f"{verb} of {unit} ended with result '{result}' (now {state['ActiveState']}/"
-                f"{state['SubState']}); see `journalctl -u {unit}`"
-            )
+        mgr = self._mgr()
+        jobs = [(unit, getattr(mgr, method)(unit, "replace", timeout=self._timeout)) for unit in units]
+        failures = []
+        for unit, job in jobs:
+            result = self._jobs_done.wait(job, max(0.0, timeout - (time.monotonic() - started)))
+            if result is None:
+                failures.append(f"{verb} of {unit} did not finish within {timeout:g}s")
+            elif result != "done":
+                state = self.properties(unit)
+                failures.append(f"{verb} of {unit} ended with result '{result}' (now {state['ActiveState']}/"
+                                f"{state['SubState']}); see `journalctl -u {unit}`")
+        if failures:
+            raise JobFailed("; ".join(failures))
 
-    def start(self, unit: str, timeout: float) -> None:
-        """Start a unit and wait until its job is done."""
-        self._job("StartUnit", unit, timeout, "start")
+    def start(self, *units: str, timeout: float) -> None:
+        """Start units and wait until their jobs are done."""
+        self._jobs("StartUnit", list(units), timeout, "start")
 
-    def stop(self, unit: str, timeout: float) -> None:
-        """Stop a unit and wait until its job is done."""
-        self._job("StopUnit", unit, timeout, "stop")
+    def stop(self, *units: str, timeout: float) -> None:
+        """Stop units and wait until their jobs are done."""
+        self._jobs("StopUnit", list(units), timeout, "stop")
 
     def stop_closure(self, units: Iterable[str]) -> list[str]:
         """List the active units among ``units`` and all that Requires=/BindsTo=/PartOf= them."""

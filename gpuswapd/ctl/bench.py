@@ -2,8 +2,7 @@
 
 Every figure comes from what the server reports: tokens from the final usage chunk (never from
 counting SSE chunks), time to the first token and to the end of the stream as this client saw
-them. The endpoint is ``--url``/``--model``, else ``[window.verify]`` of the daemon's
-configuration file (``--config``, ``$GPUSWAPD_CONFIG``, else gpuswapd's default path).
+them. The endpoint is ``--url``/``--model``, else the daemon's ``[window.verify]`` (from ``status``).
 """
 
 from __future__ import annotations
@@ -11,21 +10,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpuswapd.adapters.openai import Completion, CompletionBuilder, ModelHttp
-from gpuswapd.config import DEFAULT_PATH, load_config
 from gpuswapd.ctl.client import Client
-from gpuswapd.ctl.render import Progress
-from gpuswapd.errors import ConfigError, EndpointError
+from gpuswapd.ctl.lease import held_lease
+from gpuswapd.errors import EndpointError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BUILTIN_SETS = ("chat", "long-context")
@@ -175,54 +169,16 @@ def select_prompts(spec: str) -> list[Prompt]:
     return load_jsonl(path)
 
 
-def endpoint(args: argparse.Namespace) -> tuple[str, str]:
+def endpoint(args: argparse.Namespace, socket: str) -> tuple[str, str]:
     """Return the chat completions URL and model: the flags, else the daemon's ``[window.verify]``."""
     if args.url and args.model:
         return args.url, args.model
-    path = args.config or os.environ.get("GPUSWAPD_CONFIG") or str(DEFAULT_PATH)
-    try:
-        verify = load_config(path).window.verify
-    except ConfigError as err:
-        raise BenchUsageError(f"no endpoint: pass --url and --model, or --config with the daemon's "
-                              f"configuration ({err.message})") from None
-    return args.url or verify.url, args.model or verify.model
+    with Client(socket) as client:
+        verify = client.request({"op": "status"})["endpoint"]
+    return args.url or verify["url"], args.model or verify["model"]
 
 
 # -- the lease -----------------------------------------------------------------------------------
-
-
-@contextmanager
-def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False) -> Iterator[dict[str, Any]]:
-    """Acquire a lease, renew it in the background at half its duration, release it at the end."""
-    progress = Progress(enabled=not quiet)
-    try:
-        with Client(socket) as client:
-            lease: dict[str, Any] = client.request(acquire, on_event=progress.event)["lease"]
-    finally:
-        progress.close()
-    duration = max(1.0, lease["expires_at"] - lease["granted_at"])
-    stop = threading.Event()
-
-    def renew() -> None:
-        while not stop.wait(duration / 2):
-            try:
-                with Client(socket) as client:
-                    client.request({"op": "renew", "lease": lease["id"], "for": duration})
-            except Exception as err:  # the benchmark goes on; the window may close under it
-                print(f"gpuswapctl: could not renew lease {lease['id']}: {err}", file=sys.stderr)
-
-    renewer = threading.Thread(target=renew, name="lease-renewer", daemon=True)
-    renewer.start()
-    try:
-        yield lease
-    finally:
-        stop.set()
-        renewer.join()
-        try:
-            with Client(socket) as client:
-                client.request({"op": "release", "lease": lease["id"]})
-        except Exception as err:  # the window may already be gone; the results still stand
-            print(f"gpuswapctl: could not release lease {lease['id']}: {err}", file=sys.stderr)
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -288,6 +244,8 @@ async def run_requests(url: str, model: str, prompts: list[Prompt], max_tokens: 
     http = BenchHttp()
     results: list[Result] = []
     try:
+        # Untimed: otherwise the first TTFT includes making the HTTP client and its connection.
+        await http.health(url)
         for _ in range(repeat):
             for prompt in prompts:
                 budget = prompt.max_tokens or max_tokens
@@ -367,7 +325,7 @@ def run_bench(args: argparse.Namespace, socket: str) -> int:
         if args.max_tokens < 1 or args.repeat < 1:
             raise BenchUsageError("--max-tokens and --repeat must be at least 1")
         prompts = select_prompts(args.prompts)
-        url, model = endpoint(args)
+        url, model = endpoint(args, socket)
     except BenchUsageError as err:
         print(f"gpuswapctl: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,6 +11,7 @@ from typing import Any
 from gpuswapd.errors import GpuswapError
 
 DEFAULT_SOCKET = "/run/gpuswapd/gpuswapd.sock"
+REPLY_TIMEOUT_S = 120.0
 
 
 class Unreachable(Exception):
@@ -48,10 +49,22 @@ class Client:
         return self._sock.fileno()
 
     def request(self, message: dict[str, Any], on_event: Callable[[dict[str, Any]], None] | None = None,
-                timeout: float | None = None) -> dict[str, Any]:
-        """Send one request; pass events to ``on_event``; return the reply or raise its error."""
+                timeout: float | None = REPLY_TIMEOUT_S) -> dict[str, Any]:
+        """Send one request; pass events to ``on_event``; return the reply or raise its error.
+
+        ``timeout`` bounds each wait for a line (None: wait as long as the daemon works, as an
+        acquire does while the window opens).
+        """
         self._sock.settimeout(timeout)
-        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        try:
+            self._sock.sendall(json.dumps(message).encode() + b"\n")
+            return self._reply(on_event)
+        except TimeoutError:
+            raise Unreachable(f"gpuswapd did not answer on {self.path} within {timeout:g}s") from None
+        except OSError as err:
+            raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
+
+    def _reply(self, on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         while True:
             line = self._file.readline()
             if not line:

@@ -37,17 +37,35 @@ def _span(text: str) -> float:
     return seconds
 
 
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (1..1000)")
+    return value
+
+
 def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
-    parser.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS if suppress else None,
-                        help="gpuswapd's socket (default $GPUSWAPD_SOCKET or /run/gpuswapd/gpuswapd.sock)")
-    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
-                        help="print the reply as JSON")
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=argparse.SUPPRESS if suppress else None,
+        help="gpuswapd's socket (default $GPUSWAPD_SOCKET or /run/gpuswapd/gpuswapd.sock)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS if suppress else False, help="print the reply as JSON"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the command line."""
-    parser = argparse.ArgumentParser(prog="gpuswapctl", description=__doc__.split("\n")[0],
-                                     epilog="Durations use systemd's syntax: 15m, 1h 30min, 90s.")
+    parser = argparse.ArgumentParser(
+        prog="gpuswapctl",
+        description=__doc__.split("\n")[0],
+        epilog="Durations use systemd's syntax: 15m, 1h 30min, 90s.",
+    )
     _common_options(parser, suppress=False)
     # The same options after the subcommand; SUPPRESS keeps them from resetting what came before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -55,23 +73,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     acquire = sub.add_parser("acquire", parents=[common], help="hold the GPU window (opening it if needed)")
-    acquire.add_argument("--for", dest="duration", type=_span, metavar="SPAN", help="lease duration (default: the daemon's default_lease)")
-    acquire.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
+    acquire.add_argument(
+        "--for",
+        dest="duration",
+        type=_span,
+        metavar="SPAN",
+        help="lease duration (default: the daemon's default_lease)",
+    )
+    acquire.add_argument(
+        "--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])"
+    )
     acquire.add_argument("--no-wait", action="store_true", help="fail at once (exit 5) unless a window is already open")
     acquire.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
 
     renew = sub.add_parser("renew", parents=[common], help="extend a lease")
     renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
-    renew.add_argument("--for", dest="duration", type=_span, metavar="SPAN", required=True, help="new duration from now")
+    renew.add_argument(
+        "--for", dest="duration", type=_span, metavar="SPAN", required=True, help="new duration from now"
+    )
     renew.add_argument("--holder", metavar="NAME", help="whose lease (default: the caller)")
 
     release = sub.add_parser("release", parents=[common], help="give a lease back")
     release.add_argument("lease", nargs="?", help="lease id (default: every lease of the caller)")
     release.add_argument("--holder", metavar="NAME", help="whose leases (default: the caller)")
 
-    run = sub.add_parser("run", parents=[common], help="hold a lease while a command runs",
-                         usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] -- COMMAND [ARG...]")
-    run.add_argument("--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs")
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="hold a lease while a command runs",
+        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] -- COMMAND [ARG...]",
+    )
+    run.add_argument(
+        "--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs"
+    )
     run.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
     run.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
@@ -79,21 +113,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
     sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
-    history.add_argument("--limit", type=int, default=10, help="how many windows (default 10)")
+    history.add_argument("--limit", type=_limit, default=10, help="how many windows, 1 to 1000 (default 10)")
 
-    bench = sub.add_parser("bench", parents=[common], help="measure the window's engine under a lease",
-                           description="Hold a lease and time streamed completions against the window's engine.")
-    bench.add_argument("--prompts", default="chat", metavar="chat|long-context|FILE.jsonl",
-                       help='a built-in set, or JSONL of {"prompt"|"messages", "max_tokens"?} (default chat)')
-    bench.add_argument("--url", help="chat completions URL (default: [window.verify] url of the config)")
-    bench.add_argument("--model", help="model name (default: [window.verify] model of the config)")
-    bench.add_argument("--config", metavar="PATH", help="gpuswapd's configuration, for --url and --model "
-                       "(default $GPUSWAPD_CONFIG or /etc/gpuswapd/gpuswapd.toml)")
-    bench.add_argument("--max-tokens", type=int, default=512, metavar="N",
-                       help="per request without its own (default 512)")
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="measure the window's engine under a lease",
+        description="Hold a lease and time streamed completions against the window's engine.",
+    )
+    bench.add_argument(
+        "--prompts",
+        default="chat",
+        metavar="chat|long-context|FILE.jsonl",
+        help='a built-in set, or JSONL of {"prompt"|"messages", "max_tokens"?} (default chat)',
+    )
+    bench.add_argument("--url", help="chat completions URL (default: the daemon's [window.verify] url)")
+    bench.add_argument("--model", help="model name (default: the daemon's [window.verify] model)")
+    bench.add_argument(
+        "--max-tokens", type=int, default=512, metavar="N", help="per request without its own (default 512)"
+    )
     bench.add_argument("--repeat", type=int, default=1, metavar="N", help="run the set N times (default 1)")
-    bench.add_argument("--for", dest="duration", type=_span, metavar="SPAN",
-                       help="lease duration, renewed while it runs (default: the daemon's default_lease)")
+    bench.add_argument(
+        "--for",
+        dest="duration",
+        type=_span,
+        metavar="SPAN",
+        help="lease duration, renewed while it runs (default: the daemon's default_lease)",
+    )
     bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
     return parser
 
@@ -106,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run_command(parser, args)
         if args.command == "bench":
-            # Imported here: httpx and the config parser would slow every other command's start.
+            # Imported here: httpx would slow every other command's start.
             from gpuswapd.ctl.bench import run_bench
 
             return run_bench(args, socket_path(args.socket))
@@ -114,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args, client)
     except Unreachable as err:
         print(f"gpuswapctl: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except OSError as err:
+        print(f"gpuswapctl: lost the connection to gpuswapd: {err.strerror or err}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except GpuswapError as err:
         phase = f" (in {err.phase})" if err.phase else ""
@@ -151,7 +200,9 @@ def _run(args: argparse.Namespace, client: Client) -> int:
     elif args.command == "release":
         req = {"op": "release", **{k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v}}
         reply = client.request(req)
-        _emit(args, reply, "\n".join(f"released lease {lease['id']} of {lease['holder']}" for lease in reply["released"]))
+        _emit(
+            args, reply, "\n".join(f"released lease {lease['id']} of {lease['holder']}" for lease in reply["released"])
+        )
     elif args.command == "status":
         reply = client.request({"op": "status"})
         print(json.dumps(reply, indent=2)) if args.json else print_status(reply)
@@ -187,16 +238,19 @@ def _acquire(args: argparse.Namespace, client: Client) -> int:
     req = _acquire_request(args)
     progress = Progress(enabled=not args.json)
     try:
-        reply = client.request(req, on_event=progress.event)
+        reply = client.request(req, on_event=progress.event, timeout=None)
     finally:
         progress.close()
-    _emit(args, reply, _lease_line(reply["lease"], "acquired") + (" (capped by max_lease)" if reply.get("capped") else ""))
+    _emit(
+        args, reply, _lease_line(reply["lease"], "acquired") + (" (capped by max_lease)" if reply.get("capped") else "")
+    )
     return EXIT_OK
 
 
 def _lease_line(lease: dict[str, Any], verb: str) -> str:
     until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease["expires_at"]))
-    return f"{verb} lease {lease['id']} for {lease['holder']} until {until} ({format_span(round(lease['remaining_s']))} left)"
+    left = format_span(round(lease["remaining_s"]))
+    return f"{verb} lease {lease['id']} for {lease['holder']} until {until} ({left} left)"
 
 
 def _history_line(window: dict[str, Any]) -> str:

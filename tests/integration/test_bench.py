@@ -32,7 +32,7 @@ def direct_usage(prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 def bench(daemon: RunningDaemon, *args: str) -> tuple[int, dict[str, Any] | None, str]:
-    out = daemon.ctl("bench", "--json", "--config", str(daemon.config), *args)
+    out = daemon.ctl("bench", "--json", *args)
     report = json.loads(out.stdout) if out.stdout.strip() else None
     return out.returncode, report, out.stderr
 

@@ -19,12 +19,6 @@ Start = Callable[..., RunningDaemon]
 DROPIN = (REPO / "units" / "examples" / "gpuswap-lease.conf").read_text()
 
 
-def _manager(world: Stack, method: str, *args: str) -> None:
-    subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                    "org.freedesktop.systemd1.Manager", method, *args], env={**os.environ, **world.env()},
-                   check=True, capture_output=True, timeout=30)
-
-
 def _wait_state(probe: Probe, unit: str, states: set[str], timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while (state := probe.active_state(unit)) not in states:
@@ -33,22 +27,29 @@ def _wait_state(probe: Probe, unit: str, states: set[str], timeout: float = 60) 
     return state
 
 
-def _consumer(world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN,
-              **service: str) -> None:
+def _consumer(
+    world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN, **service: str
+) -> None:
     """Install a consumer service with the shipped drop-in, pointed at this checkout's gpuswapctl."""
-    body = (f"[Unit]\nDescription=a consumer of the GPU window\nDefaultDependencies=no\n\n[Service]\n"
-            f"Environment=GPUSWAPD_SOCKET={daemon.socket}\nExecStart={exec_start}\n"
-            + "".join(f"{k}={v}\n" for k, v in service.items()))
-    world.install_unit(name, body, {"gpuswap-lease.conf": dropin.replace("/usr/bin/gpuswapctl", str(BIN / "gpuswapctl"))})
+    body = (
+        f"[Unit]\nDescription=a consumer of the GPU window\nDefaultDependencies=no\n\n[Service]\n"
+        f"Environment=GPUSWAPD_SOCKET={daemon.socket}\nExecStart={exec_start}\n"
+        + "".join(f"{k}={v}\n" for k, v in service.items())
+    )
+    world.install_unit(
+        name, body, {"gpuswap-lease.conf": dropin.replace("/usr/bin/gpuswapctl", str(BIN / "gpuswapctl"))}
+    )
 
 
 def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
-        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    gpuswapd: Start, probe: Probe, world: Stack
+) -> None:
     daemon = gpuswapd()
     seen = world.paths.control / "consumer.status"
-    _consumer(world, daemon, "consumer.service",
-              f"/bin/sh -c '{BIN}/gpuswapctl status --json > {seen}; exec sleep 300'")
-    _manager(world, "StartUnit", "ss", "consumer.service", "replace")
+    _consumer(
+        world, daemon, "consumer.service", f"/bin/sh -c '{BIN}/gpuswapctl status --json > {seen}; exec sleep 300'"
+    )
+    world.manager("StartUnit", "ss", "consumer.service", "replace")
     _wait_state(probe, "consumer.service", {"active"})
     deadline = time.monotonic() + 10
     while not seen.exists() or not seen.read_text():
@@ -59,7 +60,7 @@ def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
     [lease] = at_exec_start["window"]["leases"]
     assert lease["holder"] == "consumer.service" and lease["unit"] == "consumer.service"
     assert_window_open(probe)
-    _manager(world, "StopUnit", "ss", "consumer.service", "replace")
+    world.manager("StopUnit", "ss", "consumer.service", "replace")
     status = daemon.wait_phase("IDLE", timeout=60)
     assert status["last"]["outcome"] == "closed"
     assert_resident_back(probe)
@@ -69,7 +70,7 @@ def test_a_failed_consumer_without_exec_stop_post_loses_its_lease(gpuswapd: Star
     daemon = gpuswapd(daemon={"linger": "2s"})
     dropin = "\n".join(line for line in DROPIN.splitlines() if not line.startswith("ExecStopPost="))
     _consumer(world, daemon, "consumer-crash.service", "/bin/sh -c 'sleep 1; exit 1'", dropin)
-    _manager(world, "StartUnit", "ss", "consumer-crash.service", "replace")
+    world.manager("StartUnit", "ss", "consumer-crash.service", "replace")
     _wait_state(probe, "consumer-crash.service", {"active"})
     assert daemon.status()["window"]["leases"][0]["unit"] == "consumer-crash.service"
     _wait_state(probe, "consumer-crash.service", {"failed"})
@@ -107,10 +108,24 @@ def _as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = ""
     if not (pkg / "gpuswapd").exists():
         shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
     group_args = [f"--groups={groups}"] if groups else ["--clear-groups"]
-    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", *group_args, "/usr/bin/python3", "-m",
-                           "gpuswapd.ctl.main", "--socket", str(daemon.socket), *args],
-                          env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            *group_args,
+            "/usr/bin/python3",
+            "-m",
+            "gpuswapd.ctl.main",
+            "--socket",
+            str(daemon.socket),
+            *args,
+        ],
+        env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_only_root_and_the_socket_group_may_acquire(gpuswapd: Start, world: Stack) -> None:
@@ -128,8 +143,7 @@ def test_only_root_and_the_socket_group_may_acquire(gpuswapd: Start, world: Stac
     assert daemon.ctl("release", "--holder", daemon.status()["window"]["leases"][0]["holder"]).returncode == 0
 
 
-def test_socket_activation_serves_on_the_socket_systemd_hands_over(
-        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+def test_socket_activation_serves_on_the_socket_systemd_hands_over(gpuswapd: Start, probe: Probe, world: Stack) -> None:
     home = world.paths.root / "gpuswapd" / "activated"
     home.mkdir(parents=True, exist_ok=True)
     config = stack_config(world, "activated")
@@ -137,14 +151,17 @@ def test_socket_activation_serves_on_the_socket_systemd_hands_over(
     config.write_text(text)
     sock = home / "activated.sock"
     env = world.env()
-    world.install_unit("gpuswapd-test.socket",
-                       f"[Unit]\nDefaultDependencies=no\n[Socket]\nListenStream={sock}\nSocketMode=0660\n")
-    world.install_unit("gpuswapd-test.service",
-                       f"[Unit]\nDefaultDependencies=no\n[Service]\nType=notify\n"
-                       f"ExecStart={BIN}/gpuswapd --config {config}\n"
-                       f"Environment=DOCKER_HOST={env['DOCKER_HOST']} PATH={env['PATH']}\n"
-                       f"StandardOutput=append:{home}/gpuswapd.log\nStandardError=inherit\n")
-    _manager(world, "StartUnit", "ss", "gpuswapd-test.socket", "replace")
+    world.install_unit(
+        "gpuswapd-test.socket", f"[Unit]\nDefaultDependencies=no\n[Socket]\nListenStream={sock}\nSocketMode=0660\n"
+    )
+    world.install_unit(
+        "gpuswapd-test.service",
+        f"[Unit]\nDefaultDependencies=no\n[Service]\nType=notify\n"
+        f"ExecStart={BIN}/gpuswapd --config {config}\n"
+        f"Environment=DOCKER_HOST={env['DOCKER_HOST']} PATH={env['PATH']}\n"
+        f"StandardOutput=append:{home}/gpuswapd.log\nStandardError=inherit\n",
+    )
+    world.manager("StartUnit", "ss", "gpuswapd-test.socket", "replace")
     _wait_state(probe, "gpuswapd-test.socket", {"active"})
     assert probe.active_state("gpuswapd-test.service") == "inactive"
     daemon = RunningDaemon(world, config, sock)
@@ -156,12 +173,21 @@ def test_socket_activation_serves_on_the_socket_systemd_hands_over(
 
 
 def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
-        gpuswapd: Start, probe: Probe, world: Stack) -> None:
-    daemon = gpuswapd(window__container={"env": {"PORT": "18020", "GPUSIM_DIR": "/gpu", "ENGINE_VRAM": "19.5GiB",
-                                                 "ENGINE_BOOT_DELAY": "8"}})
-    _consumer(world, daemon, "consumer-slow.service", "/bin/sleep 300",
-              DROPIN.replace("TimeoutStartSec=20min", "TimeoutStartSec=3s"))
-    _manager(world, "StartUnit", "ss", "consumer-slow.service", "replace")
+    gpuswapd: Start, probe: Probe, world: Stack
+) -> None:
+    daemon = gpuswapd(
+        window__container={
+            "env": {"PORT": "18020", "GPUSIM_DIR": "/gpu", "ENGINE_VRAM": "19.5GiB", "ENGINE_BOOT_DELAY": "8"}
+        }
+    )
+    _consumer(
+        world,
+        daemon,
+        "consumer-slow.service",
+        "/bin/sleep 300",
+        DROPIN.replace("TimeoutStartSec=20min", "TimeoutStartSec=3s"),
+    )
+    world.manager("StartUnit", "ss", "consumer-slow.service", "replace")
     assert _wait_state(probe, "consumer-slow.service", {"failed"}, timeout=30) == "failed"
     assert probe.prop("consumer-slow.service", "Result", "org.freedesktop.systemd1.Service") == "timeout"
     status = daemon.wait_phase("IDLE", timeout=90)
@@ -169,4 +195,3 @@ def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
     assert status["last"]["error"]["code"] == "window_cancelled"
     assert status["window"] is None
     assert_resident_back(probe)
-

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 import urllib.request
@@ -145,9 +144,7 @@ def test_busy_resident_fails_the_acquire_and_changes_nothing(gpuswapd: Start, pr
 
 def test_a_running_agent_job_finishes_before_the_resident_stops(gpuswapd: Start, probe: Probe, world: Stack) -> None:
     (world.paths.control / "agent-triage.hold").write_text("3")
-    subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                    "org.freedesktop.systemd1.Manager", "StartUnit", "ss", "agent-triage.service", "replace"],
-                   check=True, capture_output=True)
+    world.manager("StartUnit", "ss", "agent-triage.service", "replace")
     deadline = time.monotonic() + 10
     while probe.active_state("agent-triage.service") != "activating":
         assert time.monotonic() < deadline

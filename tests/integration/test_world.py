@@ -33,10 +33,10 @@ def _post(url: str, body: dict, timeout: float = 30) -> bytes:
 
 
 def test_stopping_strata_stops_llama_swap_and_starting_swap_starts_strata(systemd: Systemd, probe: Probe) -> None:
-    systemd.stop("strata.service", 30)
+    systemd.stop("strata.service", timeout=30)
     assert probe.states(["strata.service", "llama-swap.service"]) == {
         "strata.service": "inactive", "llama-swap.service": "inactive"}
-    systemd.start("llama-swap.service", 30)
+    systemd.start("llama-swap.service", timeout=30)
     assert probe.states(["strata.service", "llama-swap.service"]) == {
         "strata.service": "active", "llama-swap.service": "active"}
 
@@ -48,7 +48,7 @@ def test_stop_closure_of_strata_is_strata_and_llama_swap(systemd: Systemd) -> No
 
 
 def test_stop_closure_names_a_missing_unit(systemd: Systemd) -> None:
-    with pytest.raises(UnitNotFound, match="nosuch.service"):
+    with pytest.raises(UnitNotFound, match=r"nosuch\.service"):
         systemd.stop_closure(["nosuch.service"])
 
 
@@ -83,7 +83,7 @@ def test_resident_is_the_real_llama_server(world: Stack) -> None:
 def test_ledger_holds_21gib_while_strata_runs_and_frees_after_the_lag(systemd: Systemd, world: Stack) -> None:
     held = {h["name"]: h["bytes"] for h in world.ledger()["holders"]}
     assert held["strata"] == 21 * GiB
-    systemd.stop("strata.service", 30)
+    systemd.stop("strata.service", timeout=30)
     stopped = time.monotonic()
     assert world.ledger()["used_bytes"] == 21 * GiB  # released only after the lag
     while world.ledger()["used_bytes"]:
@@ -128,7 +128,7 @@ def test_engine_started_while_strata_holds_the_gpu_dies_of_cuda_oom(world: Stack
 
 
 def test_engine_streams_more_tokens_than_chunks(systemd: Systemd, world: Stack) -> None:
-    systemd.stop("strata.service", 30)
+    systemd.stop("strata.service", timeout=30)
     while world.ledger()["used_bytes"]:
         time.sleep(0.05)
     _run_engine(world, "stream-engine")
@@ -154,7 +154,7 @@ def _restart(world: Stack, name: str) -> None:
 
 
 def test_engine_dead_error_outlives_the_configured_restarts(systemd: Systemd, world: Stack) -> None:
-    systemd.stop("strata.service", 30)
+    systemd.stop("strata.service", timeout=30)
     while world.ledger()["used_bytes"]:
         time.sleep(0.05)
     _run_engine(world, "dying-engine", VLLM_KEEP_ALIVE_ON_ENGINE_DEATH="1", ENGINE_DEAD_AFTER="0.5")

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -65,7 +66,7 @@ class ModelSpec:
 
 MODEL_KINDS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(n_layer=2, n_embd=64, n_ff=128, n_head=4, context_length=8192, seed=1),
-    "slow": ModelSpec(n_layer=8, n_embd=512, n_ff=4096, n_head=8, context_length=8192, seed=2),
+    "slow": ModelSpec(n_layer=8, n_embd=512, n_ff=8192, n_head=8, context_length=8192, seed=2),
 }
 
 
@@ -119,25 +120,31 @@ def _clean_stale_scratch(cache_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _extract(
-    tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo] | None = None
-) -> None:
-    """Extract with the 'data' filter where this Python has it."""
+def _extract(tar: tarfile.TarFile, dest: Path) -> None:
+    """Extract all of tar with the 'data' filter where this Python has it."""
     if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, members=members, filter="data")
+        tar.extractall(dest, filter="data")
     else:
-        tar.extractall(dest, members=members)
+        tar.extractall(dest)
 
 
-def _download_sdist(scratch: Path) -> Path:
+def _build_log(cache_dir: Path) -> Path:
+    """Return a fresh log file for the download and build steps."""
+    logfile = cache_dir / "logs" / f"llama-build-{LLAMA_CPP_PYTHON_VERSION}.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    logfile.write_text("")
+    return logfile
+
+
+def _download_sdist(scratch: Path, logfile: Path) -> Path:
     """Download the pinned llama-cpp-python sdist into scratch and return the tarball."""
     dl = scratch / "dl"
     dl.mkdir(parents=True, exist_ok=True)
     req = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
-    log(f"downloading the {req} sdist (pip prepares its metadata: ~1 min)")
+    log(f"downloading the {req} sdist (pip may prepare its metadata first: up to ~1 min)")
     t0 = time.monotonic()
     pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-    subprocess.run([*pip, req, "-d", str(dl)], check=True, stdout=sys.stderr)
+    _run_logged([*pip, req, "-d", str(dl)], scratch, logfile)
     tarballs = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
     if len(tarballs) != 1:
         raise RuntimeError(f"expected one llama_cpp_python sdist in {dl}, found {tarballs}")
@@ -177,7 +184,8 @@ def ensure_vocab(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
         _clean_stale_scratch(cache_dir)
         scratch = cache_dir / f"scratch-vocab-{os.getpid()}"
         try:
-            _install_vocab_from_tar(_download_sdist(scratch), cache_dir)
+            scratch.mkdir(parents=True)
+            _install_vocab_from_tar(_download_sdist(scratch, _build_log(cache_dir)), cache_dir)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return dest
@@ -188,9 +196,7 @@ def _run_logged(cmd: list[str], cwd: Path, logfile: Path) -> None:
     log("$ " + " ".join(cmd))
     last_pct = ""
     with open(logfile, "a") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
@@ -217,7 +223,9 @@ def ensure_llama_server(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
         scratch = cache_dir / f"scratch-build-{os.getpid()}"
         t0 = time.monotonic()
         try:
-            tarball = _download_sdist(scratch)
+            scratch.mkdir(parents=True)
+            logfile = _build_log(cache_dir)
+            tarball = _download_sdist(scratch, logfile)
             _install_vocab_from_tar(tarball, cache_dir)
             log("extracting sdist")
             with tarfile.open(tarball) as tar:
@@ -228,28 +236,11 @@ def ensure_llama_server(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
                 raise RuntimeError(f"vendor/llama.cpp not found in sdist: {roots}")
             src = roots[0]
             build = scratch / "build"
-            logfile = cache_dir / "logs" / f"llama-build-{LLAMA_CPP_PYTHON_VERSION}.log"
-            logfile.parent.mkdir(parents=True, exist_ok=True)
-            logfile.write_text("")
-            log(f"building llama-server (~5-10 min on 2 cores); full log {logfile}")
-            _run_logged(
-                ["cmake", "-S", str(src), "-B", str(build), *CMAKE_CONFIGURE_FLAGS],
-                scratch,
-                logfile,
-            )
-            _run_logged(
-                [
-                    "cmake",
-                    "--build",
-                    str(build),
-                    "--target",
-                    "llama-server",
-                    "-j",
-                    str(os.cpu_count() or 1),
-                ],
-                scratch,
-                logfile,
-            )
+            log(f"building llama-server (10-15 min on 2 cores); full log {logfile}")
+            configure = ["cmake", "-S", str(src), "-B", str(build), *CMAKE_CONFIGURE_FLAGS]
+            _run_logged(configure, scratch, logfile)
+            jobs = str(os.cpu_count() or 1)
+            _run_logged(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], scratch, logfile)
             built = build / "bin" / "llama-server"
             tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -299,12 +290,24 @@ def llama_server_args(
     return args
 
 
+def stop_server(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+    """Stop a llama-server child: SIGTERM, then a second SIGTERM, then SIGKILL; return its rc."""
+    # One SIGTERM is not always enough in this version: with a streamed request in flight the
+    # server stops generating but waits for the client to hang up, and its signal handler can
+    # deadlock on the task-queue mutex. A second SIGTERM makes it exit(1) at once.
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout if sig is signal.SIGTERM else None)
+    return proc.wait()
+
+
 def model_path(cache_dir: Path, kind: str = "tiny") -> Path:
     """Return where the cached model of `kind` lives; the name changes whenever its recipe does."""
     spec = MODEL_KINDS[kind]
-    recipe = json.dumps(
-        [MODEL_FORMAT, LLAMA_CPP_PYTHON_VERSION, VOCAB_NAME, asdict(spec)], sort_keys=True
-    )
+    recipe = json.dumps([MODEL_FORMAT, LLAMA_CPP_PYTHON_VERSION, VOCAB_NAME, asdict(spec)], sort_keys=True)
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
     return cache_dir / "models" / f"{kind}-{digest}.gguf"
 
@@ -345,9 +348,7 @@ def _write_model(dest: Path, spec: ModelSpec, vocab: Path) -> None:
 
     def mat(n_out: int, n_in: int, gain: float = 1.0) -> Any:
         """Random (n_out, n_in) matrix scaled so activations keep unit size."""
-        return (
-            rng.standard_normal((n_out, n_in), dtype=np.float32) * (gain / np.sqrt(n_in))
-        ).astype(wdtype)
+        return (rng.standard_normal((n_out, n_in), dtype=np.float32) * (gain / np.sqrt(n_in))).astype(wdtype)
 
     # Channel 0 of the residual stream is a constant "bias" channel: +B for ordinary tokens,
     # -B for control/unknown/byte tokens. The blocks never read it (norm weight 0) nor write it
@@ -424,9 +425,7 @@ def free_port() -> int:
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> tuple[int, str]:
     """GET (or POST JSON) url; return (status, body text) even for HTTP errors."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read().decode()
@@ -463,9 +462,7 @@ def _stream_chat(base: str, max_tokens: int, on_chunk: Any = None) -> list[dict[
     return chunks
 
 
-def _check_model(
-    server: Path, model: Path, kind: str, log_dir: Path, threads: int | None
-) -> dict[str, Any]:
+def _check_model(server: Path, model: Path, kind: str, log_dir: Path, threads: int | None) -> dict[str, Any]:
     """Run one llama-server on model, assert the endpoint contract, and return measurements."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -532,20 +529,14 @@ def _check_model(
                 )
                 resp = json.loads(text)
                 assert status == 200, text
-                if (
-                    resp["usage"]["completion_tokens"] == 16
-                    and resp["choices"][0]["finish_reason"] == "length"
-                ):
+                if resp["usage"]["completion_tokens"] == 16 and resp["choices"][0]["finish_reason"] == "length":
                     full += 1
             result["full_16_token_completions"] = f"{full}/{n_try}"
             assert full >= n_try - 1, result
 
             # Two concurrent streams, one per slot, both finish with usage.
             outs: list[list[dict[str, Any]]] = [[], []]
-            workers = [
-                threading.Thread(target=lambda k=k: outs[k].extend(_stream_chat(base, 32)))
-                for k in range(2)
-            ]
+            workers = [threading.Thread(target=lambda k=k: outs[k].extend(_stream_chat(base, 32))) for k in range(2)]
             for w in workers:
                 w.start()
             for w in workers:
@@ -574,11 +565,7 @@ def _check_model(
 
             def on_chunk(chunk: dict[str, Any]) -> None:
                 """Note when the first content token arrives."""
-                if (
-                    not first_token_at
-                    and chunk.get("choices")
-                    and chunk["choices"][0]["delta"].get("content")
-                ):
+                if not first_token_at and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                     first_token_at.append(time.monotonic())
 
             poller = threading.Thread(target=poll)
@@ -599,21 +586,14 @@ def _check_model(
             if first_token_at:
                 result["time_to_first_token_s"] = round(first_token_at[0] - ts, 3)
             if timings:
-                result["server_predicted_per_second"] = round(
-                    timings.get("predicted_per_second", 0.0), 1
-                )
+                result["server_predicted_per_second"] = round(timings.get("predicted_per_second", 0.0), 1)
             result["slots_busy_samples"] = f"{sum(busy_slots)}/{len(busy_slots)}"
             result["metrics_busy_samples"] = sorted(set(busy_metrics))
-            assert any(busy_slots), (
-                "no /slots sample showed is_processing: true during the long stream"
-            )
+            assert any(busy_slots), "no /slots sample showed is_processing: true during the long stream"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            t_stop = time.monotonic()
+            result["stop_rc"] = stop_server(proc)
+            result["stop_s"] = round(time.monotonic() - t_stop, 2)
     log(f"[{kind}] ok: {json.dumps(result)}")
     return result
 
@@ -621,25 +601,16 @@ def _check_model(
 def check(cache_dir: Path, kinds: list[str], threads: int | None) -> list[dict[str, Any]]:
     """Start llama-server on each model kind and verify the endpoints the gpuswapd tests use."""
     server = ensure_llama_server(cache_dir)
-    return [
-        _check_model(server, ensure_model(cache_dir, k), k, cache_dir / "logs", threads)
-        for k in kinds
-    ]
+    return [_check_model(server, ensure_model(cache_dir, k), k, cache_dir / "logs", threads) for k in kinds]
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare the cached server/models, or check them against a live llama-server."""
     ap = argparse.ArgumentParser(prog="python -m tests.stack.llama", description=__doc__)
     ap.add_argument("what", choices=["server", "model", "all", "check"])
-    ap.add_argument(
-        "--cache", type=Path, default=DEFAULT_CACHE_DIR, help="cache dir (default %(default)s)"
-    )
-    ap.add_argument(
-        "--kind", action="append", choices=sorted(MODEL_KINDS), help="model kind(s); default all"
-    )
-    ap.add_argument(
-        "--threads", type=int, default=2, help="llama-server -t for `check` (default %(default)s)"
-    )
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR, help="cache dir (default %(default)s)")
+    ap.add_argument("--kind", action="append", choices=sorted(MODEL_KINDS), help="model kind(s); default all")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t for `check` (default %(default)s)")
     args = ap.parse_args(argv)
     kinds = args.kind or list(MODEL_KINDS)
     if args.what in ("server", "all"):

@@ -7,8 +7,6 @@ and the VRAM ledger.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from typing import Any
 
 from tests.stack.world import AGENTS, OTHER_TIMER, Stack
@@ -22,21 +20,11 @@ class Probe:
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self._env = {**os.environ, **stack.env()}
-
-    def _busctl(self, *args: str) -> Any:
-        out = subprocess.run(["busctl", "--system", "--json=short", *args], env=self._env,
-                             capture_output=True, text=True, timeout=15, check=True)
-        return json.loads(out.stdout)["data"]
-
-    def _unit_path(self, unit: str) -> str:
-        path: str = self._busctl("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                                 "org.freedesktop.systemd1.Manager", "LoadUnit", "s", unit)[0]
-        return path
 
     def prop(self, unit: str, name: str, iface: str = "org.freedesktop.systemd1.Unit") -> Any:
         """Read one property of a unit."""
-        return self._busctl("get-property", "org.freedesktop.systemd1", self._unit_path(unit), iface, name)
+        path = self.stack.manager("LoadUnit", "s", unit)[0]
+        return self.stack.bus("get-property", "org.freedesktop.systemd1", path, iface, name)
 
     def active_state(self, unit: str) -> str:
         """Read a unit's ActiveState."""

@@ -46,17 +46,21 @@ def _logs(spec: Spec, name: str) -> str:
 def render(spec: Spec) -> dict[str, str]:
     """Return every unit file of the test world, by name."""
     py, sim = spec.python, spec.sim
-    server_args = " ".join(llama.llama_server_args(spec.model, spec.resident_port, ctx=4096, parallel=2, alias="strata"))
+    server_args = " ".join(
+        llama.llama_server_args(spec.model, spec.resident_port, ctx=4096, parallel=2, alias="strata")
+    )
     files: dict[str, str] = {
-        "dbus.socket": _unit("D-Bus System Message Bus Socket", "",
-                             "") + "\n[Socket]\nListenStream=/run/dbus/system_bus_socket\n",
+        "dbus.socket": _unit("D-Bus System Message Bus Socket", "", "")
+        + "\n[Socket]\nListenStream=/run/dbus/system_bus_socket\n",
         "dbus.service": _unit(
-            "D-Bus System Message Bus", "Requires=dbus.socket\nAfter=dbus.socket\n",
+            "D-Bus System Message Bus",
+            "Requires=dbus.socket\nAfter=dbus.socket\n",
             "Type=notify\nNotifyAccess=main\nExecStart=/usr/bin/dbus-daemon --system --address=systemd: "
             "--nofork --nopidfile --systemd-activation --syslog-only\n",
         ),
         "strata.service": _unit(
-            "strata: the resident model (llama.cpp llama-server)", "",
+            "strata: the resident model (llama.cpp llama-server)",
+            "",
             f"Type=exec\nExecStart={py} {sim}/gpu_hold.py --dir {spec.gpu} --name strata "
             f"--bytes {spec.resident_vram} -- {spec.llama_server} {server_args}\n"
             f"TimeoutStopSec=20\n{_logs(spec, 'strata')}",
@@ -73,8 +77,10 @@ def render(spec: Spec) -> dict[str, str]:
     for timer in timers:
         name = timer.removesuffix(".timer")
         if name.startswith("agent-"):
-            run = (f"{py} {sim}/agent_job.py --url http://127.0.0.1:{spec.proxy_port}/v1/chat/completions "
-                   f"--model strata --name {name} --hold-file {spec.control}/{name}.hold")
+            run = (
+                f"{py} {sim}/agent_job.py --url http://127.0.0.1:{spec.proxy_port}/v1/chat/completions "
+                f"--model strata --name {name} --hold-file {spec.control}/{name}.hold"
+            )
         else:
             run = "/bin/true"
         files[f"{name}.service"] = _unit(f"{name} job", "", f"Type=oneshot\nExecStart={run}\n{_logs(spec, name)}")

@@ -258,7 +258,7 @@ class Stack:
         shutil.rmtree(p.gpu, ignore_errors=True)
         self._ledger("init", "--total", VRAM_TOTAL, "--lag", str(RELEASE_LAG_S))
         smi = p.bin / "nvidia-smi"
-        smi.write_text(f"#!/bin/sh\nGPUSIM_DIR={p.gpu} exec {SIM_PYTHON} {p.sim}/nvidia_smi.py \"$@\"\n")
+        smi.write_text(f'#!/bin/sh\nGPUSIM_DIR={p.gpu} exec {SIM_PYTHON} {p.sim}/nvidia_smi.py "$@"\n')
         smi.chmod(0o755)
         self.use_model(models["tiny"])
         for name, text in units.render(self._spec()).items():
@@ -267,7 +267,10 @@ class Stack:
         # Units run gpuswapd from this checkout and its .venv: if they live under /tmp, carry them
         # across the private /tmp below.
         carry = p.root / "carry"
-        keep = (f"mkdir -p {carry} && mount --bind {REPO} {carry}\n", f"mkdir -p {REPO} && mount --bind {carry} {REPO}\n")
+        keep = (
+            f"mkdir -p {carry} && mount --bind {REPO} {carry}\n",
+            f"mkdir -p {REPO} && mount --bind {carry} {REPO}\n",
+        )
         if not str(REPO).startswith("/tmp/"):
             keep = ("", "")
         boot.write_text(
@@ -287,55 +290,92 @@ class Stack:
     def _spec(self) -> units.Spec:
         p = self.paths
         return units.Spec(
-            root=p.root, python=SIM_PYTHON, sim=p.sim, gpu=p.gpu, control=p.control, logs=p.logs,
-            llama_server=llama.server_path(self.cache), model=self.resident_model, agents=AGENTS,
-            other_timer=OTHER_TIMER, resident_vram=RESIDENT_VRAM, resident_port=RESIDENT_PORT,
+            root=p.root,
+            python=SIM_PYTHON,
+            sim=p.sim,
+            gpu=p.gpu,
+            control=p.control,
+            logs=p.logs,
+            llama_server=llama.server_path(self.cache),
+            model=self.resident_model,
+            agents=AGENTS,
+            other_timer=OTHER_TIMER,
+            resident_vram=RESIDENT_VRAM,
+            resident_port=RESIDENT_PORT,
             proxy_port=PROXY_PORT,
         )
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:
         log = open(self.paths.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         with log:
-            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True)
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         # unshare --fork: the namespace's PID 1 is unshare's child; killing it ends the namespace.
         pid1 = _wait(f"{name} to start", lambda: (_children(child.pid) or [None])[0], 10, 0.01)
         return Proc.of(pid1)
 
     def _boot_systemd(self) -> Proc:
-        proc = self._spawn("systemd", ["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                                       str(self.paths.root / "boot.sh")])
-        _wait("the stack's system bus", lambda: self._busctl("list") == 0, 30)
+        proc = self._spawn(
+            "systemd", ["unshare", "--pid", "--fork", "--mount", "--mount-proc", str(self.paths.root / "boot.sh")]
+        )
+        _wait("the stack's system bus", lambda: self.bus("list", check=False) is not None, 30)
         return proc
 
     def _boot_dockerd(self) -> Proc:
         p = self.paths
-        proc = self._spawn("dockerd", [
-            "unshare", "--pid", "--fork", "--mount-proc", "dockerd",
-            "--host", f"unix://{p.docker_sock}", "--data-root", str(p.docker / "data"),
-            "--exec-root", str(p.docker / "exec"), "--pidfile", str(p.docker / "dockerd.pid"),
-            "--iptables=false", "--ip6tables=false", "--bridge=none", "--storage-driver=vfs",
-        ])
+        proc = self._spawn(
+            "dockerd",
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "dockerd",
+                "--host",
+                f"unix://{p.docker_sock}",
+                "--data-root",
+                str(p.docker / "data"),
+                "--exec-root",
+                str(p.docker / "exec"),
+                "--pidfile",
+                str(p.docker / "dockerd.pid"),
+                "--iptables=false",
+                "--ip6tables=false",
+                "--bridge=none",
+                "--storage-driver=vfs",
+            ],
+        )
         _wait("dockerd", lambda: self.docker("version", "--format", "{{.Server.Version}}").returncode == 0, 60)
         return proc
 
-    def _manager(self, method: str, unit: str, mode: str) -> None:
-        subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                        "org.freedesktop.systemd1.Manager", method, "ss", unit, mode],
-                       env={**os.environ, **self.env()}, check=True, capture_output=True, timeout=30)
+    def bus(self, *args: str, check: bool = True) -> Any:
+        """Run ``busctl --system ARGS`` against the world's bus; return the reply's data (None if it failed)."""
+        out = subprocess.run(["busctl", "--system", "--json=short", *args], env={**os.environ, **self.env()},
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            if check:
+                raise StackError(f"busctl {' '.join(args)}: {out.stderr.strip()}")
+            return None
+        return json.loads(out.stdout)["data"] if out.stdout.strip() else True
 
-    def _busctl(self, *args: str) -> int:
-        return subprocess.run(["busctl", "--system", *args], env={**os.environ, **self.env()},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10).returncode
+    def manager(self, method: str, *args: str, check: bool = True) -> Any:
+        """Call a method of the world's systemd manager (``manager("StartUnit", "ss", unit, mode)``)."""
+        return self.bus("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", method, *args, check=check)
 
     def docker(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
         """Run the docker CLI against this stack's dockerd."""
-        return subprocess.run(["docker", *args], env={**os.environ, **self.env()}, check=check,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            ["docker", *args], env={**os.environ, **self.env()}, check=check, capture_output=True, text=True, timeout=60
+        )
 
     def _ledger(self, *args: str) -> str:
-        out = subprocess.run([SIM_PYTHON, str(self.paths.sim / "ledger.py"), "--dir", str(self.paths.gpu), *args],
-                             check=True, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [SIM_PYTHON, str(self.paths.sim / "ledger.py"), "--dir", str(self.paths.gpu), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout
 
     def ledger(self) -> dict[str, Any]:
@@ -362,8 +402,14 @@ class Stack:
                 tar.addfile(info)
             for f in sorted(self.paths.sim.glob("*.py")):
                 tar.add(f, arcname=f"opt/engine/{f.name}")
-        self.docker("import", "--change", f'CMD ["{SIM_PYTHON}", "/opt/engine/engine_sim.py"]',
-                    str(tar_path), ENGINE_IMAGE, check=True)
+        self.docker(
+            "import",
+            "--change",
+            f'CMD ["{SIM_PYTHON}", "/opt/engine/engine_sim.py"]',
+            str(tar_path),
+            ENGINE_IMAGE,
+            check=True,
+        )
 
     @property
     def resident_model(self) -> Path:
@@ -403,7 +449,7 @@ class Stack:
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
             self.restart_resident()
         self._ledger("reset")
-        self._manager("StartUnit", "stack.target", "replace")
+        self.manager("StartUnit", "ss", "stack.target", "replace")
         self.wait_baseline()
 
     def install_unit(self, name: str, text: str | None, dropins: dict[str, str] | None = None) -> None:
@@ -437,27 +483,24 @@ class Stack:
         self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
 
     def _reload(self) -> None:
-        subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                        "org.freedesktop.systemd1.Manager", "Reload"], env={**os.environ, **self.env()},
-                       check=True, capture_output=True, timeout=30)
+        self.manager("Reload")
 
     def _remove_extra_units(self) -> None:
         extra = [f for f in self.paths.units.iterdir() if f.name not in self._base_units]
         for f in extra:
             if not f.name.endswith(".d"):
-                subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                                "org.freedesktop.systemd1.Manager", "StopUnit", "ss", f.name, "replace"],
-                               env={**os.environ, **self.env()}, capture_output=True, timeout=30)
+                self.manager("StopUnit", "ss", f.name, "replace", check=False)
         for f in extra:
-            _wait(f"{f.name} to stop", lambda f=f: f.name.endswith(".d") or
-                  self._active_state(f.name) in ("inactive", "failed"), 30)
+            _wait(
+                f"{f.name} to stop",
+                lambda f=f: f.name.endswith(".d") or self._active_state(f.name) in ("inactive", "failed"),
+                30,
+            )
         for f in extra:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
         if extra:
             self._reload()
-            subprocess.run(["busctl", "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                            "org.freedesktop.systemd1.Manager", "ResetFailed"], env={**os.environ, **self.env()},
-                           capture_output=True, timeout=30)
+            self.manager("ResetFailed", check=False)
 
     @property
     def _base_units(self) -> set[str]:
@@ -465,20 +508,19 @@ class Stack:
 
     def restart_resident(self) -> None:
         """Restart strata as a GPU needs it: stop, wait until the ledger freed its VRAM, start."""
-        self._manager("StopUnit", "strata.service", "replace")
+        self.manager("StopUnit", "ss", "strata.service", "replace")
         _wait("strata to stop", lambda: self._active_state("strata.service") in ("inactive", "failed"), 30)
-        _wait("strata's VRAM to come free",
-              lambda: all(h["name"] != "strata" for h in self.ledger()["holders"]), 30, 0.05)
-        self._manager("StartUnit", "stack.target", "replace")
+        _wait(
+            "strata's VRAM to come free", lambda: all(h["name"] != "strata" for h in self.ledger()["holders"]), 30, 0.05
+        )
+        self.manager("StartUnit", "ss", "stack.target", "replace")
         _wait("strata to start", lambda: self._active_state("strata.service") == "active", 30)
         self.wait_baseline()
 
     def _active_state(self, unit: str) -> str:
-        out = subprocess.run(["busctl", "--system", "--json=short", "get-property", "org.freedesktop.systemd1",
+        state: str = self.bus("get-property", "org.freedesktop.systemd1",
                               "/org/freedesktop/systemd1/unit/" + _bus_escape(unit), "org.freedesktop.systemd1.Unit",
-                              "ActiveState"], env={**os.environ, **self.env()}, capture_output=True, text=True,
-                             timeout=10, check=True)
-        state: str = json.loads(out.stdout)["data"]
+                              "ActiveState")
         return state
 
     # -- down -------------------------------------------------------------------------------
@@ -495,8 +537,7 @@ class Stack:
                 dockerd.signal(signal.SIGKILL)
         if systemd and systemd.alive():
             # Stop the units cleanly first (their cgroups go with them), then end the namespace.
-            self._busctl("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                         "org.freedesktop.systemd1.Manager", "StartUnit", "ss", "stack-halt.target", "isolate")
+            self.manager("StartUnit", "ss", "stack-halt.target", "isolate", check=False)
             with contextlib.suppress(StackError):
                 _wait("the stack's units to stop", lambda: not self._units_left(), 20)
             systemd.signal(signal.SIGKILL)
@@ -506,12 +547,8 @@ class Stack:
         self.paths.pids.unlink(missing_ok=True)
 
     def _units_left(self) -> bool:
-        out = subprocess.run(["busctl", "--system", "--json=short", "call", "org.freedesktop.systemd1",
-                              "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
-                              "ListUnitsByPatterns", "asas", "1", "active", "1", "*.service"],
-                             env={**os.environ, **self.env()}, capture_output=True, text=True, timeout=10)
-        names = [row[0] for row in json.loads(out.stdout)["data"][0]] if out.returncode == 0 else []
-        return any(n != "dbus.service" for n in names)
+        rows = self.manager("ListUnitsByPatterns", "asas", "1", "active", "1", "*.service", check=False)
+        return rows is None or any(row[0] != "dbus.service" for row in rows[0])
 
     # -- sharing one stack ------------------------------------------------------------------
 

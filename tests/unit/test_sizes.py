@@ -3,8 +3,17 @@ import pytest
 from gpuswapd.sizes import SizeError, format_size, parse_size
 
 
-@pytest.mark.parametrize(("text", "nbytes"), [("21GiB", 21 * 2**30), ("512MiB", 512 * 2**20), ("21.5G", int(21.5 * 2**30)),
-                                              ("20GB", 20 * 10**9), ("1024", 1024), ("1 GiB", 2**30)])
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        ("21GiB", 21 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("21.5G", int(21.5 * 2**30)),
+        ("20GB", 20 * 10**9),
+        ("1024", 1024),
+        ("1 GiB", 2**30),
+    ],
+)
 def test_parse(text: str, nbytes: int) -> None:
     assert parse_size(text) == nbytes
 

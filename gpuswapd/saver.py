@@ -1,0 +1,45 @@
+"""Write the window record off the event loop; saves that arrive together share one write.
+
+Callers await their save: a phase is on disk before it acts, a lease before its client hears of
+it. A burst of grants costs one fsync'd write, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gpuswapd.blocking import blocking
+from gpuswapd.errors import GpuswapError
+from gpuswapd.record import WindowRecord
+from gpuswapd.state import StateStore
+
+
+class Saver:
+    """Group commit of the current window record."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._lock = asyncio.Lock()
+        self._queued: bytes | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    async def save(self, record: WindowRecord) -> None:
+        """Persist ``record`` as it is now; return once it (or a newer snapshot) is on disk."""
+        data = json.dumps(record.to_dict(), separators=(",", ":")).encode()
+        if self._done is not None and not self._done.done():
+            self._queued = data  # ride on the write already queued, with the newer snapshot
+            await asyncio.shield(self._done)
+            return
+        done = self._done = asyncio.get_running_loop().create_future()
+        self._queued = data
+        async with self._lock:  # one write at a time, in order
+            data, self._queued, self._done = self._queued, None, None
+            try:
+                await blocking(self.store.write_current, data)
+            except OSError as err:
+                failure = GpuswapError(f"cannot write the state file in {self.store.dir}: {err.strerror}; "
+                                       "gpuswapd cannot promise to undo this window after a crash")
+                done.set_exception(failure)
+                raise failure from err
+            done.set_result(None)

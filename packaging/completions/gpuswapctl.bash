@@ -1,0 +1,65 @@
+# bash completion for gpuswapctl(1)                                    -*- shell-script -*-
+# Installed as /usr/share/bash-completion/completions/gpuswapctl.
+
+_gpuswapctl() {
+    local cur prev words cword split
+    _init_completion -s || return
+
+    local commands="acquire renew release run status plan history bench"
+    local common="--socket --json -h --help"
+    local -A options=(
+        [acquire]="--for --holder --no-wait --timeout"
+        [renew]="--for --holder"
+        [release]="--holder"
+        [run]="--for --holder --timeout --"
+        [status]=""
+        [plan]=""
+        [history]="--limit"
+        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease"
+    )
+    local spans="90s 5m 15m 30m 1h 4h"
+
+    # The command, and for run the start of COMMAND after "--".
+    local i command=""
+    for ((i = 1; i < cword; i++)); do
+        case ${words[i]} in
+            --socket | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
+                --max-tokens | --repeat) ((i++)) ;;
+            --)
+                if [[ $command == run ]]; then
+                    _command_offset $((i + 1))
+                    return
+                fi
+                ;;
+            -*) ;;
+            *) [[ -z $command ]] && command=${words[i]} ;;
+        esac
+    done
+
+    case $prev in
+        --socket)
+            _filedir
+            return
+            ;;
+        --prompts)
+            COMPREPLY=($(compgen -W "chat long-context" -- "$cur"))
+            _filedir jsonl
+            return
+            ;;
+        --for | --timeout)
+            COMPREPLY=($(compgen -W "$spans" -- "$cur"))
+            return
+            ;;
+        --holder | --limit | --url | --model | --max-tokens | --repeat)
+            return
+            ;;
+    esac
+    $split && return
+
+    if [[ -z $command ]]; then
+        COMPREPLY=($(compgen -W "$commands $common" -- "$cur"))
+    elif [[ -v "options[$command]" ]]; then
+        COMPREPLY=($(compgen -W "${options[$command]} $common" -- "$cur"))
+    fi
+} &&
+    complete -F _gpuswapctl gpuswapctl

@@ -1,0 +1,248 @@
+"""Write the key reference of gpuswapd.toml(5) from gpuswapd/config.py.
+
+Names, types, ranges and defaults are read from the config dataclasses; only the meaning of each
+key is written here. The page keeps the output between its ``BEGIN KEYS``/``END KEYS`` lines:
+
+    python packaging/man/config_keys.py            # print the generated part
+    python packaging/man/config_keys.py --write    # update packaging/man/gpuswapd.toml.5
+
+tests/unit/test_packaging.py fails when the page differs from what this script writes, or when a
+key has no meaning here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = Path(__file__).resolve().parent / "gpuswapd.toml.5"
+BEGIN = '.\\" BEGIN KEYS: written by packaging/man/config_keys.py --write from gpuswapd/config.py'
+END = '.\\" END KEYS'
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gpuswapd import config  # noqa: E402
+from gpuswapd.timespan import format_span  # noqa: E402
+
+_VERIFY = {
+    "url": "The chat completions endpoint (OpenAI API) that must answer.",
+    "model": "The model name sent with the request.",
+    "prompt": "The prompt of the verifying request; the answer must be a real completion.",
+    "max_tokens": "The request's max_tokens: leave headroom, a thinking model spends tokens before it answers.",
+    "timeout": "How long the verifying completion may take, retries included.",
+}
+
+MEANINGS: dict[str, str] = {
+    "daemon.socket": "The Unix socket gpuswapd creates (mode 0660, group socket_group) when systemd does not hand "
+                     "it one. Ignored under socket activation: gpuswapd.socket's ListenStream= names the socket then.",
+    "daemon.socket_group": "Members of this group (and root) may acquire, renew and release leases, run commands "
+                           "under a lease and ask for a plan. Under socket activation the socket unit's "
+                           "SocketGroup= sets the group of the socket file; this key still decides who is allowed. "
+                           "Empty: root only.",
+    "daemon.state_dir": "An absolute path: the current window (current.json, rewritten atomically at every phase "
+                        "change) and the finished windows (history.jsonl).",
+    "daemon.default_lease": "The length of a lease when acquire has no --for.",
+    "daemon.max_lease": "The longest lease: longer requests are capped to it. At least default_lease.",
+    "daemon.linger": "How long the window stays open after its last lease ended, so that back-to-back jobs do not "
+                     "swap the GPU back and forth.",
+    "daemon.on_shutdown": "What gpuswapd does with an open window when it is stopped (SIGTERM): \"restore\" closes "
+                          "it and gives the GPU back to the resident first; \"keep\" leaves it as it is, for the "
+                          "next gpuswapd to adopt.",
+    "daemon.status_public": "Whether clients that may connect but are neither root nor in socket_group may still "
+                            "read status and history. (The socket's mode 0660 keeps other users out unless it is "
+                            "changed.)",
+    "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
+                 "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
+    "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
+    "gpu.window_needs": "The free VRAM required before the window's container starts.",
+    "gpu.resident_needs": "The free VRAM required before the resident units start again.",
+    "gpu.release_timeout": "How long VRAM may take to come free after a stop (it lags the processes' exit). On "
+                           "timeout the error names the processes that hold VRAM and their units.",
+    "gpu.nvidia_smi": "The nvidia-smi command (looked up in PATH, or an absolute path) for probe = \"nvidia-smi\".",
+    "resident.units": "The units that hold the GPU normally. The active units that Requires=, BindsTo= or PartOf= "
+                      "them are found over D-Bus, recorded and stopped as well (dependents first), and exactly "
+                      "those are started again.",
+    "resident.stop_timeout": "How long stopping one unit may take.",
+    "resident.start_timeout": "How long starting one unit may take.",
+    "resident.idle.kind": "How to tell whether a request is in flight on the resident: \"llama.cpp-slots\" (GET url, "
+                          "busy while any slot is_processing), \"prometheus\" (GET url, busy while metric > 0), "
+                          "\"command\" (run command, idle when it exits 0) or \"none\" (never busy).",
+    "resident.idle.url": "The URL that kind = \"llama.cpp-slots\" or \"prometheus\" reads.",
+    "resident.idle.metric": "The gauge that kind = \"prometheus\" reads.",
+    "resident.idle.command": "The command (argument list, no shell) that kind = \"command\" runs; required then. It "
+                             "runs as gpuswapd does, inside the sandbox of gpuswapd.service.",
+    "resident.idle.wait": "How long to wait for in-flight work to end before on_busy applies.",
+    "resident.idle.on_busy": "What a window does when the resident is still busy after wait: \"fail\" the acquire, "
+                             "or \"proceed\" anyway.",
+    **{f"resident.verify.{k}": v + (" It proves the resident is back before the timers resume."
+                                    if k == "url" else "") for k, v in _VERIFY.items()},
+    "timers.pause": "Glob patterns of timer units. The matching timers that are active when a window opens are "
+                    "recorded and stopped, and exactly those are started again after the resident is back.",
+    "timers.wait_for_jobs": "How long the services of those timers that are running when a window opens may take "
+                            "to finish.",
+    "window.health_url": "The engine's health endpoint, polled until it answers 200.",
+    "window.boot_timeout": "How long the engine may take to become healthy (a cold vLLM compiles kernels first).",
+    "window.watch_interval": "How often the engine's health is probed while the window is READY.",
+    "window.max_restarts": "How many times per window a failed engine is restarted before the window closes and the "
+                           "GPU goes back to the resident.",
+    "window.container.name": "The container's name.",
+    "window.container.image": "The image. With create = true it must be in Docker already: gpuswapd checks at "
+                              "start, and exits with status 78 if it is not.",
+    "window.container.create": "true: create the container from this table for each window and remove it when the "
+                               "window closes; false: start and stop an existing container of that name.",
+    "window.container.env_file": "A file of KEY=VALUE lines in Docker's --env-file format, read by gpuswapd (as "
+                                 "root, without capabilities) when it creates the container. Empty: none.",
+    "window.container.env": "Environment variables, over those of env_file.",
+    "window.container.ports": "Published ports: container port (\"8000/tcp\") = host port. Unused with "
+                              "network_mode = \"host\".",
+    "window.container.volumes": "Bind mounts: host path = container path, with Docker's options "
+                                "(\"/models:ro\").",
+    "window.container.network_mode": "Docker's network mode: \"\" for Docker's default network with the ports "
+                                     "above, \"host\" for the host's network.",
+    "window.container.gpus": "The GPU device request: \"all\", a list of device indexes, or [] for none.",
+    "window.container.shm_size": "The size of /dev/shm in Docker's notation (\"16g\"). Empty: Docker's default.",
+    "window.container.command": "The command, replacing the image's. Empty: the image's own.",
+    "window.container.stop_timeout": "How long the container may take to stop before Docker kills it.",
+    "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
+    "window.warmup.prompt": "The prompt of the warmup completions.",
+    "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
+    **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
+                                  if k == "url" else "") for k, v in _VERIFY.items()},
+}
+
+_TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "_string": lambda c: "string",
+    "_nonempty": lambda c: "string, not empty",
+    "_url": lambda c: "http(s) URL",
+    "_span": lambda c: "time span" + (f", at least {format_span(c['minimum'])}" if c["minimum"] else ""),
+    "_size": lambda c: "size",
+    "_int": lambda c: f"integer, {c['minimum']} to {c['maximum']}",
+    "_bool": lambda c: "boolean",
+    "_choice": lambda c: "one of " + ", ".join(json.dumps(v) for v in c["choices"]),
+    "_strings": lambda c: "list of strings",
+    "_units": lambda c: "list of unit names, at least one",
+    "_timer_patterns": lambda c: "list of glob patterns ending in .timer",
+    "_string_map": lambda c: "table of strings",
+    "_ports": lambda c: "table of port numbers",
+    "_gpus": lambda c: "\"all\" or a list of integers",
+    "_docker_size": lambda c: "string, a Docker size",
+}
+
+
+def all_keys(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any]]]:
+    """Yield every key's dotted name and field, in the order of the dataclasses."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        if "parse" in f.metadata:
+            yield prefix + f.name, f
+        else:
+            yield from all_keys(hints[f.name], f"{prefix}{f.name}.")
+
+
+def sections(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[str]:
+    """Yield the dotted name of every TOML table, in order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name != "source" and "parse" not in f.metadata:
+            yield prefix + f.name
+            yield from sections(hints[f.name], f"{prefix}{f.name}.")
+
+
+def _parser(f: dataclasses.Field[Any]) -> tuple[str, dict[str, Any]]:
+    parse = f.metadata["parse"]
+    name = parse.__qualname__.split(".")[0]
+    cells = dict(zip(parse.__code__.co_freevars, (c.cell_contents for c in parse.__closure__ or ()), strict=True))
+    return name, cells
+
+
+def _type(f: dataclasses.Field[Any]) -> str:
+    name, cells = _parser(f)
+    if name not in _TYPES:
+        raise KeyError(f"config_keys.py does not know the parser {name} yet: add it to _TYPES")
+    return _TYPES[name](cells)
+
+
+def _iec(nbytes: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return str(nbytes)
+
+
+def _default(f: dataclasses.Field[Any]) -> str | None:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return None
+    kind = _parser(f)[0]
+    if kind == "_span":
+        return json.dumps(format_span(value))
+    if kind == "_size":
+        return json.dumps(_iec(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+        return f"{{ {pairs} }}" if pairs else "{}"
+    return json.dumps(value)
+
+
+def _roff(text: str) -> str:
+    """Escape text for a man page line: backslashes, minus signs, a leading control character."""
+    text = text.replace("\\", "\\e").replace("-", "\\-")
+    return "\\&" + text if text[:1] in (".", "'") else text
+
+
+def generate() -> str:
+    """Return the roff of the key reference."""
+    missing = [k for k, _ in all_keys() if k not in MEANINGS]
+    if missing:
+        raise KeyError(f"no meaning written for {', '.join(missing)}: add them to MEANINGS in config_keys.py")
+    by_section: dict[str, list[tuple[str, dataclasses.Field[Any]]]] = {}
+    for dotted, f in all_keys():
+        by_section.setdefault(dotted.rpartition(".")[0], []).append((dotted, f))
+    out: list[str] = []
+    for section in sections():
+        out.append(f'.SS "[{_roff(section)}]"')
+        for dotted, f in by_section.get(section, []):
+            name = dotted.rpartition(".")[2]
+            default = _default(f)
+            said = "required" if default is None else f"default \\fB{_roff(default)}\\fR"
+            out += [".TP", f"\\fB{_roff(name)}\\fR (\\fI{_roff(_type(f))}\\fR; {said})", _roff(MEANINGS[dotted])]
+    return "\n".join(out) + "\n"
+
+
+def render_page(page: str) -> str:
+    """Return ``page`` with its generated part replaced by a fresh one."""
+    head, begin, rest = page.partition(BEGIN + "\n")
+    _, end, tail = rest.partition(END + "\n")
+    if not begin or not end:
+        raise ValueError(f"{PAGE.name} lacks the lines {BEGIN!r} and {END!r}")
+    return head + begin + generate() + end + tail
+
+
+def main(argv: list[str]) -> int:
+    """Print the key reference, or write it into gpuswapd.toml(5) with --write."""
+    if argv[1:] == ["--write"]:
+        PAGE.write_text(render_page(PAGE.read_text()))
+        return 0
+    if argv[1:]:
+        print(__doc__, file=sys.stderr)
+        return 2
+    sys.stdout.write(generate())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
