@@ -64,6 +64,8 @@ class ModelSpec:
     f16: bool = True
 
 
+# slow: n_ff tuned so that a 256-token completion streams for ~3.5-4.5 s with 2 threads on the
+# 2-core box when idle (~60-70 tokens/s), and longer under load.
 MODEL_KINDS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(n_layer=2, n_embd=64, n_ff=128, n_head=4, context_length=8192, seed=1),
     "slow": ModelSpec(n_layer=8, n_embd=512, n_ff=8192, n_head=8, context_length=8192, seed=2),
@@ -143,7 +145,9 @@ def _download_sdist(scratch: Path, logfile: Path) -> Path:
     req = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
     log(f"downloading the {req} sdist (pip may prepare its metadata first: up to ~1 min)")
     t0 = time.monotonic()
-    pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+    # Not --no-binary :all: (which would apply to the build deps pip installs to read the sdist's
+    # metadata too, and without a usable system cmake it then compiles cmake from source).
+    pip = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps"]
     _run_logged([*pip, req, "-d", str(dl)], scratch, logfile)
     tarballs = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
     if len(tarballs) != 1:
@@ -350,10 +354,10 @@ def _write_model(dest: Path, spec: ModelSpec, vocab: Path) -> None:
         """Random (n_out, n_in) matrix scaled so activations keep unit size."""
         return (rng.standard_normal((n_out, n_in), dtype=np.float32) * (gain / np.sqrt(n_in))).astype(wdtype)
 
-    # Channel 0 of the residual stream is a constant "bias" channel: +B for ordinary tokens,
-    # -B for control/unknown/byte tokens. The blocks never read it (norm weight 0) nor write it
-    # (output rows 0), so with tied embeddings every such token's logit sits ~2*B*G below the rest:
-    # EOS (and <s>, <unk>, raw bytes) are never sampled and max_tokens is always reached.
+    # Channel 0 of the residual stream is a constant "bias" channel: +bias for ordinary tokens,
+    # -bias for control/unknown/byte tokens. The blocks never read it (norm weight 0) nor write it
+    # (output rows 0), so with tied embeddings such a token's logit sits ~2*bias*out_gain (~100)
+    # below the rest: EOS (and <s>, <unk>, raw bytes) are never sampled, max_tokens is reached.
     bias, out_gain = 4.0, 4.0
     emb = rng.standard_normal((n_vocab, d), dtype=np.float32)
     emb[:, 0] = np.where(token_types == int(gguf.TokenType.NORMAL), bias, -bias)
@@ -397,7 +401,7 @@ def ensure_model(cache_dir: Path = DEFAULT_CACHE_DIR, kind: str = "tiny") -> Pat
             return dest
         vocab = ensure_vocab(cache_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        for old in dest.parent.glob(f"{kind}-*.gguf"):
+        for old in [*dest.parent.glob(f"{kind}-*.gguf"), *dest.parent.glob(f".{kind}-*.tmp-*")]:
             old.unlink()
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         log(f"writing {kind} model {dest}")

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -185,6 +186,11 @@ def _wait(what: str, check: Any, timeout: float, interval: float = 0.1) -> Any:
     raise StackError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def http_status(url: str, timeout: float = 2.0) -> int:
     """GET a URL and return its status code (0 when nothing answers)."""
     try:
@@ -238,12 +244,20 @@ class Stack:
             self.reset()
             return 0.0
         self.down()
+        for port in (RESIDENT_PORT, PROXY_PORT, ENGINE_PORT):
+            if _listening(port):
+                raise StackError(f"port {port} is taken by a process outside the test world: "
+                                 f"`ss -ltnp 'sport = :{port}'` shows which")
         started = time.monotonic()
         self._lay_out(models)
-        procs = {"systemd": self._boot_systemd(), "dockerd": self._boot_dockerd()}
-        self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
-        self._import_image()
-        self.wait_baseline()
+        try:
+            self._boot_systemd()
+            self._boot_dockerd()
+            self._import_image()
+            self.wait_baseline()
+        except BaseException:
+            self.down()
+            raise
         return time.monotonic() - started
 
     def _lay_out(self, models: dict[str, Path]) -> None:
@@ -311,7 +325,12 @@ class Stack:
             child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         # unshare --fork: the namespace's PID 1 is unshare's child; killing it ends the namespace.
         pid1 = _wait(f"{name} to start", lambda: (_children(child.pid) or [None])[0], 10, 0.01)
-        return Proc.of(pid1)
+        proc = Proc.of(pid1)
+        # Recorded at once: a failure later in up() must still leave down() able to stop it.
+        procs = self._procs()
+        procs[name] = proc
+        self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
+        return proc
 
     def _boot_systemd(self) -> Proc:
         proc = self._spawn(
@@ -355,7 +374,10 @@ class Stack:
             if check:
                 raise StackError(f"busctl {' '.join(args)}: {out.stderr.strip()}")
             return None
-        return json.loads(out.stdout)["data"] if out.stdout.strip() else True
+        if not out.stdout.strip():
+            return True
+        reply = json.loads(out.stdout)
+        return reply["data"] if isinstance(reply, dict) and "data" in reply else reply
 
     def manager(self, method: str, *args: str, check: bool = True) -> Any:
         """Call a method of the world's systemd manager (``manager("StartUnit", "ss", unit, mode)``)."""
@@ -478,9 +500,7 @@ class Stack:
 
     def start_dockerd(self) -> None:
         """Start the world's dockerd again (after ``stop_dockerd``)."""
-        procs = self._procs()
-        procs["dockerd"] = self._boot_dockerd()
-        self.paths.pids.write_text(json.dumps({k: vars(v) for k, v in procs.items()}))
+        self._boot_dockerd()
 
     def _reload(self) -> None:
         self.manager("Reload")
