@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from gpuswapd.adapters.docker import Docker
@@ -28,6 +29,7 @@ from gpuswapd.errors import (
 )
 from gpuswapd.logs import log
 
+R = TypeVar("R")
 MANAGED_LABEL = "io.gpuswapd.managed"
 WATCH_WAIT_S = 300.0
 WINDOW_LABEL = "io.gpuswapd.window"
@@ -71,7 +73,6 @@ class ContainerEngine:
         self._exit: str | None = None
         self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="engine-watch")
 
     @property
     def name(self) -> str:
@@ -124,11 +125,9 @@ class ContainerEngine:
         return {"name": c.name, "created": c.create, "image": c.image}
 
     async def _watch_exit(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                # A long wait on a thread of its own: it returns as soon as the container stops.
-                state = await loop.run_in_executor(self._pool, self.docker.wait_exit, self.name, WATCH_WAIT_S)
+                state = await _in_daemon_thread(self.docker.wait_exit, self.name, WATCH_WAIT_S)
             except ContainerNotFound:
                 self._exit = f"container {self.name} was removed behind gpuswapd's back"
                 log.warning("engine_removed", container=self.name)
@@ -205,6 +204,35 @@ class ContainerEngine:
         if record is None or record.get("created", c.create):
             await blocking(self.docker.remove, c.name)
         log.info("engine_stopped", container=c.name)
+
+
+def _in_daemon_thread(func: Callable[..., R], *args: Any) -> asyncio.Future[R]:
+    """Run a long blocking wait on a daemon thread of its own.
+
+    A long wait (the container's exit) must neither hold a worker of the shared pool nor keep
+    gpuswapd from exiting when it leaves the engine running (on_shutdown = "keep").
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[R] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = func(*args), None
+        except BaseException as err:
+            result, error = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="engine-watch", daemon=True).start()
+    return future
 
 
 def _port_taken(port: int) -> bool:
