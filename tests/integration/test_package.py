@@ -186,6 +186,10 @@ def _main_pid(world: Stack) -> int:
 
 
 def test_packaged_units_run_in_the_test_world(built: Built, world: Stack, probe: Probe) -> None:
+    # As the package's install does: systemd-sysusers creates the socket's group.
+    sysusers = world.paths.root / "gpuswapd-sysusers.conf"
+    sysusers.write_bytes(built.read("usr/lib/sysusers.d/gpuswapd.conf"))
+    subprocess.run(["systemd-sysusers", str(sysusers)], check=True, capture_output=True, timeout=60)
     config = stack_config(world, "packaged")
     sock = world.paths.run / "gpuswapd" / "gpuswapd.sock"
     env = world.env()
@@ -202,6 +206,7 @@ def test_packaged_units_run_in_the_test_world(built: Built, world: Stack, probe:
         )})
     world.manager("StartUnit", "ss", "gpuswapd.socket", "replace")
     daemon = RunningDaemon(world, config, sock)
+    assert probe.active_state("gpuswapd.socket") == "active"
     assert probe.active_state("gpuswapd.service") == "inactive"
 
     status = daemon.ctl("status", "--json")  # the first connection starts gpuswapd.service
