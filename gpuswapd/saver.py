@@ -21,25 +21,27 @@ class Saver:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._lock = asyncio.Lock()
-        self._queued: bytes | None = None
+        self._queued: WindowRecord | None = None
         self._done: asyncio.Future[None] | None = None
 
     async def save(self, record: WindowRecord) -> None:
-        """Persist ``record`` as it is now; return once it (or a newer snapshot) is on disk."""
-        data = json.dumps(record.to_dict(), separators=(",", ":")).encode()
+        """Persist ``record``; return once it is on disk as it is now (or newer)."""
+        self._queued = record
         if self._done is not None and not self._done.done():
-            self._queued = data  # ride on the write already queued, with the newer snapshot
-            await asyncio.shield(self._done)
+            await asyncio.shield(self._done)  # ride on the write already queued
             return
         done = self._done = asyncio.get_running_loop().create_future()
-        self._queued = data
         async with self._lock:  # one write at a time, in order
-            data, self._queued, self._done = self._queued, None, None
+            # Serialized as late as possible: one snapshot holds every change queued so far.
+            queued, self._queued, self._done = self._queued, None, None
+            assert queued is not None
+            data = json.dumps(queued.to_dict(), separators=(",", ":")).encode()
             try:
                 await blocking(self.store.write_current, data)
             except OSError as err:
                 failure = GpuswapError(f"cannot write the state file in {self.store.dir}: {err.strerror}; "
                                        "gpuswapd cannot promise to undo this window after a crash")
                 done.set_exception(failure)
+                done.exception()  # retrieved: the caller below raises it
                 raise failure from err
             done.set_result(None)

@@ -12,7 +12,7 @@ from gpuswapd.errors import VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.sizes import format_size
 
-POLL_S = 0.05
+POLL_S = 0.02  # a read itself takes time (nvidia-smi ~30-60 ms): poll tightly
 
 
 class UnitNamer(Protocol):

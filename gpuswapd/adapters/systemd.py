@@ -126,6 +126,7 @@ class Systemd:
         self._props: dict[str, Any] = {}
         self._subscription: Any = None
         self._state_subscription: Any = None
+        self._timer_units: dict[str, str] = {}
         self._state_watchers: list[Callable[[str, str], None]] = []
 
     @_systemd_errors
@@ -134,7 +135,7 @@ class Systemd:
         with self._lock:
             if self._manager is not None and not self._bus.con.is_closed():
                 return
-            self._manager, self._props = None, {}
+            self._manager, self._props, self._timer_units = None, {}, {}
             bus = SystemBus()
             # GLib's shared bus connection raises SIGTERM in the process when the bus goes away;
             # a daemon reconnects instead.
@@ -266,20 +267,23 @@ class Systemd:
         if not pats:
             return []
         rows = self._mgr().ListUnitsByPatterns([], pats, timeout=self._timeout)
-        out = []
+        timers = []
         for row in sorted(rows):
             name, active_state, path = row[0], row[3], row[6]
-            if not name.endswith(".timer") or not any(fnmatch.fnmatchcase(name, p) for p in pats):
-                continue
-            service = self._properties(path).Get(_TIMER_IFACE, "Unit", timeout=self._timeout)
-            out.append(TimerState(name, active_state, service, self.state(service).active_state))
-        return out
+            if name.endswith(".timer") and any(fnmatch.fnmatchcase(name, p) for p in pats):
+                if name not in self._timer_units:  # a timer's Unit= does not change while it is loaded
+                    self._timer_units[name] = self._properties(path).Get(_TIMER_IFACE, "Unit", timeout=self._timeout)
+                timers.append((name, active_state, self._timer_units[name]))
+        services = {row[0]: row[3] for row in self._mgr().ListUnitsByNames([t[2] for t in timers],
+                                                                             timeout=self._timeout)}
+        return [TimerState(name, state, service, services.get(service, "inactive")) for name, state, service in timers]
 
     def unit_of_pid(self, pid: int) -> str | None:
         """Name the unit a process belongs to (from its cgroup, else asking systemd)."""
-        unit = unit_from_cgroup(pid)
-        if unit is not None:
-            return unit
+        try:
+            return unit_from_cgroup(pid)
+        except OSError:
+            pass  # /proc hides it (hidepid=): ask systemd
         try:
             path = self._mgr().GetUnitByPID(pid, timeout=self._timeout)
             props = self._properties(path).GetAll(_UNIT_IFACE, timeout=self._timeout)
@@ -331,16 +335,12 @@ def _start_glib_loop() -> None:
 
 
 def unit_from_cgroup(pid: int, proc: Path = Path("/proc")) -> str | None:
-    """Name the unit of a process from ``/proc/PID/cgroup``; the unit is the path's last unit.
+    """Name the unit of a process from ``/proc/PID/cgroup`` (OSError if unreadable).
 
     A process inside another PID namespace's systemd (or a container) may carry a prefix before
     ``system.slice/NAME.service``: take the innermost component that names a unit.
     """
-    try:
-        text = (proc / str(pid) / "cgroup").read_text()
-    except OSError:
-        return None
-    lines = text.splitlines()
+    lines = (proc / str(pid) / "cgroup").read_text().splitlines()
     # cgroup v2 ("0::/...") first, then the named systemd hierarchy of a v1/hybrid setup.
     chosen = [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]
     for line in chosen:
