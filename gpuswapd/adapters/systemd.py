@@ -12,13 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
+from gpuswapd.unitnames import unit_from_cgroup, unit_from_path
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -307,20 +307,6 @@ class Systemd:
             watcher(unit, str(changed["ActiveState"]))
 
 
-def unit_from_path(path: str) -> str:
-    """Name the unit of a systemd object path (``…/unit/strata_2eservice`` is strata.service)."""
-    escaped = path.rsplit("/", 1)[-1]
-    out, i = [], 0
-    while i < len(escaped):
-        if escaped[i] == "_" and i + 2 < len(escaped):
-            out.append(chr(int(escaped[i + 1:i + 3], 16)))
-            i += 3
-        else:
-            out.append(escaped[i])
-            i += 1
-    return "".join(out)
-
-
 _glib_lock = threading.Lock()
 _glib_thread: threading.Thread | None = None
 
@@ -332,20 +318,3 @@ def _start_glib_loop() -> None:
         if _glib_thread is None or not _glib_thread.is_alive():
             _glib_thread = threading.Thread(target=GLib.MainLoop().run, name="glib-loop", daemon=True)
             _glib_thread.start()
-
-
-def unit_from_cgroup(pid: int, proc: Path = Path("/proc")) -> str | None:
-    """Name the unit of a process from ``/proc/PID/cgroup`` (OSError if unreadable).
-
-    A process inside another PID namespace's systemd (or a container) may carry a prefix before
-    ``system.slice/NAME.service``: take the innermost component that names a unit.
-    """
-    lines = (proc / str(pid) / "cgroup").read_text().splitlines()
-    # cgroup v2 ("0::/...") first, then the named systemd hierarchy of a v1/hybrid setup.
-    chosen = [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]
-    for line in chosen:
-        parts = line.split(":", 2)[2].strip("/").split("/")
-        for part in reversed(parts):
-            if part.endswith((".service", ".scope")) and part != "init.scope":
-                return part
-    return None
