@@ -21,7 +21,7 @@ from tests.integration.test_window import assert_resident_back
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
-from tests.stack.world import Stack
+from tests.stack.world import REPO, Stack
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "packaging" / "arch" / "build.sh"
@@ -173,7 +173,8 @@ def test_build_stays_within_budget(built: Built) -> None:
 # The service and socket units come out of the built package and run unchanged in the test
 # world's systemd (a real systemd 252 with its own D-Bus; real dockerd; real llama-server), with a
 # drop-in that only points them at this checkout and the world: where gpuswapd and its config
-# are, how to reach the world's dockerd, and the world's directory (PrivateTmp= hides /var/tmp).
+# are, how to reach the world's dockerd, and the world's directory and this checkout (PrivateTmp=
+# hides /tmp and /var/tmp, where both may live).
 # The socket lives at /run/gpuswapd inside the namespace, which is STACKDIR/run outside.
 
 
@@ -201,6 +202,7 @@ def test_packaged_units_run_in_the_test_world(built: Built, world: Stack, probe:
             f"ExecStart={BIN}/gpuswapd --config {config}\n"
             f"Environment=DOCKER_HOST={env['DOCKER_HOST']} PATH={env['PATH']}\n"
             f"BindPaths={world.paths.root}\n"
+            f"BindReadOnlyPaths={REPO}\n"
             # Short enough to watch it being fed within the test.
             "WatchdogSec=2s\n"
         )})
