@@ -71,7 +71,8 @@ def follow(daemon: RunningDaemon, until: str, timeout: float = 120) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo."""
     parser = argparse.ArgumentParser(prog="python -m tests.stack.demo", description=__doc__)
-    parser.add_argument("--keep", action="store_true", help="leave the test world up afterwards")
+    parser.add_argument("--keep", action="store_true", help="leave the test world and gpuswapd running afterwards")
+    parser.add_argument("--keep-world", action="store_true", help="leave the test world up, stop gpuswapd")
     args = parser.parse_args(argv)
     stack = Stack()
     with stack.exclusive():
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if not args.keep:
                 daemon.stop()
+            if not (args.keep or args.keep_world):
                 step("Tear the test world down (nothing of it keeps running)")
                 stack.down()
 

@@ -40,6 +40,7 @@ ENGINE_VRAM = "19.5GiB"
 RELEASE_LAG_S = 0.5
 RESIDENT_PORT, PROXY_PORT, ENGINE_PORT = 8081, 8080, 18020
 REPO = Path(__file__).resolve().parents[2]
+HELD_ENV = "GPUSWAPD_STACK_HELD"
 
 
 def _bus_escape(name: str) -> str:
@@ -574,7 +575,13 @@ class Stack:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the stack for this process (ports are fixed: one stack at a time per machine)."""
+        """Hold the stack for this process (ports are fixed: one stack at a time per machine).
+
+        A child of the holder (the demo run by a test) shares the hold: ``GPUSWAPD_STACK_HELD``.
+        """
+        if os.environ.get(HELD_ENV) == str(self.paths.root):
+            yield
+            return
         self.paths.root.mkdir(parents=True, exist_ok=True)
         with open(self.paths.root.parent / f".{self.paths.root.name}.lock", "w") as lock:
             try:
@@ -582,4 +589,8 @@ class Stack:
             except BlockingIOError:
                 print("waiting for another user of the test world to finish…", file=sys.stderr)
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
+            os.environ[HELD_ENV] = str(self.paths.root)
+            try:
+                yield
+            finally:
+                del os.environ[HELD_ENV]
