@@ -72,7 +72,7 @@ class Daemon:
             print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
             return 1
         await self.server.start(sock)
-        self._recover()
+        await self._recover()
         self.notifier.send(ready="1", status=str(self.window.phase))
         log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket)
         watchdog = asyncio.create_task(self._feed_watchdog())
@@ -101,13 +101,17 @@ class Daemon:
             self._own_socket = self.config.daemon.socket
         return sock
 
-    def _recover(self) -> None:
-        """Pick up a window an earlier gpuswapd left open (a crash, a restart)."""
+    async def _recover(self) -> None:
+        """Pick up a window an earlier gpuswapd left open, and remove engines no record knows."""
         try:
             record = self.store.load()
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.error("state_unreadable", error=str(err), moved_to=f"{self.store.current}.corrupt")
-            return
+            record = None
+        try:
+            await self.engine.remove_orphans(record.id if record else None)
+        except GpuswapError as err:
+            log.warning("orphan_check_failed", error=err.message)
         if record is not None:
             self.window.recover(record)
 

@@ -160,6 +160,19 @@ class ContainerEngine:
         self._watch = asyncio.create_task(self._watch_exit())
         return await self.healthy()
 
+    async def remove_orphans(self, keep_window: str | None) -> list[str]:
+        """Stop and remove containers gpuswapd made for windows it has no record of."""
+        gone = []
+        for state in await blocking(self.docker.find, {MANAGED_LABEL: "1"}):
+            if keep_window is not None and state.labels.get(WINDOW_LABEL) == keep_window:
+                continue
+            log.warning("orphan_engine_removed", container=state.name, window=state.labels.get(WINDOW_LABEL),
+                        status=state.status)
+            await blocking(self.docker.stop, state.name, self.config.container.stop_timeout)
+            await blocking(self.docker.remove, state.name)
+            gone.append(state.name)
+        return gone
+
     async def wait_serving(self, timeout: float) -> float:
         """Poll health until 200 within ``timeout``; a container that exits fails at once."""
         try:

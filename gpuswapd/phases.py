@@ -46,10 +46,6 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.RESUMING_TIMERS: frozenset({P.IDLE}),
 }
 
-OPENING = frozenset({P.DRAINING, P.PAUSING_TIMERS, P.STOPPING_RESIDENT, P.BOOTING, P.WARMING})
-CLOSING = frozenset({P.CLOSING, P.RESTORING, P.DEGRADED, P.RESUMING_TIMERS})
-
-
 class TransitionError(AssertionError):
     """A phase change the table does not allow: a bug in gpuswapd."""
 

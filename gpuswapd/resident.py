@@ -9,7 +9,7 @@ from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd, TimerState
 from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
-from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, VerifyFailed
+from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
 from gpuswapd.logs import log
 
 POLL_S = 0.25
@@ -80,7 +80,7 @@ class Resident:
             await blocking(self.systemd.start, *timers, timeout=self.config.resident.start_timeout)
         except GpuswapError as err:
             log.error("timers_resume_failed", error=err.message)
-            raise VerifyFailed(f"could not start timers again: {err.message}") from err
+            raise RestoreFailed(f"could not start timers again: {err.message}") from err
         log.info("timers_resumed", timers=timers)
 
     async def closure(self) -> list[str]:

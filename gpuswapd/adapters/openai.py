@@ -12,10 +12,9 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import shlex
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -23,33 +22,12 @@ import httpx
 
 from gpuswapd.config import CompletionCheck, IdleConfig
 from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
+from gpuswapd.prometheus import scan_prometheus
+from gpuswapd.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 
 RETRY_INTERVAL_S = 0.1
 IDLE_TIMEOUT_S = 10.0
 _ERROR_BODY_LIMIT = 64 * 1024
-_SNIPPET = 300
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One chat completion as it was streamed."""
-
-    text: str
-    reasoning: str
-    finish_reason: str | None
-    # From the final usage chunk only: speculative decoding puts several tokens in one chunk.
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    chunks: int
-    ttft_s: float | None
-    total_s: float
-
-    @property
-    def answered(self) -> bool:
-        """Tell whether the model gave an answer (not only reasoning)."""
-        # Whitespace counts: it proves the server generates answer tokens (tiny test models
-        # answer "\n\n..."); the failure that matters is reasoning with no answer at all.
-        return bool(self.text)
 
 
 @dataclass(frozen=True)
@@ -58,303 +36,6 @@ class Busy:
 
     busy: bool
     detail: str
-
-
-class _ServerFault(Exception):
-    """The server failed mid-answer (error event, truncated stream): worth a retry."""
-
-
-# -- server-sent events ------------------------------------------------------------------------
-
-
-class SseDecoder:
-    """Turn server-sent event lines into JSON objects, one line at a time."""
-
-    def __init__(self, where: str = "stream") -> None:
-        self.done = False
-        self.where = where
-        self._data: list[str] = []
-        self._event = ""
-
-    def line(self, line: str) -> list[dict[str, Any]]:
-        """Take one line (without its line break); return the events it completes."""
-        if self.done:
-            return []
-        line = line.rstrip("\r\n")
-        if not line:
-            return self._dispatch(strict=True)
-        if line.startswith(":"):  # a comment: keep-alives
-            return []
-        name, colon, value = line.partition(":")
-        if colon and value.startswith(" "):
-            value = value[1:]
-        if name == "event":
-            self._event = value
-        elif name == "data":
-            self._data.append(value)
-            # Some servers omit the blank line between events: an object is complete when it parses.
-            return self._dispatch(strict=False)
-        elif name == "error":
-            # llama.cpp sends a failure mid-stream as an `error: {...}` line (server_sent_event).
-            out = self._dispatch(strict=True)
-            self._data, self._event = [value], "error"
-            return out + self._dispatch(strict=True)
-        return []  # id:, retry:, and fields nobody defined
-
-    def end(self) -> list[dict[str, Any]]:
-        """Flush the last event when the stream ends without a blank line."""
-        return [] if self.done else self._dispatch(strict=True)
-
-    def _dispatch(self, *, strict: bool) -> list[dict[str, Any]]:
-        raw = "\n".join(self._data).strip()
-        if not raw:
-            self._data, self._event = [], ""
-            return []
-        if raw == "[DONE]":
-            self.done = True
-            return []
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError):
-            if not strict:
-                return []  # perhaps an object spread over several data: lines
-            if self._event == "error":
-                obj = {"message": raw}
-            else:
-                raise BadResponse(f"{self.where}: an event is not JSON: {_snip(raw)}") from None
-        event, self._data, self._event = self._event, [], ""
-        if event == "error" and not (isinstance(obj, dict) and "error" in obj):
-            obj = {"error": obj}
-        if not isinstance(obj, dict):
-            raise BadResponse(f"{self.where}: an event is not a JSON object: {_snip(raw)}")
-        return [obj]
-
-
-def parse_sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a server-sent event stream, up to ``data: [DONE]``."""
-    decoder = SseDecoder()
-    for line in lines:
-        yield from decoder.line(line)
-        if decoder.done:
-            return
-    yield from decoder.end()
-
-
-# -- completions -------------------------------------------------------------------------------
-
-
-class CompletionBuilder:
-    """Collect a streamed chat completion's chunks into a ``Completion``."""
-
-    def __init__(self, started: float, where: str = "stream") -> None:
-        self.started = started
-        self.where = where
-        self.chunks = 0
-        self.finish_reason: str | None = None
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._usage: dict[str, Any] | None = None
-        self._first: float | None = None
-
-    def add(self, chunk: dict[str, Any], at: float) -> None:
-        """Take one chunk that arrived at monotonic time ``at``; raise on an error chunk."""
-        error = chunk.get("error")
-        if error is not None:
-            message = f"{self.where}: the server failed mid-stream: {_error_text(chunk)}"
-            code = error.get("code") if isinstance(error, dict) else None
-            if isinstance(code, int) and code < 500:
-                raise BadResponse(message)
-            raise BadResponse(message) from _ServerFault()
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self._usage = usage
-        choices = chunk.get("choices")
-        carried = False
-        for choice in choices if isinstance(choices, list) else []:
-            if not isinstance(choice, dict):
-                continue
-            part = choice.get("delta")
-            if not isinstance(part, dict):
-                part = choice.get("message")  # a non-streamed answer
-            if isinstance(part, dict):
-                carried |= self._take(part)
-            if isinstance(choice.get("finish_reason"), str):
-                self.finish_reason = choice["finish_reason"]
-        if carried:
-            self.chunks += 1
-            if self._first is None:
-                self._first = at
-
-    def _take(self, delta: dict[str, Any]) -> bool:
-        content = delta.get("content")
-        # vLLM >= 0.16 says `reasoning`; older vLLM and llama.cpp say `reasoning_content`.
-        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-        carried = False
-        if isinstance(content, str) and content:
-            self._text.append(content)
-            carried = True
-        if isinstance(reasoning, str) and reasoning:
-            self._reasoning.append(reasoning)
-            carried = True
-        return carried
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Seconds from the request to the first content or reasoning token."""
-        return None if self._first is None else self._first - self.started
-
-    def build(self, at: float) -> Completion:
-        """Return the completion as of monotonic time ``at``."""
-        usage = self._usage or {}
-        return Completion(
-            text="".join(self._text),
-            reasoning="".join(self._reasoning),
-            finish_reason=self.finish_reason,
-            prompt_tokens=_count(usage.get("prompt_tokens")),
-            completion_tokens=_count(usage.get("completion_tokens")),
-            chunks=self.chunks,
-            ttft_s=self.ttft_s,
-            total_s=at - self.started,
-        )
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-# -- Prometheus text format --------------------------------------------------------------------
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Read Prometheus text exposition: each metric name and its value summed over label sets."""
-    return _scan_prometheus(text)[0]
-
-
-def _scan_prometheus(text: str) -> tuple[dict[str, float], list[str]]:
-    """Parse what parses; return the sums and the sample lines that did not."""
-    sums: dict[str, float] = {}
-    bad: list[str] = []
-    # Only \n ends a line: str.splitlines() would also split label values at \x1c or \u2028.
-    for raw in text.split("\n"):
-        line = raw.strip(" \t\r")
-        if not line or line.startswith("#"):  # HELP, TYPE, EOF, comments
-            continue
-        sample = _parse_sample(line)
-        if sample is None:
-            bad.append(line)
-        else:
-            name, value = sample
-            sums[name] = sums.get(name, 0.0) + value
-    return sums, bad
-
-
-def _parse_sample(line: str) -> tuple[str, float] | None:
-    """Parse ``name{labels} value [timestamp] [# exemplar]``; None if malformed."""
-    match = _METRIC_NAME.match(line)
-    name, i = (match.group(), match.end()) if match else ("", 0)
-    brace = _skip_blanks(line, i)
-    if brace < len(line) and line[brace] == "{":
-        labels = _parse_labels(line, brace)
-        if labels is None:
-            return None
-        quoted_name, i = labels
-        if quoted_name is not None:
-            if name:
-                return None
-            name = quoted_name
-    elif i < len(line) and line[i] not in " \t":  # e.g. "foo-1 2": not a name, then a value
-        return None
-    if not name:
-        return None
-    fields = line[i:].split()
-    if "#" in fields:  # an OpenMetrics exemplar follows
-        fields = fields[: fields.index("#")]
-    if len(fields) not in (1, 2) or any(_number(f) is None for f in fields):
-        return None
-    value = _number(fields[0])
-    return None if value is None else (name, value)
-
-
-def _parse_labels(line: str, i: int) -> tuple[str | None, int] | None:
-    """Skip ``{...}`` from ``line[i]``; return a quoted metric name found inside and the end."""
-    i += 1
-    quoted_name: str | None = None
-    first = True
-    while True:
-        i = _skip_blanks(line, i)
-        if i < len(line) and line[i] == "}":
-            return quoted_name, i + 1
-        if i < len(line) and line[i] == '"':
-            read = _read_quoted(line, i)
-            if read is None:
-                return None
-            label, i = read
-            i = _skip_blanks(line, i)
-            if first and i < len(line) and line[i] in ",}":
-                quoted_name = label  # Prometheus 3 spells UTF-8 names {"name", label="v"}
-                if line[i] == ",":
-                    i += 1
-                first = False
-                continue
-        else:
-            match = _LABEL_NAME.match(line, i)
-            if match is None:
-                return None
-            i = _skip_blanks(line, match.end())
-        if i >= len(line) or line[i] != "=":
-            return None
-        i = _skip_blanks(line, i + 1)
-        read = _read_quoted(line, i)
-        if read is None:
-            return None
-        i = _skip_blanks(line, read[1])
-        first = False
-        if i < len(line) and line[i] == ",":
-            i += 1
-        elif i >= len(line) or line[i] != "}":
-            return None
-
-
-def _skip_blanks(line: str, i: int) -> int:
-    while i < len(line) and line[i] in " \t":
-        i += 1
-    return i
-
-
-def _read_quoted(line: str, i: int) -> tuple[str, int] | None:
-    """Read a double-quoted string with backslash escapes at ``line[i]``; None if unterminated."""
-    if i >= len(line) or line[i] != '"':
-        return None
-    out: list[str] = []
-    i += 1
-    while i < len(line):
-        ch = line[i]
-        if ch == "\\" and i + 1 < len(line):
-            nxt = line[i + 1]
-            out.append("\n" if nxt == "n" else nxt)
-            i += 2
-        elif ch == '"':
-            return "".join(out), i + 1
-        else:
-            out.append(ch)
-            i += 1
-    return None
-
-
-def _number(token: str) -> float | None:
-    """Parse a sample value or timestamp (Go float syntax: ``NaN``, ``+Inf``, ``1.5e3``)."""
-    if "_" in token:  # Python's float() takes 1_000; Prometheus does not
-        return None
-    try:
-        return float(token)
-    except ValueError:
-        return None
-
-
-# -- the HTTP client ---------------------------------------------------------------------------
 
 
 class ModelHttp:
@@ -396,7 +77,7 @@ class ModelHttp:
                 # Docker's port proxy accepts and hangs up while the engine inside still loads.
                 return 0, _reason(err)
             raise
-        return response.status_code, _message_of(response.text)
+        return response.status_code, message_of(response.text)
 
     async def wait_healthy(
         self,
@@ -432,14 +113,14 @@ class ModelHttp:
         self,
         url: str,
         model: str,
-        prompt: str,
+        prompt: str | list[dict[str, Any]],
         max_tokens: int,
         timeout: float,
     ) -> Completion:
-        """Stream one chat completion from ``url`` (the whole request bounded by ``timeout``)."""
+        """Stream one chat completion of a prompt or a message list (bounded by ``timeout``)."""
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -484,7 +165,7 @@ class ModelHttp:
             raise BadResponse(
                 f"{got.where}: the stream ended without [DONE] or a finish_reason after "
                 f"{got.chunks} chunks (the server broke off mid-answer)"
-            ) from _ServerFault()
+            ) from ServerFault()
 
     async def verify(self, check: CompletionCheck, retry_until: float | None = None) -> Completion:
         """Get a real answer for ``check``; retry failures that may pass until ``retry_until``."""
@@ -561,7 +242,7 @@ def _slots_busy(url: str, raw: bytes) -> Busy:
     """Read llama.cpp's ``/slots``: busy if any slot is processing."""
     slots = _json(raw, f"GET {url}")
     if not isinstance(slots, list):
-        raise BadResponse(f"GET {url}: expected a JSON list of slots, got {_snip(raw)}")
+        raise BadResponse(f"GET {url}: expected a JSON list of slots, got {snip(raw)}")
     busy = 0
     for n, slot in enumerate(slots):
         if isinstance(slot, dict) and "is_processing" in slot:
@@ -571,17 +252,17 @@ def _slots_busy(url: str, raw: bytes) -> Busy:
         else:
             raise BadResponse(
                 f"GET {url}: slot {n} has no is_processing: is this llama-server's /slots? "
-                f"({_snip(json.dumps(slot))})"
+                f"({snip(json.dumps(slot))})"
             )
     return Busy(busy > 0, f"{busy} of {len(slots)} slots processing")
 
 
 def _gauge_busy(url: str, metric: str, text: str) -> Busy:
     """Read a Prometheus gauge: busy if it is above zero."""
-    sums, bad = _scan_prometheus(text)
+    sums, bad = scan_prometheus(text)
     value = sums.get(metric)
     if value is None:
-        unreadable = f"; {len(bad)} lines did not parse, e.g. {_snip(bad[0])}" if bad else ""
+        unreadable = f"; {len(bad)} lines did not parse, e.g. {snip(bad[0])}" if bad else ""
         raise BadResponse(
             f"GET {url}: no metric {metric} there{unreadable} (llama-server needs --metrics; "
             "check resident.idle.metric)"
@@ -617,7 +298,7 @@ async def _run_idle_command(command: list[str], limit: float) -> Busy:
             await proc.wait()
     code = await proc.wait()  # already exited: this only reads the code
     said = output.decode(errors="replace").strip().splitlines()
-    tail = f": {_snip(said[-1])}" if said else ""
+    tail = f": {snip(said[-1])}" if said else ""
     how = f"killed by signal {-code}" if code < 0 else f"exited {code}"
     return Busy(code != 0, f"{shown} {how}{tail}")
 
@@ -661,7 +342,7 @@ async def _raise_status(
             raw += piece
             if len(raw) >= _ERROR_BODY_LIMIT:
                 break
-    said = _message_of(raw.decode(errors="replace"))
+    said = message_of(raw.decode(errors="replace"))
     message = f"{method} {url}: HTTP {response.status_code}" + (f": {said}" if said else "")
     cause = httpx.HTTPStatusError(message, request=response.request, response=response)
     raise BadResponse(message + (f"; {hint}" if hint else "")) from cause
@@ -676,57 +357,23 @@ def _worth_retrying(err: EndpointError) -> bool:
         status = cause.response.status_code
         return status >= 500 or status in (408, 429)
     # Not every TransportError: a URL without http:// will not get better by trying again.
-    return isinstance(cause, httpx.RemoteProtocolError | _ServerFault)
-
-
-def _message_of(text: str) -> str:
-    """Say what an error body says: OpenAI, llama-swap and FastAPI shapes, or the text."""
-    try:
-        body = json.loads(text)
-    except (ValueError, RecursionError):
-        return _snip(text)
-    return _snip(_error_text(body)) if isinstance(body, dict) else _snip(text)
-
-
-def _error_text(body: dict[str, Any]) -> str:
-    """Dig the message out of ``{"error": {"message"}}``, ``{"error": "..."}`` or ``{"detail"}``."""
-    for key in ("error", "detail", "message"):
-        value = body.get(key)
-        if isinstance(value, dict):
-            inner = value.get("message") or value.get("msg")
-            kind = value.get("type")
-            if isinstance(inner, str):
-                prefix = f"{kind}: " if isinstance(kind, str) and kind not in inner else ""
-                return prefix + inner
-            return json.dumps(value)
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            return "; ".join(str(v.get("msg", v)) for v in value if isinstance(v, dict))
-        if isinstance(value, str) and value:
-            return value
-    return "" if not body else json.dumps(body)
+    return isinstance(cause, httpx.RemoteProtocolError | ServerFault)
 
 
 def _json(raw: bytes, where: str) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as err:
-        raise BadResponse(f"{where}: the answer is not JSON: {_snip(raw)}") from err
+        raise BadResponse(f"{where}: the answer is not JSON: {snip(raw)}") from err
 
 
 def _json_object(raw: bytes, where: str) -> dict[str, Any]:
     obj = _json(raw, where)
     if not isinstance(obj, dict):
-        raise BadResponse(f"{where}: the answer is not a JSON object: {_snip(raw)}")
+        raise BadResponse(f"{where}: the answer is not a JSON object: {snip(raw)}")
     return obj
 
 
 def _reason(err: EndpointError) -> str:
     """Drop the ``METHOD URL: `` that starts an error message."""
     return err.message.split(": ", 1)[-1]
-
-
-def _snip(text: str | bytes) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    text = " ".join(text.split())
-    return text if len(text) <= _SNIPPET else text[: _SNIPPET - 1] + "…"

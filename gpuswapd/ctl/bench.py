@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuswapd.adapters.openai import Completion, CompletionBuilder, ModelHttp
+from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.ctl.client import Client
 from gpuswapd.ctl.lease import held_lease
 from gpuswapd.errors import EndpointError
+from gpuswapd.streams import Completion
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BUILTIN_SETS = ("chat", "long-context")
@@ -184,30 +185,7 @@ def endpoint(args: argparse.Namespace, socket: str) -> tuple[str, str]:
 # -- requests ------------------------------------------------------------------------------------
 
 
-class BenchHttp(ModelHttp):
-    """ModelHttp that sends a whole message list and keeps the server's reasoning token count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._messages: list[dict[str, Any]] = []
-        self.reasoning_tokens: int | None = None
-
-    async def send(self, url: str, model: str, prompt: Prompt, max_tokens: int) -> Completion:
-        """Stream one completion of ``prompt``; return ModelHttp's Completion."""
-        self._messages, self.reasoning_tokens = prompt.messages, None
-        return await self.chat(url, model, prompt.label, max_tokens, REQUEST_TIMEOUT_S)
-
-    async def _stream(self, url: str, body: dict[str, Any], seconds: float, got: CompletionBuilder) -> None:
-        # ModelHttp.chat sends a single user message and its Completion keeps no usage details:
-        # this hook swaps in the whole message list and reads the reasoning count on the way out.
-        await super()._stream(url, {**body, "messages": self._messages}, seconds, got)
-        usage = getattr(got, "_usage", None) or {}
-        details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
-        count = details.get("reasoning_tokens") if isinstance(details, dict) else None
-        self.reasoning_tokens = count if isinstance(count, int) and not isinstance(count, bool) else None
-
-
-def measure(index: int, prompt: Prompt, max_tokens: int, reply: Completion, server_reasoning: int | None) -> Result:
+def measure(index: int, prompt: Prompt, max_tokens: int, reply: Completion) -> Result:
     """Turn one Completion into the benchmark's figures."""
     r = Result(index, prompt.label, max_tokens, finish_reason=reply.finish_reason,
                prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens,
@@ -225,8 +203,8 @@ def measure(index: int, prompt: Prompt, max_tokens: int, reply: Completion, serv
             r.decode_tps = tokens / r.decode_s
         if r.chunks:
             r.tokens_per_chunk = tokens / r.chunks
-        if server_reasoning is not None:
-            r.reasoning_tokens, r.reasoning_counted_by = server_reasoning, "server"
+        if reply.reasoning_tokens is not None:
+            r.reasoning_tokens, r.reasoning_counted_by = reply.reasoning_tokens, "server"
         elif reply.reasoning:
             share = len(reply.reasoning) / (len(reply.reasoning) + len(reply.text))
             r.reasoning_tokens, r.reasoning_counted_by = round(tokens * share), "estimate"
@@ -241,7 +219,7 @@ def measure(index: int, prompt: Prompt, max_tokens: int, reply: Completion, serv
 
 async def run_requests(url: str, model: str, prompts: list[Prompt], max_tokens: int, repeat: int) -> list[Result]:
     """Send every prompt ``repeat`` times, one after another; a failed request is recorded, not fatal."""
-    http = BenchHttp()
+    http = ModelHttp()
     results: list[Result] = []
     try:
         # Untimed: otherwise the first TTFT includes making the HTTP client and its connection.
@@ -251,11 +229,11 @@ async def run_requests(url: str, model: str, prompts: list[Prompt], max_tokens: 
                 budget = prompt.max_tokens or max_tokens
                 index = len(results) + 1
                 try:
-                    reply = await http.send(url, model, prompt, budget)
+                    reply = await http.chat(url, model, prompt.messages, budget, REQUEST_TIMEOUT_S)
                 except EndpointError as err:
                     results.append(Result(index, prompt.label, budget, error=err.message))
                     continue
-                results.append(measure(index, prompt, budget, reply, http.reasoning_tokens))
+                results.append(measure(index, prompt, budget, reply))
     finally:
         await http.aclose()
     return results

@@ -227,3 +227,15 @@ def test_a_resident_that_fails_to_start_is_retried_and_timers_wait(gpuswapd: Sta
     world.remove_dropins("strata.service")
     status = _assert_restored_and_verified(daemon, probe)
     assert status["last"]["outcome"] == "recovered"
+
+
+def test_an_engine_no_record_knows_is_removed_at_start(gpuswapd: Start, probe: Probe) -> None:
+    daemon = gpuswapd()
+    assert daemon.ctl("acquire", "--for", "5m").returncode == 0
+    daemon.kill()
+    state = daemon.config.parent / "state" / "current.json"
+    state.unlink()  # the record is lost (a wiped state directory)
+    assert [c["State"] for c in probe.containers()] == ["running"]
+    daemon.start()
+    assert probe.containers() == []  # gpuswapd's own container, of a window nobody knows, is gone
+    assert daemon.status()["phase"] == "IDLE"

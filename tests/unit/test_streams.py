@@ -7,14 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuswapd.adapters.openai import (
-    Completion,
-    CompletionBuilder,
-    _ServerFault,
-    parse_prometheus,
-    parse_sse_events,
-)
 from gpuswapd.errors import BadResponse
+from gpuswapd.prometheus import parse_prometheus
+from gpuswapd.streams import Completion, CompletionBuilder, ServerFault, parse_sse_events
 
 
 def chunk(content: str | None = None, reasoning: str | None = None, finish: str | None = None,
@@ -186,7 +181,7 @@ def test_error_chunk_raises_with_the_servers_message() -> None:
                                           r"boom") as info:
         got.add({"error": {"message": "EngineDeadError: boom", "type": "InternalServerError",
                            "code": 500}}, 0.2)
-    assert isinstance(info.value.__cause__, _ServerFault)  # a 5xx kind of failure: retry-worthy
+    assert isinstance(info.value.__cause__, ServerFault)  # a 5xx kind of failure: retry-worthy
     with pytest.raises(BadResponse, match="context size") as info:
         got.add({"error": {"code": 400, "message": "exceeds the context size"}}, 0.3)
     assert info.value.__cause__ is None
