@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.stack.config import stack_config
+from tests.stack.daemon import RunningDaemon
+from tests.stack.probe import Probe
+from tests.stack.world import Stack
+
 # Property tests check behaviour, not speed: on a loaded 2-core machine (or inside makepkg's
 # check()) generating inputs may be slow, and that is no failure.
 settings.register_profile("gpuswapd", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("gpuswapd")
-
-from tests.stack.config import stack_config
-from tests.stack.daemon import RunningDaemon
-from tests.stack.probe import Probe
-from tests.stack.world import Stack
 
 
 @pytest.fixture(scope="session")
