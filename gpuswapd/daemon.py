@@ -71,8 +71,9 @@ class Daemon:
         except GpuswapError as err:
             print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
             return 1
-        await self.server.start(sock)
+        # Reconcile before serving: nobody sees a container no record knows about.
         await self._recover()
+        await self.server.start(sock)
         self.notifier.send(ready="1", status=str(self.window.phase))
         log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket)
         watchdog = asyncio.create_task(self._feed_watchdog())
