@@ -65,7 +65,7 @@ class Server:
             peer = credentials(writer.get_extra_info("socket"))
             await self._serve(peer, reader, writer)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
-            log.info("client_dropped", error=repr(err))
+            log.debug("client_dropped", error=repr(err))
         except asyncio.CancelledError:
             pass
         except Exception:  # a bug must not take the daemon down with one client
@@ -119,6 +119,8 @@ class Server:
         if request.op in READ_ONLY and d.status_public:
             return
         who = f"user {peer.user} (uid {peer.uid})"
+        if not d.socket_group:
+            raise PermissionDenied(f"{who} may not {request.op}: only root may (daemon.socket_group is empty)")
         raise PermissionDenied(f"{who} may not {request.op}: only root and members of group "
                                f"{d.socket_group!r} may (add the user to it: usermod -aG {d.socket_group} {peer.user})")
 
