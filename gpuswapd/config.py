@@ -177,6 +177,9 @@ class DaemonConfig:
     linger: float = _key(_span(0.0), 30.0)
     on_shutdown: str = _key(_choice("restore", "keep"), "restore")
     status_public: bool = _key(_bool, True)
+    max_clients: int = _key(_int(1, 65536), 512)
+    max_clients_per_uid: int = _key(_int(1, 65536), 32)
+    reserved_clients: int = _key(_int(0, 65536), 32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +192,7 @@ class GpuConfig:
     resident_needs: int = _key(_size, 22 * 1024**3)
     release_timeout: float = _key(_span(0.1), 60.0)
     nvidia_smi: str = _key(_nonempty, "nvidia-smi")
+    probe_timeout: float = _key(_span(0.1), 10.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,6 +343,8 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: resident.idle.command: required when kind = \"command\"")
     if not os.path.isabs(d.state_dir):
         raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
+    if d.max_clients_per_uid > d.max_clients:
+        raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

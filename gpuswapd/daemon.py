@@ -9,25 +9,25 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
 from gpuswapd import __version__
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd
-from gpuswapd.blocking import blocking
 from gpuswapd.config import DEFAULT_PATH, Config, load_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
-from gpuswapd.listen import activation_socket, own_socket
+from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
+from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.plan import make_plan
+from gpuswapd.recovery import recover_at_start
 from gpuswapd.resident import Resident
 from gpuswapd.server import Server
 from gpuswapd.state import StateStore
+from gpuswapd.tasks import spawn
 from gpuswapd.vram import Vram
 from gpuswapd.window import Window
 
@@ -41,25 +41,26 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.notifier = Notifier()
+        self.outside = Outside(Deadlines(gpu=config.gpu.probe_timeout + 2.0))
         self.systemd = Systemd()
         self.docker = Docker()
         self.http = ModelHttp()
         self.store = StateStore(config.daemon.state_dir)
-        self.vram = Vram(make_probe(config.gpu), self.systemd)
-        self.resident = Resident(config, self.systemd, self.http)
-        self.engine = ContainerEngine(config.window, self.docker, self.http)
-        self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier)
+        self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)
+        self.resident = Resident(config, self.systemd, self.http, self.outside)
+        self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside)
+        self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier, self.outside)
         self.server = Server(
             config,
             self.window,
             self.store,
             self.systemd,
+            self.outside,
             lambda: make_plan(config, self.resident, self.engine, self.vram),
         )
         self._stop = asyncio.Event()
         self._signals = 0
         self._own_socket: str | None = None
-        self._tasks: set[asyncio.Future[Any]] = set()
 
     async def run(self) -> int:
         """Start up, serve until asked to stop, shut down."""
@@ -72,11 +73,12 @@ class Daemon:
             print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
             return 1
         # Reconcile before serving: nobody sees a container no record knows about.
-        await self._recover()
+        await recover_at_start(self.window)
         await self.server.start(sock)
-        self.notifier.send(ready="1", status=str(self.window.phase))
+        self.notifier.send(ready="1")
+        self.window.notify_status()
         log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket)
-        watchdog = asyncio.create_task(self._feed_watchdog())
+        watchdog = spawn(self._feed_watchdog(), "watchdog")
         await self._stop.wait()
         watchdog.cancel()
         await self.shutdown()
@@ -85,55 +87,40 @@ class Daemon:
     async def startup(self) -> socket.socket:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
         self.store.prepare()
-        await blocking(self.systemd.connect)
+        raise_fd_limit(self.config.daemon.max_clients)
+        await self.outside.systemd.call("connect", self.systemd.connect)
         loop = asyncio.get_running_loop()
 
         def on_state(unit: str, state: str) -> None:  # called from the GLib thread
             if state in ("inactive", "failed"):
-                loop.call_soon_threadsafe(lambda: self._background(self.window.unit_gone(unit)))
+                loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
 
-        await blocking(self.systemd.watch_active_state, on_state)
+        await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
         await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         sock = activation_socket()
         if sock is None:
-            sock = own_socket(self.config.daemon.socket, self.config.daemon.socket_group)
-            self._own_socket = self.config.daemon.socket
+            d = self.config.daemon
+            # status_public promises every local user status: the socket must let them connect.
+            sock = own_socket(d.socket, d.socket_group, 0o666 if d.status_public else 0o660)
+            self._own_socket = d.socket
         return sock
-
-    async def _recover(self) -> None:
-        """Pick up a window an earlier gpuswapd left open, and remove engines no record knows."""
-        try:
-            record = self.store.load()
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            log.error("state_unreadable", error=str(err), moved_to=f"{self.store.current}.corrupt")
-            record = None
-        try:
-            await self.engine.remove_orphans(record.id if record else None)
-        except GpuswapError as err:
-            log.warning("orphan_check_failed", error=err.message)
-        if record is not None:
-            self.window.recover(record)
 
     async def _check_image(self) -> None:
         """Refuse to start on a configured image that Docker does not have; Docker may be down."""
         c = self.config.window.container
         try:
-            await blocking(self.docker.ping)
+            await self.outside.docker.call("ping", self.docker.ping)
+            present = not c.create or await self.outside.docker.call("image_present", self.docker.image_present,
+                                                                     c.image)
         except DockerUnavailable as err:
             log.warning("docker_unavailable_at_start", error=err.message)
             return
-        if c.create and not await blocking(self.docker.image_present, c.image):
+        if not present:
             raise ConfigError(
                 f"window.container.image: {c.image!r} is not in Docker (`docker pull {c.image}` or `docker load` it)"
             )
-
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run a coroutine from a callback, keeping a reference until it is done."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -152,7 +139,7 @@ class Daemon:
     async def _system_stopping(self) -> bool:
         """Tell whether the whole system is shutting down: systemd would refuse to start the resident."""
         try:
-            stopping = await blocking(self.systemd.system_state) == "stopping"
+            stopping = await self.outside.systemd.call("system_state", self.systemd.system_state) == "stopping"
         except GpuswapError:
             return False
         if stopping:
@@ -171,6 +158,7 @@ class Daemon:
             await asyncio.wait_for(self.window.shutdown(restore=restore), SHUTDOWN_BOUND_S)
         except TimeoutError:
             log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
+        await self.window.writer.stop(timeout=10.0)
         await self.http.aclose()
         self.systemd.close()
         if self._own_socket is not None:

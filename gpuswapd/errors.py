@@ -4,16 +4,20 @@
     ├── ConfigError                  config
     ├── RequestError                 bad_request
     │   ├── PermissionDenied         permission_denied
+    │   ├── TooManyClients           too_many_clients
     │   ├── LeaseNotFound            lease_not_found
     │   └── NotReady                 not_ready
     ├── WindowError                  window_failed
     │   ├── ResidentBusy             resident_busy
+    │   ├── WontFit                  wont_fit
     │   ├── VramTimeout              vram_timeout
     │   ├── EngineFailed             engine_failed
     │   ├── VerifyFailed             verify_failed
     │   ├── RestoreFailed            restore_failed
     │   ├── WindowCancelled          window_cancelled
+    │   ├── Degraded                 degraded
     │   └── AcquireTimeout           acquire_timeout
+    ├── StateError                   state
     ├── SystemdError                 systemd
     │   ├── BusUnavailable           dbus_unavailable
     │   ├── UnitNotFound             no_such_unit
@@ -80,6 +84,12 @@ class PermissionDenied(RequestError):
     code = "permission_denied"
 
 
+class TooManyClients(RequestError):
+    """The caller has too many connections open (``daemon.max_clients_per_uid``, ``max_clients``)."""
+
+    code = "too_many_clients"
+
+
 class LeaseNotFound(RequestError):
     """No such lease (or none held by this holder)."""
 
@@ -102,6 +112,12 @@ class ResidentBusy(WindowError):
     """The resident still has requests in flight."""
 
     code = "resident_busy"
+
+
+class WontFit(WindowError):
+    """The window cannot fit on the card: other processes hold too much of it."""
+
+    code = "wont_fit"
 
 
 class VramTimeout(WindowError):
@@ -134,10 +150,22 @@ class WindowCancelled(WindowError):
     code = "window_cancelled"
 
 
+class Degraded(WindowError):
+    """The resident could not be restored yet; no new window opens until it is."""
+
+    code = "degraded"
+
+
 class AcquireTimeout(WindowError):
     """The window was not ready within the time the client would wait."""
 
     code = "acquire_timeout"
+
+
+class StateError(GpuswapError):
+    """The state directory cannot be read or written."""
+
+    code = "state"
 
 
 class SystemdError(GpuswapError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import resource
 import socket
 import stat
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from gpuswapd.errors import ConfigError
 
 SD_LISTEN_FDS_START = 3
+FD_HEADROOM = 256  # beyond the clients: state, D-Bus, Docker, HTTP, nvidia-smi, the engine watcher
 
 
 def activation_socket() -> socket.socket | None:
@@ -93,3 +95,21 @@ def _remove_stale(path: Path) -> None:
         raise ConfigError(f"daemon.socket: another gpuswapd already listens on {path}")
     finally:
         probe.close()
+
+
+def raise_fd_limit(max_clients: int) -> int:
+    """Make room for ``max_clients`` connections and the daemon's own descriptors; return the limit."""
+    need = max_clients + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return soft
+    target = need if hard == resource.RLIM_INFINITY else min(hard, need)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft < need:
+        raise ConfigError(
+            f"daemon.max_clients: {max_clients} connections need {need} file descriptors, but the limit is "
+            f"{soft}: raise LimitNOFILE= in gpuswapd.service or lower daemon.max_clients"
+        )
+    return soft

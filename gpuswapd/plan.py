@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
 from gpuswapd.resident import Resident
 from gpuswapd.sizes import format_size
-from gpuswapd.vram import Vram
+from gpuswapd.vram import Vram, predict_fit
 
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram) -> dict[str, Any]:
@@ -26,7 +25,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
 
     units = await attempt("units", resident.closure())
     timers = await attempt("timers", resident.timers()) or []
-    busy = await attempt("resident idle probe", resident.http.idle(config.resident.idle))
+    idle = resident.outside.http.run("idle", resident.http.idle(config.resident.idle))
+    busy = await attempt("resident idle probe", idle)
     await attempt("engine", engine.preflight())
     reading = await attempt("gpu", vram.read())
     c = config.window.container
@@ -42,19 +42,18 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         "problems": problems,
     }
     if reading is not None:
-        # The memory of the units the window stops comes free: count it as available.
-        freed = 0
-        for proc in reading.processes:
-            if await blocking(resident.systemd.unit_of_pid, proc.pid) in (units or []):
-                freed += proc.used_bytes
-        after = reading.free_bytes + freed
+        # The same prediction that refuses an acquire: the units' memory comes free, the rest stays.
+        fit = await predict_fit(vram, reading, units or [])
         plan["vram"] = {
             "total": format_size(reading.total_bytes), "free": format_size(reading.free_bytes),
-            "free_after_stop": format_size(after), "window_needs": format_size(config.gpu.window_needs),
+            "free_after_stop": format_size(fit.free_after_stop), "window_needs": format_size(config.gpu.window_needs),
             "resident_needs": format_size(config.gpu.resident_needs),
+            "held_by_others": [{"pid": h.pid, "bytes": h.used_bytes, "unit": h.unit} for h in fit.others],
         }
-        if after < config.gpu.window_needs:
-            problems.append(f"gpu: only {format_size(after)} would be free once the units stop, "
+        if not fit.fits(config.gpu.window_needs):
+            problems.append(f"gpu: {fit.misfit(config.gpu.window_needs, units or [])}")
+        elif fit.free_after_stop < config.gpu.window_needs:
+            problems.append(f"gpu: only {format_size(fit.free_after_stop)} would be free once the units stop, "
                             f"the window needs {format_size(config.gpu.window_needs)}")
     plan["ok"] = not problems
     return plan

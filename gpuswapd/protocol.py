@@ -17,6 +17,7 @@ from gpuswapd.timespan import SpanError, parse_span
 
 MAX_LINE = 64 * 1024
 MAX_SPAN_S = 10 * 365 * 86400.0
+MAX_NESTING = 32
 OPS = ("acquire", "release", "renew", "status", "plan", "history")
 _FIELDS: dict[str, set[str]] = {
     "acquire": {"for", "holder", "wait", "timeout"},
@@ -61,12 +62,18 @@ def _text(value: Any, key: str, limit: int = 256) -> str:
 
 def parse_request(line: bytes) -> Request:
     """Decode and validate one request line."""
+    if line.count(b"[") + line.count(b"{") > MAX_NESTING * 4 and _depth(line) > MAX_NESTING:
+        raise RequestError(f"request is nested deeper than {MAX_NESTING} levels")
     try:
         data = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError:
         raise RequestError("request is not UTF-8") from None
     except json.JSONDecodeError as err:
         raise RequestError(f"request is not JSON: {err.msg} at column {err.colno}") from None
+    except RecursionError:
+        raise RequestError(f"request is nested deeper than {MAX_NESTING} levels") from None
+    except ValueError as err:  # e.g. an integer of more digits than Python converts
+        raise RequestError(f"request has a value gpuswapd will not read: {err}") from None
     if not isinstance(data, dict):
         raise RequestError("request must be a JSON object such as {\"op\": \"status\"}")
     op = data.get("op")
@@ -92,6 +99,28 @@ def parse_request(line: bytes) -> Request:
         timeout=_span(data["timeout"], "timeout") if "timeout" in data else None,
         limit=limit,
     )
+
+
+def _depth(line: bytes) -> int:
+    """Measure how deeply brackets nest, outside strings (a cheap check before decoding)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in line:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def encode(message: dict[str, Any]) -> bytes:

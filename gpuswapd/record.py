@@ -1,4 +1,4 @@
-"""The window record: what status shows, what the state file holds, what history keeps."""
+"""The window record: what status shows, what the state document holds, what history keeps."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from gpuswapd.phases import Phase, check_transition
 
 @dataclass
 class PhaseTiming:
-    """When the window entered and left one phase (wall clock, seconds)."""
+    """When the window entered and left one phase (wall clock, seconds), opening or closing."""
 
     phase: Phase
     started_at: float
     ended_at: float | None = None
+    stage: str = "open"  # "open" until the window starts closing, then "close"
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize, with the duration when the phase has ended."""
-        out: dict[str, Any] = {"phase": str(self.phase), "started_at": self.started_at,
+        out: dict[str, Any] = {"phase": str(self.phase), "stage": self.stage, "started_at": self.started_at,
                                "ended_at": self.ended_at}
         if self.ended_at is not None:
             out["took_s"] = round(self.ended_at - self.started_at, 3)
@@ -47,11 +48,18 @@ class WindowRecord:
     error: dict[str, Any] | None = None
     outcome: str | None = None
     degraded: str | None = None
+    # Set when no state could be read and this record was made from the configuration.
+    baseline: dict[str, Any] | None = None
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
         """Start the record of a new window."""
         return cls(id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), opened_at=now or time.time())
+
+    @property
+    def closing(self) -> bool:
+        """Tell whether the window has started closing (or rolling back)."""
+        return any(t.stage == "close" for t in self.timings)
 
     def enter(self, phase: Phase, now: float | None = None) -> None:
         """Move to ``phase`` (checked against the transition table) and time it."""
@@ -59,11 +67,12 @@ class WindowRecord:
         now = time.time() if now is None else now
         if self.timings and self.timings[-1].ended_at is None:
             self.timings[-1].ended_at = now
+        stage = "close" if self.closing or phase is Phase.CLOSING else "open"
         self.phase = phase
         if phase is Phase.IDLE:
             self.closed_at = now
         else:
-            self.timings.append(PhaseTiming(phase, now))
+            self.timings.append(PhaseTiming(phase, now, stage=stage))
 
     def fail(self, err: GpuswapError) -> None:
         """Remember the first error, tagged with the phase it happened in."""
@@ -72,9 +81,10 @@ class WindowRecord:
         if self.error is None:
             self.error = err.to_dict()
 
-    def took(self, phase: Phase) -> float:
-        """Sum the seconds spent in ``phase`` (it may be entered twice: WAITING_VRAM)."""
-        return sum((t.ended_at or time.time()) - t.started_at for t in self.timings if t.phase is phase)
+    def took(self, phase: Phase, stage: str | None = None) -> float:
+        """Sum the seconds spent in ``phase`` (of one ``stage``, if given)."""
+        return sum((t.ended_at or time.time()) - t.started_at for t in self.timings
+                   if t.phase is phase and (stage is None or t.stage == stage))
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize the whole record; with ``now``, leases carry their remaining time."""
@@ -83,20 +93,92 @@ class WindowRecord:
             "closed_at": self.closed_at, "timings": [t.to_dict() for t in self.timings],
             "timers": self.timers, "units": self.units, "container": self.container,
             "leases": [lease.to_dict(now) for lease in self.leases.all()], "restarts": self.restarts,
-            "error": self.error, "outcome": self.outcome, "degraded": self.degraded,
+            "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> WindowRecord:
-        """Rebuild a record from ``to_dict`` output (as read from the state file)."""
+    def from_dict(cls, data: Any) -> WindowRecord:
+        """Rebuild a record from ``to_dict`` output; ValueError names what is wrong."""
+        d = _Fields(data, "window")
+        timings = [_timing(t, f"window.timings[{i}]") for i, t in enumerate(d.items("timings"))]
+        closing = False
+        for t in timings:  # a record of gpuswapd 0.1 has no stage: CLOSING starts the close
+            closing = closing or t.phase is Phase.CLOSING or t.stage == "close"
+            t.stage = "close" if closing else "open"
+        leases = [_lease(x, f"window.leases[{i}]") for i, x in enumerate(d.items("leases"))]
         return cls(
-            id=str(data["id"]), phase=Phase(data["phase"]), opened_at=float(data["opened_at"]),
-            closed_at=data.get("closed_at"),
-            timings=[PhaseTiming(Phase(t["phase"]), t["started_at"], t.get("ended_at"))
-                     for t in data.get("timings", [])],
-            timers=list(data.get("timers", [])), units=list(data.get("units", [])),
-            container=data.get("container"),
-            leases=LeaseBook([Lease.from_dict(d) for d in data.get("leases", [])]),
-            restarts=int(data.get("restarts", 0)), error=data.get("error"),
-            outcome=data.get("outcome"), degraded=data.get("degraded"),
+            id=d.text("id"), phase=d.phase("phase"), opened_at=d.number("opened_at"),
+            closed_at=d.number("closed_at", optional=True), timings=timings,
+            timers=d.texts("timers"), units=d.texts("units"), container=d.table("container"),
+            leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)), error=d.table("error"),
+            outcome=d.text("outcome", optional=True), degraded=d.text("degraded", optional=True),
+            baseline=d.table("baseline"),
         )
+
+
+class _Fields:
+    """Typed reads of one JSON object, each failure a ValueError that names the field."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+        self.data, self.where = data, where
+
+    def _get(self, key: str, optional: bool, default: Any = None) -> Any:
+        if key not in self.data or self.data[key] is None:
+            if optional:
+                return default
+            raise ValueError(f"{self.where}.{key}: missing")
+        return self.data[key]
+
+    def text(self, key: str, optional: bool = False) -> Any:
+        value = self._get(key, optional)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{self.where}.{key}: expected a string")
+        return value
+
+    def number(self, key: str, optional: bool = False, default: float | None = None) -> Any:
+        value = self._get(key, optional or default is not None, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{self.where}.{key}: expected a number")
+        return None if value is None else float(value)
+
+    def phase(self, key: str) -> Phase:
+        value = self.text(key)
+        try:
+            return Phase(value)
+        except ValueError:
+            raise ValueError(f"{self.where}.{key}: unknown phase {value!r} (written by another version?)") from None
+
+    def items(self, key: str) -> list[Any]:
+        value = self._get(key, True, [])
+        if not isinstance(value, list):
+            raise ValueError(f"{self.where}.{key}: expected a list")
+        return value
+
+    def texts(self, key: str) -> list[str]:
+        value = self.items(key)
+        if not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{self.where}.{key}: expected a list of strings")
+        return list(value)
+
+    def table(self, key: str) -> dict[str, Any] | None:
+        value = self._get(key, True)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{self.where}.{key}: expected an object")
+        return value
+
+
+def _timing(data: Any, where: str) -> PhaseTiming:
+    d = _Fields(data, where)
+    stage = d.text("stage", optional=True) or "open"
+    if stage not in ("open", "close"):
+        raise ValueError(f"{where}.stage: expected 'open' or 'close'")
+    return PhaseTiming(d.phase("phase"), d.number("started_at"), d.number("ended_at", optional=True), stage)
+
+
+def _lease(data: Any, where: str) -> Lease:
+    d = _Fields(data, where)
+    uid = d.number("uid", optional=True)
+    return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), d.number("expires_at"),
+                 d.text("unit", optional=True), None if uid is None else int(uid))

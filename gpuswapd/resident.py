@@ -7,10 +7,11 @@ import time
 
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd, TimerState
-from gpuswapd.blocking import blocking
 from gpuswapd.config import Config
 from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
+from gpuswapd.jobs import run_jobs
 from gpuswapd.logs import log
+from gpuswapd.outside import Outside
 
 POLL_S = 0.25
 
@@ -18,10 +19,11 @@ POLL_S = 0.25
 class Resident:
     """Stops and restores the resident units and pauses and resumes the agent timers."""
 
-    def __init__(self, config: Config, systemd: Systemd, http: ModelHttp) -> None:
+    def __init__(self, config: Config, systemd: Systemd, http: ModelHttp, outside: Outside) -> None:
         self.config = config
         self.systemd = systemd
         self.http = http
+        self.outside = outside
 
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
@@ -29,7 +31,7 @@ class Resident:
         deadline = time.monotonic() + idle.wait
         while True:
             try:
-                busy = await self.http.idle(idle)
+                busy = await self.outside.http.run("idle", self.http.idle(idle))
             except EndpointUnreachable as err:
                 # Nothing listens: nothing is in flight (the resident may be down already). A probe
                 # that answers wrongly is another matter: that fails the window below.
@@ -51,7 +53,7 @@ class Resident:
 
     async def timers(self) -> list[TimerState]:
         """List the timers matching ``timers.pause``."""
-        return await blocking(self.systemd.timers, self.config.timers.pause)
+        return await self.outside.systemd.call("timers", self.systemd.timers, self.config.timers.pause)
 
     async def wait_jobs(self, timers: list[TimerState], deadline: float) -> None:
         """Wait until no service of these timers runs, up to a monotonic deadline."""
@@ -69,7 +71,7 @@ class Resident:
     async def pause(self, timers: list[str]) -> None:
         """Stop the timers (their running services are left alone)."""
         if timers:
-            await blocking(self.systemd.stop, *timers, timeout=self.config.resident.stop_timeout)
+            await self._jobs("StopUnit", timers, self.config.resident.stop_timeout, "stop")
             log.info("timers_paused", timers=timers)
 
     async def resume(self, timers: list[str]) -> None:
@@ -77,7 +79,7 @@ class Resident:
         if not timers:
             return
         try:
-            await blocking(self.systemd.start, *timers, timeout=self.config.resident.start_timeout)
+            await self._jobs("StartUnit", timers, self.config.resident.start_timeout, "start")
         except GpuswapError as err:
             log.error("timers_resume_failed", error=err.message)
             raise RestoreFailed(f"could not start timers again: {err.message}") from err
@@ -85,18 +87,18 @@ class Resident:
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
-        return await blocking(self.systemd.stop_closure, self.config.resident.units)
+        return await self.outside.systemd.call("closure", self.systemd.stop_closure, self.config.resident.units)
 
     async def stop(self, units: list[str]) -> None:
         """Stop the units together; systemd stops dependents first (the reverse of After=)."""
         started = time.monotonic()
-        await blocking(self.systemd.stop, *units, timeout=self.config.resident.stop_timeout)
+        await self._jobs("StopUnit", units, self.config.resident.stop_timeout, "stop")
         log.info("units_stopped", units=units, took_s=round(time.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:
         """Start exactly these units together; systemd orders them by After=."""
         started = time.monotonic()
-        await blocking(self.systemd.start, *units, timeout=self.config.resident.start_timeout)
+        await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
         log.info("units_started", units=units, took_s=round(time.monotonic() - started, 3))
 
     async def verify(self) -> float:
@@ -104,10 +106,21 @@ class Resident:
         check = self.config.resident.verify
         started = time.monotonic()
         try:
-            reply = await self.http.verify(check, retry_until=started + check.timeout)
+            reply = await self.outside.http.run("verify", self.http.verify(check, retry_until=started + check.timeout),
+                                                self.outside.http.beyond(check.timeout))
         except EndpointError as err:
             raise VerifyFailed(f"the resident did not answer a completion within {check.timeout:g}s: "
                                f"{err.message}") from err
         took = time.monotonic() - started
         log.info("resident_verified", took_s=round(took, 3), completion_tokens=reply.completion_tokens)
         return took
+
+    async def baseline(self) -> tuple[list[str], list[str]]:
+        """Name what the configuration says should run: the resident with its dependents, the timers."""
+        lane = self.outside.systemd
+        units = await lane.call("baseline_units", self.systemd.dependents_closure, self.config.resident.units)
+        timers = await lane.call("baseline_timers", self.systemd.installed_timers, self.config.timers.pause)
+        return units, timers
+
+    async def _jobs(self, method: str, units: list[str], timeout: float, verb: str) -> None:
+        await run_jobs(self.systemd, self.outside.systemd, method, units, timeout, verb)

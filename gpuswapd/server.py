@@ -1,9 +1,14 @@
-"""The Unix socket server: validates each request, checks who asks, answers; never dies of a client."""
+"""The Unix socket server: admits within the caps, validates each request, checks who asks, answers.
+
+It never dies of a client: a refused, malformed, slow or vanished client gets a clear answer (or
+none, if it is gone) and every other client goes on being served.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -11,14 +16,23 @@ from typing import Any
 
 from gpuswapd import __version__
 from gpuswapd.adapters.systemd import Systemd
-from gpuswapd.blocking import blocking
+from gpuswapd.admission import Admission
 from gpuswapd.config import Config
-from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, PermissionDenied, RequestError
+from gpuswapd.errors import (
+    AcquireTimeout,
+    GpuswapError,
+    LeaseNotFound,
+    PermissionDenied,
+    RequestError,
+    TooManyClients,
+)
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
-from gpuswapd.peers import Peer, credentials
+from gpuswapd.outside import Outside
+from gpuswapd.peers import Peer, credentials, identify
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
 from gpuswapd.state import StateStore
+from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
@@ -26,43 +40,81 @@ IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
 READ_ONLY = frozenset({"status", "history"})
 BACKLOG = 1024
+# accept() fails with these when the process or the system is out of descriptors or memory:
+# wait a little (never spin), and let the caps bring the count down.
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = (0.05, 1.0)
 
 
 class Server:
     """Serves the socket protocol for one window."""
 
-    def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd,
+    def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd, outside: Outside,
                  planner: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         self.config = config
         self.window = window
         self.store = store
         self.units = units
+        self.outside = outside
         self.planner = planner
         self.started_at = time.time()
-        self._server: asyncio.Server | None = None
+        d = config.daemon
+        self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[Any]] = set()
+
+    def _in_group(self, peer: Peer) -> bool:
+        group = self.config.daemon.socket_group
+        return bool(group) and peer.in_group(group)
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on a listening socket (our own, or one systemd handed over)."""
-        # backlog: asyncio would otherwise listen() with 100 again; a burst of clients must queue,
-        # not be refused.
-        self._server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_LINE, backlog=BACKLOG)
+        # A burst of clients must queue in the kernel, not be refused: listen() again with more room.
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+        self._listener = sock
+        self._accepting = spawn(self._accept_loop(sock), "accept")
 
     async def close(self) -> None:
         """Stop accepting and drop the connected clients."""
-        if self._server is not None:
-            self._server.close()
+        await reap(self._accepting)
         for task in list(self._clients):
             task.cancel()
         if self._clients:
             await asyncio.wait(self._clients, timeout=2)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        delay = ACCEPT_BACKOFF_S[0]
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as err:
+                if err.errno not in _OUT_OF_RESOURCES:
+                    raise
+                log.error("accept_out_of_resources", error=err.strerror, open=self.admission.open, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            delay = ACCEPT_BACKOFF_S[0]
+            try:
+                peer = credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            refusal = self.admission.admit(peer)
+            if refusal is not None:
+                _refuse(conn, refusal)
+                continue
+            task = spawn(self._handle(conn, peer), "client")
+            self._clients.add(task)
+            task.add_done_callback(self._clients.discard)
+
+    async def _handle(self, conn: socket.socket, peer: Peer) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
-            peer = credentials(writer.get_extra_info("socket"))
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
             await self._serve(peer, reader, writer)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
             log.debug("client_dropped", error=repr(err))
@@ -71,16 +123,17 @@ class Server:
         except Exception:  # a bug must not take the daemon down with one client
             log.exception("client_handler_crashed")
         finally:
-            self._clients.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1)
+            self.admission.leave(peer)
+            if writer is None:
+                conn.close()
+            else:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(writer.wait_closed(), 1)
 
     async def _identify(self, peer: Peer) -> Peer:
-        """Find the peer's service, for the requests that need it (a lease without --holder)."""
-        unit = await blocking(self.units.unit_of_pid, peer.pid)
-        # Only a service owns its leases; a login session's scope is a person at a shell.
-        return Peer(peer.pid, peer.uid, peer.gid, unit if unit and unit.endswith(".service") else None)
+        """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
+        return await identify(peer, self.units, self.outside.systemd)
 
     async def _serve(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         wait = FIRST_REQUEST_S
@@ -131,32 +184,45 @@ class Server:
     async def _dispatch(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         d = self.config.daemon
-        if req.op in ("acquire", "release", "renew") and req.holder is None and req.lease is None:
+        if (req.op in ("release", "renew") and peer.uid != 0) or (req.op == "acquire" and req.holder is None):
             peer = await self._identify(peer)
         if req.op == "acquire":
             return await self._acquire(peer, req, reader, writer)
         if req.op == "release":
-            gone = await self.window.release(lease_id=req.lease, match=_callers(peer, req.holder))
-            if not gone:
-                raise LeaseNotFound(f"{req.holder or peer.holder} holds no lease{self.window.closed_because()}")
+            if req.lease is not None:
+                gone = await self.window.release(lease_id=req.lease, allowed=peer.owns)
+            else:
+                gone = await self.window.release(match=self._mine(peer, req.holder))
             return {"ok": True, "released": [lease.to_dict() for lease in gone]}
         if req.op == "renew":
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease)
-            lease = await self.window.renew(lease_id, duration)
+            lease = await self.window.renew(lease_id, duration, allowed=peer.owns)
             return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped}
         if req.op == "status":
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
                     "endpoint": {"url": verify.url, "model": verify.model}, **self.window.status()}
         if req.op == "history":
-            return {"ok": True, "windows": self.store.history(req.limit)}
+            history = await self.outside.state.call("read_history", self.store.history, req.limit)
+            return {"ok": True, "windows": history}
         return {"ok": True, "plan": await self.planner()}
 
-    def _only_lease(self, peer: Peer, holder: str | None) -> str:
-        held = [lease for lease in self.window.leases() if _callers(peer, holder)(lease)]
-        if not held:
+    def _mine(self, peer: Peer, holder: str | None) -> Callable[[Lease], bool]:
+        """Match the caller's leases (of ``holder``, if named); refuse if it names another's."""
+        match = _callers(peer, holder)
+        named = [lease for lease in self.window.leases() if match(lease)]
+        mine = [lease for lease in named if peer.owns(lease)]
+        if not named:
             raise LeaseNotFound(f"{holder or peer.holder} holds no lease{self.window.closed_because()}")
+        if not mine:
+            lease = named[0]
+            owner = f"unit {lease.unit}" if lease.unit else f"uid {lease.uid}"
+            raise PermissionDenied(f"the leases of {holder} belong to {owner}: only that owner or root may end them")
+        return lambda lease: match(lease) and peer.owns(lease)
+
+    def _only_lease(self, peer: Peer, holder: str | None) -> str:
+        held = [lease for lease in self.window.leases() if self._mine(peer, holder)(lease)]
         if len(held) > 1:
             raise LeaseNotFound(f"{holder or peer.holder} holds {len(held)} leases: name the lease to renew")
         return held[0].id
@@ -177,8 +243,10 @@ class Server:
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
             wait=req.wait, listener=progress))
+        retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
+        retrieve(gone)
         try:
             done, _ = await asyncio.wait({acquire, gone}, timeout=req.timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -194,11 +262,20 @@ class Server:
             raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
                                  f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
         lease = acquire.result()
-        if lease.unit is not None and not (await blocking(self.units.state, lease.unit)).active:
+        if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
+                                                                          lease.unit)).active:
             # The unit died while it waited: its watcher may have fired before the lease existed.
             await self.window.unit_gone(lease.unit)
         return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
                 "waited_s": round(time.monotonic() - started, 3)}
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    """Tell a connection over the caps why, in one line, and close it (never blocking)."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(encode(error_reply(TooManyClients(reason))))
+    conn.close()
 
 
 def _callers(peer: Peer, holder: str | None) -> Callable[[Lease], bool]:

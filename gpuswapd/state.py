@@ -1,92 +1,228 @@
-"""The state directory: the current window, written atomically, and a history of windows."""
+"""The state directory: one versioned state document with its last good copy, and the history.
+
+    state.json       {"version": 2, "seq": N, "window": {...} | null, "parked": null, "queue": [],
+                      "sha256": "..."}
+    state.prev.json  the document as it was before the last write
+    history.jsonl    finished windows, newest last
+
+Each write goes to a temporary file of its own, is written whole and fsync'd, then the current
+document is linked as the previous copy and the new one renamed over it: at every instant both
+names hold a complete document. A document whose checksum does not match (a torn or corrupted
+file), that another version wrote, or that cannot be read at all is skipped for the other copy;
+the readable copy with the highest ``seq`` wins. A previous copy is never newer than what was
+acted on, and every change is recorded before it is made, so an older record always says at
+least as much as needs undoing. Nothing readable at all is ``Unreadable``: the daemon then
+restores the baseline the configuration describes.
+
+gpuswapd 0.1 kept the window alone in ``current.json``; it is migrated on first start.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpuswapd.errors import ConfigError
 from gpuswapd.record import WindowRecord
 
+VERSION = 2
 HISTORY_KEEP = 200
+MAX_DOCUMENT = 4 * 1024 * 1024  # far above any real document; a bigger file is not ours
+_counter = itertools.count()
+
+
+@dataclass
+class Document:
+    """The state gpuswapd keeps across restarts."""
+
+    seq: int = 0
+    window: WindowRecord | None = None
+    parked: dict[str, Any] | None = None
+    queue: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What reading the state directory found."""
+
+    document: Document | None  # None: nothing was ever written (a fresh install)
+    problems: list[str]  # copies that could not be used, and why
+    migrated: bool = False
+
+    @property
+    def unreadable(self) -> bool:
+        """Tell whether state existed but no copy of it could be used."""
+        return self.document is None and bool(self.problems)
+
+
+def encode(document: Document) -> bytes:
+    """Serialize a document with its checksum (one line of JSON)."""
+    body: dict[str, Any] = {"version": VERSION, "seq": document.seq,
+            "window": document.window.to_dict() if document.window else None,
+            "parked": document.parked, "queue": document.queue}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["sha256"] = hashlib.sha256(canonical).hexdigest()
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(data: bytes) -> Document:
+    """Parse and check a document; ValueError says what is wrong with it."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a state document") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err.msg} at byte {err.pos}): torn or corrupted") from None
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    if body.get("version") != VERSION:
+        raise ValueError(f"version {body.get('version')!r}, this gpuswapd reads version {VERSION}")
+    claimed = body.pop("sha256", None)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if claimed != hashlib.sha256(canonical).hexdigest():
+        raise ValueError("checksum mismatch: torn or corrupted")
+    seq, parked, queue = body.get("seq"), body.get("parked"), body.get("queue")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise ValueError("seq: expected a counter")
+    if parked is not None and not isinstance(parked, dict):
+        raise ValueError("parked: expected an object or null")
+    if not isinstance(queue, list):
+        raise ValueError("queue: expected a list")
+    window = body.get("window")
+    return Document(seq=seq, window=None if window is None else WindowRecord.from_dict(window),
+                    parked=parked, queue=queue)
 
 
 class StateStore:
-    """Reads and writes ``current.json`` and ``history.jsonl`` in the state directory."""
+    """Reads and writes the state document and the history in the state directory."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(state_dir)
-        self.current = self.dir / "current.json"
+        self.current = self.dir / "state.json"
+        self.previous = self.dir / "state.prev.json"
+        self.legacy = self.dir / "current.json"
         self.history_file = self.dir / "history.jsonl"
 
     def prepare(self) -> None:
         """Create the directory (mode 0750) and check it is writable."""
         try:
             self.dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-            probe = self.dir / ".write-test"
+            probe = self.dir / f".write-test.{os.getpid()}"
             probe.write_text("")
             probe.unlink()
         except OSError as err:
             raise ConfigError(f"daemon.state_dir: cannot write {self.dir}: {err.strerror}") from err
 
-    def save(self, record: WindowRecord) -> None:
-        """Write the current window: temporary file, fsync, rename, fsync the directory."""
-        self.write_current(json.dumps(record.to_dict(), separators=(",", ":")).encode())
+    # -- the document ------------------------------------------------------------------------
 
-    def write_current(self, data: bytes) -> None:
-        """Write already serialized window data atomically."""
-        self._write_atomic(self.current, data)
+    def load(self) -> Loaded:
+        """Read the newest usable copy of the document (migrating gpuswapd 0.1's file)."""
+        found: list[Document] = []
+        problems: list[str] = []
+        for path in (self.current, self.previous):
+            try:
+                found.append(decode(_read(path)))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as err:
+                problems.append(f"{path.name}: {_why(err)}")
+        if found:
+            return Loaded(max(found, key=lambda d: d.seq), problems)
+        return self._migrate(problems)
 
-    def load(self) -> WindowRecord | None:
-        """Read the current window, if one was left open; a torn or foreign file is set aside."""
+    def _migrate(self, problems: list[str]) -> Loaded:
         try:
-            data = json.loads(self.current.read_bytes())
-            return WindowRecord.from_dict(data)
+            data = _read(self.legacy)
         except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):
-            # The rename makes a torn write impossible; this is a hand-edited or foreign file.
-            self.current.replace(self.current.with_suffix(".json.corrupt"))
-            raise
+            return Loaded(None, problems)
+        except OSError as err:
+            return Loaded(None, [*problems, f"{self.legacy.name}: {_why(err)}"])
+        try:
+            try:
+                raw = json.loads(data)
+            except RecursionError:
+                raise ValueError("nested too deeply") from None
+            document = Document(seq=1, window=WindowRecord.from_dict(raw))
+        except (ValueError, UnicodeDecodeError) as err:
+            return Loaded(None, [*problems, f"{self.legacy.name}: {_why(err)}"])
+        self.write(encode(document))
+        self.legacy.replace(self.legacy.with_name("current.json.migrated"))
+        self._fsync_dir()
+        return Loaded(document, problems, migrated=True)
 
-    def clear(self) -> None:
-        """Forget the current window (it has been closed and recorded in history)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.current.unlink()
+    def write(self, data: bytes) -> None:
+        """Replace the document, keeping the one before as the previous copy."""
+        tmp = self.dir / f".state.{os.getpid()}.{next(_counter)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self.current.exists():
+                link = self.dir / f".prev.{os.getpid()}.{next(_counter)}.tmp"
+                os.link(self.current, link)
+                os.replace(link, self.previous)
+            os.replace(tmp, self.current)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         self._fsync_dir()
 
-    def append_history(self, record: WindowRecord) -> None:
-        """Add a finished window to the history, keeping the last ``HISTORY_KEEP``."""
-        lines = self._history_lines()[-(HISTORY_KEEP - 1):]
-        lines.append(json.dumps(record.to_dict()))
-        self._write_atomic(self.history_file, ("\n".join(lines) + "\n").encode())
+    def set_aside(self) -> list[str]:
+        """Move unreadable copies out of the way (kept for a person to look at); name them."""
+        moved = []
+        for path in (self.current, self.previous, self.legacy):
+            if path.exists():
+                target = path.with_name(path.name + ".unreadable")
+                with contextlib.suppress(OSError):
+                    path.replace(target)
+                    moved.append(target.name)
+        return moved
+
+    # -- history -----------------------------------------------------------------------------
+
+    def append_history(self, records: list[dict[str, Any]]) -> None:
+        """Add finished windows to the history, keeping the last ``HISTORY_KEEP``."""
+        lines = [*self._history_lines(), *(json.dumps(r, separators=(",", ":")) for r in records)]
+        self._replace(self.history_file, ("\n".join(lines[-HISTORY_KEEP:]) + "\n").encode())
 
     def history(self, limit: int = 20) -> list[dict[str, Any]]:
         """Return the last ``limit`` finished windows, newest last."""
         out = []
         for line in self._history_lines()[-limit:]:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 out.append(json.loads(line))
         return out
 
     def _history_lines(self) -> list[str]:
         try:
-            return [ln for ln in self.history_file.read_text().splitlines() if ln.strip()]
+            return [ln for ln in self.history_file.read_text(errors="replace").splitlines() if ln.strip()]
         except FileNotFoundError:
             return []
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    def _replace(self, path: Path, data: bytes) -> None:
+        tmp = self.dir / f".{path.name}.{os.getpid()}.{next(_counter)}.tmp"
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         self._fsync_dir()
 
     def _fsync_dir(self) -> None:
@@ -95,3 +231,27 @@ class StateStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(MAX_DOCUMENT + 1)
+    if len(data) > MAX_DOCUMENT:
+        raise ValueError(f"larger than {MAX_DOCUMENT} bytes: not a state document")
+    return data
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write every byte: os.write may write less than asked (a full disk, a signal)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(28, "No space left on device")  # ENOSPC: nothing more would fit
+        view = view[written:]
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    return str(err)

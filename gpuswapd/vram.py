@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from gpuswapd.adapters.gpu import GpuProbe, VramReading
-from gpuswapd.blocking import blocking
-from gpuswapd.errors import VramTimeout
+from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
+from gpuswapd.outside import Outside
 from gpuswapd.sizes import format_size
 
 POLL_S = 0.02  # a read itself takes time (nvidia-smi ~30-60 ms): poll tightly
@@ -25,15 +26,23 @@ class UnitNamer(Protocol):
 class Vram:
     """Reads free VRAM and waits for enough of it."""
 
-    def __init__(self, probe: GpuProbe | None, units: UnitNamer) -> None:
+    def __init__(self, probe: GpuProbe | None, units: UnitNamer, outside: Outside) -> None:
         self.probe = probe
         self._units = units
+        self.outside = outside
 
     async def read(self, processes: bool = True) -> VramReading | None:
         """Read the GPU's memory now; None when probing is off."""
         if self.probe is None:
             return None
-        return await blocking(self.probe.read, processes)
+        return await self.outside.gpu.call("read", self.probe.read, processes)
+
+    async def unit_of(self, pid: int) -> str | None:
+        """Name the unit of a process that holds VRAM (None if unknown or systemd does not say)."""
+        try:
+            return await self.outside.systemd.call("unit_of_pid", self._units.unit_of_pid, pid)
+        except GpuswapError:
+            return None
 
     async def wait_free(self, need: int, timeout: float) -> float:
         """Wait until ``need`` bytes are free; return the seconds waited."""
@@ -54,8 +63,64 @@ class Vram:
         """Say who holds the VRAM that is missing, by process and unit."""
         holders = []
         for proc in sorted(reading.processes, key=lambda p: -p.used_bytes):
-            unit = await blocking(self._units.unit_of_pid, proc.pid)
-            holders.append(f"{format_size(proc.used_bytes)} by pid {proc.pid}" + (f" ({unit})" if unit else ""))
+            holders.append(Holder(proc.pid, proc.used_bytes, await self.unit_of(proc.pid)).describe())
         held = "; ".join(holders) if holders else "no process listed (a process that just exited, or another container)"
         return (f"VRAM still held after {waited:g}s: {format_size(reading.used_bytes)} used, "
                 f"{format_size(reading.free_bytes)} free, {format_size(need)} needed; held: {held}")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process holding VRAM, and the unit it belongs to."""
+
+    pid: int
+    used_bytes: int
+    unit: str | None
+
+    def describe(self) -> str:
+        """Say it for a person: size, pid, unit."""
+        return f"{format_size(self.used_bytes)} by pid {self.pid}" + (f" ({self.unit})" if self.unit else "")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What the card would have free once the window has stopped the units it stops."""
+
+    total_bytes: int
+    free_bytes: int
+    freed_bytes: int  # held by processes of the units the window stops
+    others: tuple[Holder, ...]  # processes outside those units
+
+    @property
+    def held_by_others(self) -> int:
+        """Sum what processes outside the stopped units hold."""
+        return sum(h.used_bytes for h in self.others)
+
+    @property
+    def free_after_stop(self) -> int:
+        """Predict the free memory once the units have stopped."""
+        return self.free_bytes + self.freed_bytes
+
+    def fits(self, need: int) -> bool:
+        """Tell whether ``need`` can come free at all: what others hold stays held."""
+        return self.total_bytes - self.held_by_others >= need
+
+    def misfit(self, need: int, units: list[str]) -> str:
+        """Explain why ``need`` cannot fit, naming the processes in the way."""
+        stopping = ", ".join(units) or "no units"
+        held = "; ".join(h.describe() for h in sorted(self.others, key=lambda h: -h.used_bytes))
+        return (f"the window cannot fit: it needs {format_size(need)} of the card's {format_size(self.total_bytes)}, "
+                f"but processes outside the units it stops ({stopping}) hold {format_size(self.held_by_others)}: "
+                f"{held}; stop them, or lower gpu.window_needs")
+
+
+async def predict_fit(vram: Vram, reading: VramReading, units: list[str]) -> Fit:
+    """Split the card's users into the units the window stops and everyone else."""
+    freed, others = 0, []
+    for proc in reading.processes:
+        unit = await vram.unit_of(proc.pid)
+        if unit is not None and unit in units:
+            freed += proc.used_bytes
+        else:
+            others.append(Holder(proc.pid, proc.used_bytes, unit))
+    return Fit(reading.total_bytes, reading.free_bytes, freed, tuple(others))

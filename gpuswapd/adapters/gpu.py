@@ -208,5 +208,5 @@ def make_probe(config: GpuConfig) -> GpuProbe | None:
     if config.probe == "nvml":
         return NvmlProbe(config.index)
     if config.probe == "nvidia-smi":
-        return SmiProbe(config.index, config.nvidia_smi)
+        return SmiProbe(config.index, config.nvidia_smi, config.probe_timeout)
     return None

@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 
 import httpx
 
+from gpuswapd.adapters.prometheus import scan_prometheus
+from gpuswapd.adapters.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 from gpuswapd.config import CompletionCheck, IdleConfig
 from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
-from gpuswapd.prometheus import scan_prometheus
-from gpuswapd.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 
 RETRY_INTERVAL_S = 0.1
 IDLE_TIMEOUT_S = 10.0

@@ -17,8 +17,8 @@ from typing import Any, ParamSpec, TypeVar
 from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
+from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
-from gpuswapd.unitnames import unit_from_cgroup, unit_from_path
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -89,29 +89,44 @@ class TimerState:
 
 
 class _Jobs:
-    """Results of removed jobs, keyed by job path, kept briefly for waiters."""
+    """Results of removed jobs, handed to whoever waits for that job path.
+
+    JobRemoved can arrive before StartUnit/StopUnit has even returned the job's path: a result
+    nobody waits for yet is kept for a while, for the waiter that comes next.
+    """
 
     _KEEP_S = 300.0
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._done: dict[str, tuple[str, float]] = {}
+        self._waiting: dict[str, Callable[[str], None]] = {}
 
     def removed(self, path: str, result: str) -> None:
         """Record that a job ended (called from the GLib thread)."""
         now = time.monotonic()
-        with self._cond:
-            self._done[path] = (result, now)
-            if len(self._done) > 512:
-                self._done = {p: v for p, v in self._done.items() if now - v[1] < self._KEEP_S}
-            self._cond.notify_all()
+        with self._lock:
+            callback = self._waiting.pop(path, None)
+            if callback is None:
+                self._done[path] = (result, now)
+                if len(self._done) > 512:
+                    self._done = {p: v for p, v in self._done.items() if now - v[1] < self._KEEP_S}
+        if callback is not None:
+            callback(result)
 
-    def wait(self, path: str, timeout: float) -> str | None:
-        """Wait for the job at ``path`` to end; return its result or None on timeout."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: path in self._done, timeout):
-                return None
-            return self._done.pop(path)[0]
+    def when_done(self, path: str, callback: Callable[[str], None]) -> None:
+        """Call ``callback(result)`` once the job at ``path`` has ended (at once if it has)."""
+        with self._lock:
+            done = self._done.pop(path, None)
+            if done is None:
+                self._waiting[path] = callback
+        if done is not None:
+            callback(done[0])
+
+    def forget(self, path: str) -> None:
+        """Stop waiting for a job (its waiter gave up)."""
+        with self._lock:
+            self._waiting.pop(path, None)
 
 
 class Systemd:
@@ -217,30 +232,47 @@ class Systemd:
         return props
 
     @_systemd_errors
-    def _jobs(self, method: str, units: list[str], timeout: float, verb: str) -> None:
-        """Queue one job per unit at once (systemd orders them by After=) and wait for all."""
-        started = time.monotonic()
+    def queue_jobs(self, method: str, units: list[str]) -> list[tuple[str, str]]:
+        """Queue one StartUnit or StopUnit job per unit (systemd orders them); return (unit, job path)."""
+        if method not in ("StartUnit", "StopUnit"):
+            raise ValueError(f"not a job method: {method}")
         mgr = self._mgr()
-        jobs = [(unit, getattr(mgr, method)(unit, "replace", timeout=self._timeout)) for unit in units]
-        failures = []
-        for unit, job in jobs:
-            result = self._jobs_done.wait(job, max(0.0, timeout - (time.monotonic() - started)))
-            if result is None:
-                failures.append(f"{verb} of {unit} did not finish within {timeout:g}s")
-            elif result != "done":
-                state = self.properties(unit)
-                failures.append(f"{verb} of {unit} ended with result '{result}' (now {state['ActiveState']}/"
-                                f"{state['SubState']}); see `journalctl -u {unit}`")
-        if failures:
-            raise JobFailed("; ".join(failures))
+        return [(unit, str(getattr(mgr, method)(unit, "replace", timeout=self._timeout))) for unit in units]
+
+    def when_job_done(self, path: str, callback: Callable[[str], None]) -> None:
+        """Call ``callback(result)`` from the signal thread once the job ends (done, failed, ...)."""
+        self._jobs_done.when_done(path, callback)
+
+    def forget_job(self, path: str) -> None:
+        """Stop waiting for a job's result."""
+        self._jobs_done.forget(path)
 
     def start(self, *units: str, timeout: float) -> None:
-        """Start units and wait until their jobs are done."""
-        self._jobs("StartUnit", list(units), timeout, "start")
+        """Start units and block until their jobs are done (for tools; gpuswapd awaits JobRemoved)."""
+        self._block_on_jobs("StartUnit", list(units), timeout)
 
     def stop(self, *units: str, timeout: float) -> None:
-        """Stop units and wait until their jobs are done."""
-        self._jobs("StopUnit", list(units), timeout, "stop")
+        """Stop units and block until their jobs are done (for tools; gpuswapd awaits JobRemoved)."""
+        self._block_on_jobs("StopUnit", list(units), timeout)
+
+    def _block_on_jobs(self, method: str, units: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        results: dict[str, str] = {}
+        done = threading.Condition()
+
+        def settle(path: str, result: str) -> None:
+            with done:
+                results[path] = result
+                done.notify_all()
+
+        queued = self.queue_jobs(method, units)
+        for _, path in queued:
+            self.when_job_done(path, functools.partial(settle, path))
+        with done:
+            done.wait_for(lambda: len(results) == len(queued), max(0.0, deadline - time.monotonic()))
+        failed = [f"{unit}: {results.get(path, 'timeout')}" for unit, path in queued if results.get(path) != "done"]
+        if failed:
+            raise JobFailed(f"{method} failed: {', '.join(failed)}")
 
     def stop_closure(self, units: Iterable[str]) -> list[str]:
         """List the active units among ``units`` and all that Requires=/BindsTo=/PartOf= them."""
@@ -277,6 +309,47 @@ class Systemd:
         services = {row[0]: row[3] for row in self._mgr().ListUnitsByNames([t[2] for t in timers],
                                                                              timeout=self._timeout)}
         return [TimerState(name, state, service, services.get(service, "inactive")) for name, state, service in timers]
+
+    def dependents_closure(self, units: Iterable[str]) -> list[str]:
+        """List ``units`` and every loaded unit that Requires=/BindsTo=/PartOf= them, whatever its state."""
+        queue, seen, found = list(units), set[str](), list[str]()
+        while queue:
+            name = queue.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
+            props = self.properties(name)
+            if props["LoadState"] != "loaded":
+                continue
+            found.append(name)
+            for key in _DEPENDENTS:
+                queue.extend(sorted(props.get(key, [])))
+        return found
+
+    @_systemd_errors
+    def installed_timers(self, patterns: Iterable[str]) -> list[str]:
+        """List the loaded, unmasked timers whose names match the patterns (running or not)."""
+        pats = list(patterns)
+        if not pats:
+            return []
+        mgr = self._mgr()
+        names = {str(row[0]).rsplit("/", 1)[-1] for row in mgr.ListUnitFilesByPatterns([], pats, timeout=self._timeout)}
+        names |= {str(row[0]) for row in mgr.ListUnitsByPatterns([], pats, timeout=self._timeout)}
+        found = []
+        for name in sorted(names):
+            if not name.endswith(".timer") or not any(fnmatch.fnmatchcase(name, p) for p in pats):
+                continue
+            if self.properties(name)["LoadState"] == "loaded":  # masked or broken timers stay as they are
+                found.append(name)
+        return found
+
+    @_systemd_errors
+    def control_group(self, unit: str) -> str | None:
+        """Return the cgroup of a loaded service or scope of this manager (None if it has none now)."""
+        iface = "org.freedesktop.systemd1." + ("Scope" if unit.endswith(".scope") else "Service")
+        path = self._mgr().GetUnit(unit, timeout=self._timeout)
+        group = self._properties(path).Get(iface, "ControlGroup", timeout=self._timeout)
+        return str(group) or None
 
     def unit_of_pid(self, pid: int) -> str | None:
         """Name the unit a process belongs to (from its cgroup, else asking systemd)."""

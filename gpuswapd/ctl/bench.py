@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.adapters.streams import Completion
 from gpuswapd.ctl.client import Client
 from gpuswapd.ctl.lease import held_lease
 from gpuswapd.errors import EndpointError
-from gpuswapd.streams import Completion
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BUILTIN_SETS = ("chat", "long-context")

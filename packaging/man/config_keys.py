@@ -40,8 +40,9 @@ _VERIFY = {
 }
 
 MEANINGS: dict[str, str] = {
-    "daemon.socket": "The Unix socket gpuswapd creates (mode 0660, group socket_group) when systemd does not hand "
-                     "it one. Ignored under socket activation: gpuswapd.socket's ListenStream= names the socket then.",
+    "daemon.socket": "The Unix socket gpuswapd creates (group socket_group; mode 0666 while status_public is true, "
+                     "else 0660) when systemd does not hand it one. Ignored under socket activation: "
+                     "gpuswapd.socket's ListenStream= and SocketMode= name the socket then.",
     "daemon.socket_group": "Members of this group (and root) may acquire, renew and release leases, run commands "
                            "under a lease and ask for a plan. Under socket activation the socket unit's "
                            "SocketGroup= sets the group of the socket file; this key still decides who is allowed. "
@@ -55,9 +56,16 @@ MEANINGS: dict[str, str] = {
     "daemon.on_shutdown": "What gpuswapd does with an open window when it is stopped (SIGTERM): \"restore\" closes "
                           "it and gives the GPU back to the resident first; \"keep\" leaves it as it is, for the "
                           "next gpuswapd to adopt.",
-    "daemon.status_public": "Whether clients that may connect but are neither root nor in socket_group may still "
-                            "read status and history. (The socket's mode 0660 keeps other users out unless it is "
-                            "changed.)",
+    "daemon.status_public": "Whether every local user may read status and history (never acquire, renew or "
+                            "release). When true the socket is made world-connectable (0666; the shipped "
+                            "gpuswapd.socket has SocketMode=0666 to match) and gpuswapd checks each caller's "
+                            "credentials itself; set it to false and SocketMode=0660 to keep other users out.",
+    "daemon.max_clients": "How many connections gpuswapd serves at once. A client beyond the limit gets a one-line "
+                          "refusal and is disconnected; gpuswapd never runs out of file descriptors (it raises its "
+                          "soft RLIMIT_NOFILE to fit, or refuses to start, exit 78, if LimitNOFILE= is too low).",
+    "daemon.max_clients_per_uid": "How many connections one non-root user may hold open at once.",
+    "daemon.reserved_clients": "Of max_clients, how many only root and members of socket_group may use: a flood "
+                               "from other users leaves the operator's gpuswapctl an answer.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -66,6 +74,8 @@ MEANINGS: dict[str, str] = {
     "gpu.release_timeout": "How long VRAM may take to come free after a stop (it lags the processes' exit). On "
                            "timeout the error names the processes that hold VRAM and their units.",
     "gpu.nvidia_smi": "The nvidia-smi command (looked up in PATH, or an absolute path) for probe = \"nvidia-smi\".",
+    "gpu.probe_timeout": "How long one VRAM reading may take. A probe that hangs (a stuck driver) fails the window "
+                         "with a clear error within this time; status then lists the hung call.",
     "resident.units": "The units that hold the GPU normally. The active units that Requires=, BindsTo= or PartOf= "
                       "them are found over D-Bus, recorded and stopped as well (dependents first), and exactly "
                       "those are started again.",

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.test_window import assert_resident_back, assert_window_open, metric
 from tests.stack.daemon import BIN, RunningDaemon
-from tests.stack.probe import Probe
+from tests.stack.probe import AGENT_TIMERS, Probe
 from tests.stack.world import ENGINE_PORT, Stack
 
 Start = Callable[..., RunningDaemon]
@@ -136,16 +136,25 @@ def test_docker_dying_mid_window_gives_the_gpu_back(gpuswapd: Start, probe: Prob
     assert daemon.ctl("acquire", "--for", "5m").returncode == 0
     world.stop_dockerd()
     try:
-        status = daemon.wait_phase("IDLE", timeout=120)
-        assert status["last"]["outcome"] == "engine_failed"
+        # Docker took the engine down with itself: the resident and the timers come back at once...
+        deadline = time.monotonic() + 120
+        while (status := daemon.status())["window"] is None or not status["window"]["degraded"]:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert "could not be removed yet" in status["window"]["degraded"]
         assert probe.states(["strata.service", "llama-swap.service"]) == {
             "strata.service": "active", "llama-swap.service": "active"}
+        assert set(probe.states(list(AGENT_TIMERS)).values()) == {"active"}
         assert metric("llamacpp:tokens_predicted_total") > 0
         assert world.ooms() == []
+        # ...but the window is not over while its container is left: a new one is refused, clearly.
+        refused = daemon.ctl("acquire", "--for", "1m")
+        assert refused.returncode == 1 and "could not be removed yet" in refused.stderr
     finally:
         world.start_dockerd()
-    # Docker stopped the engine with itself; gpuswapd could not remove it then: the next window does.
-    assert all(c["State"] == "exited" for c in probe.containers())
+    status = daemon.wait_phase("IDLE", timeout=120)
+    assert status["last"]["outcome"] == "engine_failed"
+    assert probe.containers() == []  # removed as soon as Docker was back
     assert daemon.ctl("acquire", "--for", "1m").returncode == 0
     assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen", "running")]
 
@@ -233,8 +242,8 @@ def test_an_engine_no_record_knows_is_removed_at_start(gpuswapd: Start, probe: P
     daemon = gpuswapd()
     assert daemon.ctl("acquire", "--for", "5m").returncode == 0
     daemon.kill()
-    state = daemon.config.parent / "state" / "current.json"
-    state.unlink()  # the record is lost (a wiped state directory)
+    for name in ("state.json", "state.prev.json"):
+        (daemon.state_dir / name).unlink()  # the record is lost (a wiped state directory)
     assert [c["State"] for c in probe.containers()] == ["running"]
     daemon.start()
     assert probe.containers() == []  # gpuswapd's own container, of a window nobody knows, is gone

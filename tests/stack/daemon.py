@@ -101,11 +101,15 @@ class RunningDaemon:
         self.proc.kill()
         self.proc.wait()
 
+    @property
+    def state_dir(self) -> Path:
+        """Return the daemon's state directory."""
+        return Path(tomllib.loads(self.config.read_text())["daemon"]["state_dir"])
+
     def state_phase(self) -> str | None:
-        """Read the phase gpuswapd last persisted (its state file), without asking it."""
-        state_dir = Path(tomllib.loads(self.config.read_text())["daemon"]["state_dir"])
+        """Read the phase gpuswapd last persisted (its state document), without asking it."""
         try:
-            phase: str = json.loads((state_dir / "current.json").read_text())["phase"]
+            window = json.loads((self.state_dir / "state.json").read_text())["window"]
         except (OSError, ValueError, KeyError):
             return None
-        return phase
+        return None if window is None else str(window["phase"])

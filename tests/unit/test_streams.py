@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuswapd.adapters.prometheus import parse_prometheus
+from gpuswapd.adapters.streams import Completion, CompletionBuilder, ServerFault, parse_sse_events
 from gpuswapd.errors import BadResponse
-from gpuswapd.prometheus import parse_prometheus
-from gpuswapd.streams import Completion, CompletionBuilder, ServerFault, parse_sse_events
 
 
 def chunk(content: str | None = None, reasoning: str | None = None, finish: str | None = None,

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuswapd.unitnames import unit_from_cgroup, unit_from_path
+from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
 
 
 def _proc(tmp_path: Path, text: str) -> Path:

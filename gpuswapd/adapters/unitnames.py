@@ -34,3 +34,24 @@ def unit_from_cgroup(pid: int, proc: Path = Path("/proc")) -> str | None:
             if part.endswith((".service", ".scope")) and part != "init.scope":
                 return part
     return None
+
+
+def cgroup_of(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """Return a process's cgroup path (the unified hierarchy, else systemd's named one; OSError if unreadable)."""
+    lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    chosen = [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]
+    for line in chosen:
+        path = line.split(":", 2)[2].strip()
+        if path and path != "/":
+            return path
+    return None
+
+
+def service_prefixes(cgroup: str) -> list[tuple[str, str]]:
+    """List each ``NAME.service`` in a cgroup path with the path up to it, outermost first.
+
+    The outermost service that its manager confirms owns that path is the process's unit: a
+    cgroup made inside a service (delegation, a user manager) cannot pose as another one.
+    """
+    parts = cgroup.strip("/").split("/")
+    return [(part, "/" + "/".join(parts[:i + 1])) for i, part in enumerate(parts) if part.endswith(".service")]

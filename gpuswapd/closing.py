@@ -1,0 +1,269 @@
+"""Closing the window, one step per phase: take the engine down, wait for VRAM, restore, resume.
+
+Closing never gives up on the resident: a step that fails is retried with backoff (the restore
+waits in DEGRADED meanwhile), and a state document that cannot be written does not stop it,
+since the record in memory says what to undo. A record left in a closing phase by an earlier
+gpuswapd continues from that phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from gpuswapd.errors import Degraded, GpuswapError
+from gpuswapd.logs import log
+from gpuswapd.phases import Phase
+from gpuswapd.record import WindowRecord
+from gpuswapd.tasks import reap, spawn
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
+
+
+class Interrupted(Exception):
+    """Closing stopped part-way because gpuswapd is stopping; the record stays for the next start."""
+
+
+def engine_left(rec: WindowRecord) -> bool:
+    """Tell whether the window's engine has not been taken down yet."""
+    return rec.container is not None and not rec.container.get("removed")
+
+
+async def _take_down(w: Window, rec: WindowRecord) -> None:
+    for lease in rec.leases.clear():
+        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
+    await w.persist(required=False)
+    if engine_left(rec):
+        await _retry_take_down(w, rec, time.monotonic() + w.backoffs.take_down_for)
+
+
+async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) -> bool:
+    """Take the engine down, retrying with backoff until ``until`` (None: for as long as it takes).
+
+    With a deadline, it also stops early once the resident would fit beside the engine: the
+    restore can go on while the take-down is retried alongside it.
+    """
+    first, cap = w.backoffs.take_down
+    delay = first
+    while True:
+        try:
+            await w.engine.take_down(rec.container)
+        except GpuswapError as err:
+            rec.fail(err)
+            log.error("engine_take_down_failed", error=err.message, retry_in_s=delay)
+            if until is not None and (time.monotonic() + delay > until or await _resident_fits(w)):
+                return False
+            await _pause(w, delay)
+            delay = min(delay * 2, cap)
+            continue
+        assert rec.container is not None
+        rec.container = {**rec.container, "removed": True}
+        await w.persist(required=False)
+        return True
+
+
+async def _keep_taking_down(w: Window, rec: WindowRecord) -> bool:
+    """Retry the take-down until it succeeds; False if gpuswapd stops first."""
+    try:
+        return await _retry_take_down(w, rec, None)
+    except Interrupted:
+        return False
+
+
+async def _resident_fits(w: Window) -> bool:
+    """Tell whether the resident would fit now, engine or not (no probe: cannot tell)."""
+    try:
+        reading = await w.vram.read(processes=False)
+    except GpuswapError:
+        return False
+    return reading is not None and reading.free_bytes >= w.config.gpu.resident_needs
+
+
+async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
+    gpu = w.config.gpu
+    try:
+        await w.vram.wait_free(gpu.resident_needs, gpu.release_timeout)
+    except GpuswapError as err:
+        # Starting the resident is still the best move: if the memory is really gone it
+        # fails, and the restore retries with backoff.
+        log.warning("vram_not_free_restoring_anyway", error=err.message)
+
+
+async def _restore(w: Window, rec: WindowRecord) -> None:
+    """Start exactly the recorded units and verify the resident; retry with backoff."""
+    if not rec.units:
+        return
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            # An engine still holding its memory would only make the resident fail: wait for it.
+            if attempt > 1 and engine_left(rec) and not await _resident_fits(w):
+                raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
+                               f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
+            await w.resident.start(rec.units)
+            await w.resident.verify()
+            rec.degraded = None
+            return
+        except GpuswapError as err:
+            await _degraded(w, rec, err, attempt)
+
+
+async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
+    """Wait in DEGRADED before the next try; nobody gets a window meanwhile."""
+    first, cap = w.backoffs.restore
+    delay = min(cap, first * 2 ** (attempt - 1))
+    rec.degraded = err.message
+    log.error("restore_failed", error=err.message, retry_in_s=delay)
+    await w.enter(rec, Phase.DEGRADED, required=False)
+    w.fail_waiters(Degraded(f"the resident could not be restored yet: {err.message}", phase=str(Phase.DEGRADED)))
+    await _pause(w, delay)
+    await w.enter(rec, Phase.RESTORING, required=False)
+
+
+async def _resume(w: Window, rec: WindowRecord) -> None:
+    """Start exactly the paused timers again; retry until they run (the record stays till then)."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            await w.resident.resume(rec.timers)
+            return
+        except GpuswapError as err:
+            rec.fail(err)
+            first, cap = w.backoffs.restore
+            delay = min(cap, first * 2 ** (attempt - 1))
+            log.error("timers_resume_retry", error=err.message, retry_in_s=delay)
+            await _pause(w, delay)
+
+
+async def _pause(w: Window, seconds: float) -> None:
+    """Wait before a retry; when gpuswapd is stopping, leave the record for the next start."""
+    if w.stopping.is_set():
+        raise Interrupted
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(w.stopping.wait(), seconds)
+    if w.stopping.is_set():
+        raise Interrupted
+
+
+STEPS: tuple[tuple[Phase, Callable[[Window, WindowRecord], Awaitable[None]]], ...] = (
+    (Phase.CLOSING, _take_down),
+    (Phase.WAITING_VRAM, _wait_resident_vram),
+    (Phase.RESTORING, _restore),
+    (Phase.RESUMING_TIMERS, _resume),
+)
+
+
+def _first_step(rec: WindowRecord) -> int:
+    """Find where closing starts: at CLOSING, or where an interrupted close stood."""
+    if rec.phase is Phase.WAITING_VRAM and rec.closing:
+        return 1
+    if rec.phase in (Phase.RESTORING, Phase.DEGRADED):
+        return 2
+    if rec.phase is Phase.RESUMING_TIMERS:
+        return 3
+    return 0
+
+
+async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
+    """Take the engine down, wait for VRAM, restore and verify the resident, resume the timers.
+
+    An engine that could not be taken down in CLOSING is retried alongside the restore, and the
+    record is cleared only once it is gone too: nothing of the window is left behind.
+    """
+    first = _first_step(rec)
+    remover: asyncio.Task[bool] | None = None
+    try:
+        for index, (phase, step) in enumerate(STEPS):
+            if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
+                continue
+            if rec.phase is not phase:
+                await w.enter(rec, phase, required=False)
+            await step(w, rec)
+            if engine_left(rec) and remover is None:
+                remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
+        if remover is not None and not remover.done():
+            rec.degraded = (f"the resident is back, but the engine {(rec.container or {}).get('name')} could not be "
+                            f"removed yet: {(rec.error or {}).get('message', 'see the log')}; gpuswapd keeps trying")
+            log.warning("engine_take_down_pending", container=(rec.container or {}).get("name"))
+            w.notify_status()
+            if not await asyncio.shield(remover):
+                raise Interrupted
+            rec.degraded = None
+        await _reconcile_late_calls(w, rec)
+    except Interrupted:
+        log.warning("window_left_for_next_start", window=rec.id, phase=str(rec.phase))
+        return
+    finally:
+        await reap(remover)
+    w.finish(rec, outcome)
+
+
+def hung_mark(w: Window) -> tuple[int, int]:
+    """Count the calls to systemd and Docker that ever outlived their deadline."""
+    return w.outside.systemd.hung_total, w.outside.docker.hung_total
+
+
+async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
+    """Make sure again once calls that outlived their deadline have landed.
+
+    A stop job or a container create that timed out here may still be done by systemd or Docker
+    later, after the restore: wait until every such call has returned, then take the engine
+    down, start the resident and the timers once more (each is a no-op if already so).
+    """
+    while hung_mark(w) != w.hung_mark:
+        rec.degraded = "waiting for calls to systemd or Docker that outlived their deadline to return"
+        log.warning("late_calls_pending", systemd=w.outside.systemd.status()["hung"],
+                    docker=w.outside.docker.status()["hung"])
+        w.notify_status()
+        await _until(w, w.outside.systemd.drained())
+        await _until(w, w.outside.docker.drained())
+        w.hung_mark = hung_mark(w)
+        if rec.container is not None:
+            await _retry_take_down(w, rec, None)
+        await _until(w, _sweep(w))
+        await _restore(w, rec)
+        await _resume(w, rec)
+        rec.degraded = None
+        log.info("late_calls_reconciled")
+
+
+async def _until(w: Window, aw: Awaitable[None]) -> None:
+    """Await something long, unless gpuswapd stops first (then the record stays)."""
+    task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(w.stopping.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if not task.done():
+        await reap(task)
+        raise Interrupted
+    task.result()
+
+
+def sweep_orphans(w: Window) -> None:
+    """Remove this instance's engines that no open window owns, retrying until Docker lets it."""
+    if w.sweeper is None or w.sweeper.done():
+        w.sweeper = spawn(_sweep(w), "orphan-sweep")
+
+
+async def _sweep(w: Window) -> None:
+    attempt = 0
+    while not w.stopping.is_set():
+        attempt += 1
+        keep = w.record.id if w.record is not None else None
+        try:
+            await w.engine.remove_orphans(keep)
+            return
+        except GpuswapError as err:
+            first, cap = w.backoffs.restore
+            delay = min(cap, first * 2 ** (attempt - 1))
+            log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.stopping.wait(), delay)

@@ -1,0 +1,107 @@
+"""Holding the window READY: leases expire, the linger passes, a watchdog restarts a failed engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from gpuswapd import closing
+from gpuswapd.errors import EngineFailed, GpuswapError
+from gpuswapd.logs import log
+from gpuswapd.phases import Phase
+from gpuswapd.record import WindowRecord
+from gpuswapd.tasks import reap, retrieve
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
+
+
+async def hold_then_close(w: Window, rec: WindowRecord) -> None:
+    """Hold the window while it is wanted and the engine serves, then close it."""
+    if await hold(w, rec):
+        await closing.close(w, rec, "closed")
+        return
+    assert rec.error is not None
+    w.fail_waiters(GpuswapError.from_dict(rec.error))
+    await closing.close(w, rec, "engine_failed")
+
+
+async def hold(w: Window, rec: WindowRecord) -> bool:
+    """Keep the window READY while leases last, plus ``linger``; False if the engine was lost.
+
+    A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
+    to ``max_restarts`` times per window.
+    """
+    interval = w.config.window.watch_interval
+    linger = w.config.daemon.linger
+    linger_from: float | None = None
+    watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
+    try:
+        while not w.stopping.is_set():
+            if watch.done():
+                if watch.cancelled() or watch.exception() is not None:
+                    # The watchdog itself was lost (not the engine): watch again.
+                    log.warning("engine_watch_restarted", error=None if watch.cancelled() else repr(watch.exception()))
+                elif not await _restart_engine(w, rec, watch.result()):
+                    return False
+                watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
+            now = time.time()
+            expired = rec.leases.expire(now)
+            for lease in expired:
+                log.info("lease_expired", lease=lease.id, holder=lease.holder)
+            if expired:
+                await w.persist(required=False)
+            if len(rec.leases):
+                linger_from = None
+            else:
+                linger_from = now if linger_from is None else linger_from
+                if now - linger_from >= linger:
+                    return True
+            wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger)
+                          if t is not None)
+            w.wake.clear()
+            waker = asyncio.create_task(w.wake.wait())
+            retrieve(waker)
+            try:
+                await asyncio.wait({waker, watch}, timeout=max(0.0, wake_at - now),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
+        return True
+    finally:
+        await reap(watch)
+
+
+async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
+    """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
+    cfg = w.config
+    log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.window.max_restarts)
+    await w.enter(rec, Phase.RECOVERING, required=False)
+    while rec.restarts < cfg.window.max_restarts:
+        rec.restarts += 1
+        await w.persist(required=False)
+        try:
+            await w.engine.take_down(rec.container)
+            # A GPU frees memory some time after the process died: restarting at once would
+            # fail with out of memory.
+            await w.vram.wait_free(cfg.gpu.window_needs, cfg.gpu.release_timeout)
+            rec.container = await w.engine.bring_up(rec.id)
+            await w.persist(required=False)
+            await w.engine.wait_serving(cfg.window.boot_timeout)
+            await w.enter(rec, Phase.WARMING, required=False)
+            await w.engine.warm()
+        except GpuswapError as err:
+            reason = err.message
+            log.error("engine_restart_failed", restart=rec.restarts, error=reason)
+            if rec.phase is Phase.WARMING:
+                await w.enter(rec, Phase.RECOVERING, required=False)
+            continue
+        log.info("engine_recovered", restart=rec.restarts)
+        await w.ready(rec)
+        return True
+    rec.fail(EngineFailed(f"the engine failed and {rec.restarts} restart(s) did not bring it back "
+                          f"(window.max_restarts = {cfg.window.max_restarts}): {reason}; "
+                          "the GPU went back to the resident", phase=str(Phase.RECOVERING)))
+    await w.persist(required=False)
+    return False

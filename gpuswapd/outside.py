@@ -1,0 +1,307 @@
+"""Every call to an outside system, with a deadline, on a lane of its own.
+
+    systemd  D-Bus calls (pydbus) and the jobs they queue
+    docker   the Docker SDK
+    gpu      NVML or nvidia-smi
+    state    reads and writes of the state directory
+    http     the model servers (httpx, asynchronous: a deadline, no thread)
+
+A call that outlives its deadline fails at once with the system's own error. Its thread may go
+on (a stuck NVML call cannot be cancelled): it counts as hung until it returns, and status shows
+it. When every worker of a lane is hung, the next call fails at once instead of queueing behind
+them, and since each system has workers of its own, one stuck system never starves the others.
+
+``CALLS`` names every call the window makes, by lane: the fault tests cover each entry, and a
+call whose name is not registered is a bug that fails loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointTimeout, GpuProbeError, GpuswapError, StateError
+from gpuswapd.logs import log
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+CALLS: dict[str, frozenset[str]] = {
+    "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
+                          "unit_of_pid", "unit_cgroup", "baseline_units", "baseline_timers"}),
+    "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
+                         "logs_tail", "find", "env_file"}),  # wait_exit: a long wait on a thread of its own
+    "gpu": frozenset({"read"}),
+    "state": frozenset({"read", "write", "append_history", "read_history"}),
+    "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify"}),
+}
+
+# Raised when a call of that lane misses its deadline or the lane is hung.
+_ERRORS: dict[str, type[GpuswapError]] = {
+    "systemd": BusUnavailable, "docker": DockerUnavailable, "gpu": GpuProbeError, "state": StateError,
+    "http": EndpointTimeout,
+}
+_WHAT = {"systemd": "systemd (D-Bus)", "docker": "Docker", "gpu": "the GPU probe", "state": "the state directory",
+         "http": "the model server"}
+_NEXT = {"systemd": "check `systemctl status` and the system bus",
+         "docker": "check `systemctl status docker`",
+         "gpu": "the driver may be hung: check `dmesg` and `nvidia-smi`",
+         "state": "check the disk under daemon.state_dir",
+         "http": "check the server's log"}
+
+# (system, call, asynchronous) -> None, or a wrapper of the call (a function for a blocking call,
+# an awaitable for an asynchronous one); it may also raise, or be cancelled.
+Injector = Callable[[str, str, bool], Awaitable[Callable[[Any], Any] | None]]
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each lane's calls may take by default (seconds), and its number of workers."""
+
+    systemd: float = 30.0
+    docker: float = 60.0
+    gpu: float = 12.0
+    state: float = 30.0
+    http: float = 5.0  # for calls with a timeout of their own, the margin beyond it
+    workers: int = 4
+
+
+@dataclass
+class _Stuck:
+    call: str
+    since: float
+
+
+class _Workers:
+    """A few daemon threads: a hung call must never keep gpuswapd from exiting.
+
+    A worker that has had nothing to do for a while ends; the next call starts one again.
+    """
+
+    IDLE_S = 30.0
+
+    def __init__(self, name: str, count: int) -> None:
+        self._name = name
+        self._count = count
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = 0
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._jobs.put(job)
+            if self._idle:
+                self._idle -= 1  # an idle worker takes it
+                return
+            if self._threads >= self._count:
+                return  # every worker is busy: the next one free takes it
+            self._threads += 1
+        threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
+
+    def close(self) -> None:
+        """Let every worker end once it is done with what it runs."""
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if not self._jobs.empty():
+                        continue  # a job came just now: it is this worker's
+                    self._threads -= 1
+                    self._idle = max(0, self._idle - 1)
+                return
+            if job is None:
+                with self._lock:
+                    self._threads -= 1
+                return
+            job()
+            with self._lock:
+                self._idle += 1
+
+
+class Lane:
+    """One outside system's calls: bounded workers, a deadline on each call, hung calls counted."""
+
+    def __init__(self, system: str, deadline: float, workers: int) -> None:
+        self.system = system
+        self.deadline = deadline
+        self.workers = workers
+        self.calls = CALLS[system]
+        self.injector: Injector | None = None  # the fault tests' hook; None in service
+        self._pool = _Workers(system, workers)
+        self._stuck: dict[int, _Stuck] = {}
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.hung_total = 0  # calls that ever outlived their deadline
+        self._error = _ERRORS[system]
+
+    async def call(self, name: str, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking call on this lane's workers within the lane's deadline."""
+        return await self.call_within(self.deadline, name, func, *args, **kwargs)
+
+    async def call_within(self, deadline: float, name: str, func: Callable[P, R], /,
+                          *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a blocking call on this lane's workers within ``deadline`` seconds."""
+        self._check(name)
+        work: Callable[[], Any] = lambda: func(*args, **kwargs)  # noqa: E731
+        if self.injector is not None:
+            wrap = await self.injector(self.system, name, False)
+            work = wrap(work) if wrap is not None else work
+        if len(self._stuck) >= self.workers:
+            oldest = min(self._stuck.values(), key=lambda s: s.since)
+            raise self._error(f"{_WHAT[self.system]} is hung: {len(self._stuck)} call(s) have not returned "
+                              f"({oldest.call} for {time.monotonic() - oldest.since:.0f}s); {_NEXT[self.system]}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        context = contextvars.copy_context()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def job() -> None:
+            try:
+                result, error = context.run(work), None
+            except BaseException as err:  # handed to the awaiting side
+                result, error = None, err
+            with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
+                loop.call_soon_threadsafe(settle, result, error)
+
+        self._pool.submit(job)
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), deadline)
+        except TimeoutError:
+            self._hung(name, future, started)
+            raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {deadline:g}s; "
+                              f"{_NEXT[self.system]}") from None
+        finally:
+            if not future.done():
+                # Nobody waits any more (deadline or cancellation): drop what it brings.
+                future.add_done_callback(_drop)
+
+    async def run(self, name: str, awaitable: Awaitable[R], deadline: float | None = None) -> R:
+        """Await an asynchronous call (or a signal) of this system within a deadline."""
+        self._check(name)
+        if self.injector is not None:
+            try:
+                wrap = await self.injector(self.system, name, True)
+            except BaseException:
+                close_unawaited(awaitable)
+                raise
+            if wrap is not None:
+                awaitable = wrap(awaitable)
+        limit = self.deadline if deadline is None else deadline
+        try:
+            return await asyncio.wait_for(awaitable, limit)
+        except TimeoutError:
+            raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {limit:g}s; "
+                              f"{_NEXT[self.system]}") from None
+
+    def beyond(self, timeout: float) -> float:
+        """Give a call with a timeout of its own a deadline that backs it up: the lane's margin more."""
+        return timeout + self.deadline
+
+    def _check(self, name: str) -> None:
+        if name not in self.calls:
+            raise AssertionError(f"{self.system}.{name} is not in outside.CALLS: register it "
+                                 "(the fault tests cover every entry)")
+
+    async def drained(self) -> None:
+        """Wait until every call that outlived its deadline has returned (and done what it did)."""
+        await self._drained.wait()
+
+    def _hung(self, name: str, future: asyncio.Future[Any], started: float) -> None:
+        key = id(future)
+        self._stuck[key] = _Stuck(name, started)
+        self.hung_total += 1
+        self._drained.clear()
+        log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck))
+
+        def returned(_: asyncio.Future[Any]) -> None:
+            stuck = self._stuck.pop(key, None)
+            if stuck is not None:
+                log.info("outside_call_returned", system=self.system, call=name,
+                         took_s=round(time.monotonic() - stuck.since, 3))
+            if not self._stuck:
+                self._drained.set()
+
+        future.add_done_callback(returned)
+
+    def close(self) -> None:
+        """Let the idle workers end."""
+        self._pool.close()
+
+    def status(self) -> dict[str, Any]:
+        """Describe the calls that outlived their deadline and have not returned."""
+        now = time.monotonic()
+        return {"hung": [{"call": s.call, "for_s": round(now - s.since, 1)} for s in self._stuck.values()]}
+
+
+class Outside:
+    """The lanes of every outside system gpuswapd talks to."""
+
+    def __init__(self, deadlines: Deadlines | None = None) -> None:
+        d = deadlines or Deadlines()
+        self.deadlines = d
+        self.systemd = Lane("systemd", d.systemd, d.workers)
+        self.docker = Lane("docker", d.docker, d.workers)
+        self.gpu = Lane("gpu", d.gpu, 2)
+        # One worker: a write that outlives its deadline must land before the next, never after it.
+        self.state = Lane("state", d.state, 1)
+        self.http = Lane("http", d.http, 1)
+
+    def lanes(self) -> list[Lane]:
+        """List every lane."""
+        return [self.systemd, self.docker, self.gpu, self.state, self.http]
+
+    def close(self) -> None:
+        """Let every lane's idle workers end (a hung one ends when its call returns)."""
+        for lane in self.lanes():
+            lane.close()
+
+    def inject(self, injector: Injector | None) -> None:
+        """Route every call through ``injector`` first (the fault tests)."""
+        for lane in self.lanes():
+            lane.injector = injector
+
+    def status(self) -> dict[str, Any]:
+        """Describe each lane's hung calls, for status."""
+        return {lane.system: lane.status() for lane in self.lanes() if lane.system != "http"}
+
+    def hung(self) -> list[str]:
+        """Name the systems with a hung call."""
+        return [lane.system for lane in self.lanes() if lane.status()["hung"]]
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def close_unawaited(awaitable: Awaitable[Any]) -> None:
+    """Dispose of an awaitable that will never run (no "never awaited" warning for a coroutine)."""
+    close = getattr(awaitable, "close", None)
+    if close is not None:
+        close()
+    elif isinstance(awaitable, asyncio.Future):
+        awaitable.cancel()
+

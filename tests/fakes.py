@@ -1,0 +1,585 @@
+"""In-process fakes of the outside systems, behind the adapters' own interfaces.
+
+Like httpx's ``MockTransport``, they replace the *systems*, not gpuswapd's code: the real
+``Window``, ``Resident``, ``ContainerEngine``, ``Vram``, ``StateWriter`` and lanes run on top of
+them, in milliseconds and without root. One ``FakeWorld`` ties them together the way the real
+machine is tied: the resident and the engine hold VRAM in one ledger, a stop of strata stops
+llama-swap (``Requires=``), a container that starts without room fails like CUDA out of memory.
+
+Integration tests run the same code on a real systemd and a real Docker; these fakes only make
+the window's logic and its fault matrix fast to test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuswapd.adapters.docker import ContainerState
+from gpuswapd.adapters.gpu import GpuProcess, VramReading
+from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.streams import Completion
+from gpuswapd.adapters.systemd import TimerState, UnitState, _Jobs
+from gpuswapd.config import Config, parse_config
+from gpuswapd.engine import ContainerEngine
+from gpuswapd.errors import (
+    ContainerNotFound,
+    EndpointUnreachable,
+    ImageNotFound,
+    UnitNotFound,
+)
+from gpuswapd.notify import Notifier
+from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.resident import Resident
+from gpuswapd.state import Document, Loaded, decode
+from gpuswapd.vram import Vram
+from gpuswapd.window import Backoffs, Window
+
+GiB = 1 << 30
+RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"
+ENGINE_URL = "http://engine.test:18020/v1/chat/completions"
+AGENTS = ("triage", "review", "digest")
+RESIDENT_BYTES = 21 * GiB
+ENGINE_BYTES = int(19.5 * GiB)
+
+CONFIG = f"""
+[daemon]
+socket = "/nonexistent/gpuswapd.sock"
+socket_group = ""
+state_dir = "/nonexistent/state"
+linger = "0"
+[gpu]
+probe = "nvidia-smi"
+window_needs = "21GiB"
+resident_needs = "22GiB"
+release_timeout = "300ms"
+[resident]
+units = ["strata.service"]
+stop_timeout = "300ms"
+start_timeout = "300ms"
+[resident.idle]
+kind = "none"
+wait = "0"
+[resident.verify]
+url = "{RESIDENT_URL}"
+model = "strata"
+timeout = "300ms"
+[timers]
+pause = ["agent-*.timer"]
+wait_for_jobs = "100ms"
+[window]
+health_url = "http://engine.test:18020/health"
+boot_timeout = "300ms"
+watch_interval = "50ms"
+max_restarts = 1
+[window.container]
+name = "hyperqwen"
+image = "engine:latest"
+env_file = "/dev/null"
+stop_timeout = "0"
+[window.warmup]
+requests = 1
+[window.verify]
+url = "{ENGINE_URL}"
+model = "hyperqwen"
+timeout = "300ms"
+"""
+
+FAKE_CONFIG = parse_config(CONFIG, "<fake>")
+DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
+BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
+                    writer=(0.005, 0.02))
+
+
+class FakeGpu:
+    """The card: a ledger of who holds how much, read like NVML."""
+
+    def __init__(self, total: int = 24 * GiB) -> None:
+        self.total = total
+        self.holders: dict[str, tuple[int, int]] = {}  # name -> (pid, bytes)
+        self.ooms: list[str] = []
+        self._lock = threading.Lock()
+
+    def claim(self, name: str, pid: int, size: int) -> bool:
+        """Take memory for a process; False (and an OOM record) if it does not fit."""
+        with self._lock:
+            if self.total - sum(b for _, b in self.holders.values()) < size:
+                self.ooms.append(name)
+                return False
+            self.holders[name] = (pid, size)
+            return True
+
+    def free(self, name: str) -> None:
+        """Give a holder's memory back."""
+        with self._lock:
+            self.holders.pop(name, None)
+
+    def read(self, processes: bool = True) -> VramReading:
+        """Read the card as the probe adapters do."""
+        with self._lock:
+            used = sum(b for _, b in self.holders.values())
+            procs = tuple(GpuProcess(pid, size) for pid, size in self.holders.values()) if processes else ()
+        return VramReading(self.total, used, self.total - used, procs)
+
+
+@dataclass
+class FakeUnit:
+    """A unit the fake manager knows."""
+
+    name: str
+    active_state: str = "active"
+    requires: tuple[str, ...] = ()
+    gpu_bytes: int = 0
+    pid: int = 0
+
+
+class FakeSystemd:
+    """The system manager, answering what the systemd adapter answers."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.units: dict[str, FakeUnit] = {}
+        self.timer_units: dict[str, tuple[str, str]] = {}  # timer -> (active_state, service)
+        self.jobs = _Jobs()
+        self._count = itertools.count(1)
+        self._lock = threading.RLock()
+        self._watchers: list[Any] = []
+        self.started: list[str] = []  # every unit started, in order
+        self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
+
+    def add_unit(self, unit: FakeUnit) -> None:
+        """Load a unit (started if it says it is active)."""
+        self.units[unit.name] = unit
+        if unit.active_state == "active" and unit.gpu_bytes:
+            assert self.gpu.claim(unit.name, unit.pid, unit.gpu_bytes)
+
+    def add_timer(self, name: str, active: bool = True) -> None:
+        """Load a timer and its service."""
+        service = name.removesuffix(".timer") + ".service"
+        self.timer_units[name] = ("active" if active else "inactive", service)
+        self.units[service] = FakeUnit(service, "inactive")
+
+    # -- what the adapter offers ---------------------------------------------------------
+
+    def connect(self) -> None:
+        """Connect (nothing to do)."""
+
+    def watch_active_state(self, watcher: Any) -> None:
+        """Remember who wants to hear of state changes."""
+        self._watchers.append(watcher)
+
+    def system_state(self) -> str:
+        """Say the system runs."""
+        return "running"
+
+    def queue_jobs(self, method: str, units: list[str]) -> list[tuple[str, str]]:
+        """Do each job at once and report its end (before the caller hears the path, as can happen)."""
+        queued = []
+        for unit in units:
+            path = f"/org/freedesktop/systemd1/job/{next(self._count)}"
+            result = self._start(unit) if method == "StartUnit" else self._stop(unit)
+            self.jobs.removed(path, result)
+            queued.append((unit, path))
+        return queued
+
+    def when_job_done(self, path: str, callback: Any) -> None:
+        """Hand a job's result to a waiter."""
+        self.jobs.when_done(path, callback)
+
+    def forget_job(self, path: str) -> None:
+        """Stop waiting for a job."""
+        self.jobs.forget(path)
+
+    def _start(self, name: str) -> str:
+        with self._lock:
+            if name in self.timer_units:
+                self.timer_units[name] = ("active", self.timer_units[name][1])
+                return "done"
+            unit = self.units.get(name)
+            if unit is None:
+                return "failed"
+            for dep in unit.requires:
+                if self._start(dep) != "done":
+                    return "dependency"
+            if unit.active_state == "active":
+                return "done"
+            if self.fail_starts.get(name):
+                self.fail_starts[name] -= 1
+                unit.active_state = "failed"
+                return "failed"
+            if unit.gpu_bytes and not self.gpu.claim(unit.name, unit.pid, unit.gpu_bytes):
+                unit.active_state = "failed"
+                return "failed"
+            unit.active_state = "active"
+            self.started.append(name)
+            return "done"
+
+    def _stop(self, name: str) -> str:
+        with self._lock:
+            if name in self.timer_units:
+                self.timer_units[name] = ("inactive", self.timer_units[name][1])
+                return "done"
+            unit = self.units.get(name)
+            if unit is None:
+                return "done"
+            for other in self.units.values():  # a stop propagates to what Requires= the unit
+                if name in other.requires and other.active_state == "active":
+                    self._stop(other.name)
+            unit.active_state = "inactive"
+            self.gpu.free(unit.name)
+        for watcher in self._watchers:
+            watcher(name, "inactive")
+        return "done"
+
+    def state(self, unit: str) -> UnitState:
+        """Read a unit's state."""
+        with self._lock:
+            if unit in self.timer_units:
+                return UnitState(unit, "loaded", self.timer_units[unit][0], "waiting")
+            u = self.units.get(unit)
+            if u is None:
+                return UnitState(unit, "not-found", "inactive", "dead")
+            return UnitState(unit, "loaded", u.active_state, "running" if u.active_state == "active" else "dead")
+
+    def _dependents(self, name: str) -> list[str]:
+        return sorted(u.name for u in self.units.values() if name in u.requires)
+
+    def stop_closure(self, units: list[str]) -> list[str]:
+        """List the active units and their active dependents."""
+        with self._lock:
+            for name in units:
+                if name not in self.units:
+                    raise UnitNotFound(f"unit {name} is not-found")
+            queue, seen, out = list(units), set(), []
+            while queue:
+                name = queue.pop(0)
+                if name in seen:
+                    continue
+                seen.add(name)
+                if self.units[name].active_state != "active":
+                    continue
+                out.append(name)
+                queue.extend(self._dependents(name))
+            return out
+
+    def dependents_closure(self, units: list[str]) -> list[str]:
+        """List the units and every loaded dependent, whatever its state."""
+        queue, seen, out = list(units), set(), []
+        while queue:
+            name = queue.pop(0)
+            if name in seen or name not in self.units:
+                continue
+            seen.add(name)
+            out.append(name)
+            queue.extend(self._dependents(name))
+        return out
+
+    def timers(self, patterns: list[str]) -> list[TimerState]:
+        """List the matching timers with their service's state."""
+        with self._lock:
+            return [TimerState(name, state, svc, self.units[svc].active_state)
+                    for name, (state, svc) in sorted(self.timer_units.items())
+                    if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+    def installed_timers(self, patterns: list[str]) -> list[str]:
+        """List every loaded timer that matches."""
+        return [t.name for t in self.timers(patterns)]
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Name the unit of a process."""
+        return next((u.name for u in self.units.values() if u.pid == pid and pid), None)
+
+    def control_group(self, unit: str) -> str | None:
+        """Return a unit's cgroup."""
+        if unit not in self.units:
+            raise UnitNotFound(f"no unit {unit}")
+        return f"/system.slice/{unit}"
+
+
+@dataclass
+class FakeContainer:
+    """A container the fake engine knows."""
+
+    name: str
+    labels: dict[str, str]
+    status: str = "created"
+    exit_code: int | None = None
+    starts: int = 0
+
+
+class FakeDocker:
+    """The Docker engine, answering what the docker adapter answers."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.images = {"engine:latest"}
+        self.containers: dict[str, FakeContainer] = {}
+        self.where = "fake"
+        self.engine_pid = 4242
+        self._changed = threading.Condition()
+
+    def ping(self) -> None:
+        """Answer."""
+
+    def image_present(self, image: str) -> bool:
+        """Tell whether the image is here."""
+        return image in self.images
+
+    def state(self, name: str) -> ContainerState | None:
+        """Inspect a container."""
+        c = self.containers.get(name)
+        if c is None:
+            return None
+        return ContainerState(name, name, c.status, c.exit_code, False, "", "", dict(c.labels))
+
+    def create(self, spec: Any, labels: dict[str, str]) -> str:
+        """Create a container."""
+        if spec.image not in self.images:
+            raise ImageNotFound(f"image {spec.image!r} not found")
+        self.containers[spec.name] = FakeContainer(spec.name, dict(labels))
+        return spec.name
+
+    def start(self, name: str) -> None:
+        """Start a container: the engine claims its VRAM, or dies of out of memory."""
+        c = self.containers.get(name)
+        if c is None:
+            raise ContainerNotFound(f"no container {name}")
+        with self._changed:
+            c.starts += 1
+            if self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
+                c.status, c.exit_code = "running", None
+            else:
+                c.status, c.exit_code = "exited", 1
+            self._changed.notify_all()
+
+    def stop(self, name: str, timeout: float) -> None:
+        """Stop a container (no error if absent)."""
+        c = self.containers.get(name)
+        if c is None:
+            return
+        with self._changed:
+            if c.status == "running":
+                c.status, c.exit_code = "exited", 0
+            self.gpu.free(f"engine:{name}")
+            self._changed.notify_all()
+
+    def remove(self, name: str) -> None:
+        """Remove a container (no error if absent)."""
+        self.stop(name, 0)
+        with self._changed:
+            self.containers.pop(name, None)
+            self._changed.notify_all()
+
+    def die(self, name: str) -> None:
+        """Make the engine exit as on EngineDeadError."""
+        with self._changed:
+            c = self.containers[name]
+            c.status, c.exit_code = "exited", 1
+            self.gpu.free(f"engine:{name}")
+            self._changed.notify_all()
+
+    def wait_exit(self, name: str, timeout: float) -> ContainerState | None:
+        """Block until the container is not running."""
+        deadline = time.monotonic() + min(timeout, 2.0)
+        with self._changed:
+            while True:
+                c = self.containers.get(name)
+                if c is None:
+                    raise ContainerNotFound(f"container {name!r} was removed while gpuswapd waited for it to exit")
+                if c.status != "running":
+                    return self.state(name)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def logs_tail(self, name: str, lines: int = 20) -> str:
+        """Return the log's end."""
+        return "EngineDeadError\n"
+
+    def find(self, labels: dict[str, str]) -> list[ContainerState]:
+        """List containers carrying all these labels."""
+        out = []
+        for name, c in list(self.containers.items()):
+            if all(c.labels.get(k) == v for k, v in labels.items()):
+                state = self.state(name)
+                if state is not None:
+                    out.append(state)
+        return out
+
+
+class FakeHttp:
+    """The model servers: the resident through its proxy, and the engine."""
+
+    def __init__(self, systemd: FakeSystemd, docker: FakeDocker) -> None:
+        self.systemd = systemd
+        self.docker = docker
+        self.completions: list[str] = []
+
+    def _engine_up(self) -> bool:
+        c = self.docker.containers.get("hyperqwen")
+        return c is not None and c.status == "running"
+
+    def _resident_up(self) -> bool:
+        return all(self.systemd.units[u].active_state == "active" for u in ("strata.service", "llama-swap.service"))
+
+    async def health(self, url: str, timeout: float = 2.0) -> int:
+        """Answer the engine's health."""
+        await asyncio.sleep(0)
+        return 200 if self._engine_up() else 0
+
+    async def wait_healthy(self, url: str, timeout: float, interval: float = 0.2, abort: Any = None) -> float:
+        """Poll health until 200."""
+        started = time.monotonic()
+        while not self._engine_up():
+            if abort is not None and (why := abort()) is not None:
+                raise EndpointUnreachable(why)
+            if time.monotonic() - started > timeout:
+                raise EndpointUnreachable(f"{url} did not answer 200 within {timeout:g}s")
+            await asyncio.sleep(0.005)
+        return time.monotonic() - started
+
+    async def chat(self, url: str, model: str, prompt: Any, max_tokens: int, timeout: float) -> Completion:
+        """Answer a completion if the server behind ``url`` is up."""
+        await asyncio.sleep(0)
+        up = self._engine_up() if url == ENGINE_URL else self._resident_up()
+        if not up:
+            raise EndpointUnreachable(f"POST {url}: connection refused")
+        self.completions.append(url)
+        return Completion("ready", "", "stop", 5, 1, 1, 0.001, 0.001)
+
+    async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
+        """Get a real answer, retrying until ``retry_until``."""
+        while True:
+            try:
+                return await self.chat(check.url, check.model, check.prompt, check.max_tokens, check.timeout)
+            except EndpointUnreachable:
+                if retry_until is None or time.monotonic() >= retry_until:
+                    raise
+                await asyncio.sleep(0.005)
+
+    async def idle(self, idle: Any, timeout: float = 10.0) -> Busy:
+        """Say the resident is idle."""
+        return Busy(False, "idle")
+
+    async def aclose(self) -> None:
+        """Close nothing."""
+
+
+class FakeStore:
+    """The state directory in memory: it keeps the newest document written, read as the real store reads it."""
+
+    def __init__(self) -> None:
+        self.dir = Path("/fake/state")
+        self._data: bytes | None = None
+        self._document: Document | None = None
+        self.history_records: list[dict[str, Any]] = []
+        self.on_write: Any = None
+
+    @property
+    def document(self) -> Document | None:
+        """Return the newest document written."""
+        if self._document is None and self._data is not None:
+            self._document = decode(self._data)
+        return self._document
+
+    @document.setter
+    def document(self, document: Document | None) -> None:
+        self._data, self._document = None, document
+
+    def holds_window(self) -> bool:
+        """Tell whether the newest document holds a window (without decoding it)."""
+        return (self._data is not None and b'"window":null' not in self._data) or (self._document is not None \
+            and self._document.window is not None)
+
+    def write(self, data: bytes) -> None:
+        """Take a serialized document."""
+        if self.on_write is not None:
+            self.on_write(b'"window":null' in data)
+        self._data, self._document = data, None
+
+    def append_history(self, records: list[dict[str, Any]]) -> None:
+        """Keep finished windows."""
+        self.history_records.extend(json.loads(json.dumps(r)) for r in records)
+
+    def history(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Return the last windows."""
+        return self.history_records[-limit:]
+
+    def load(self) -> Loaded:
+        """Read back the newest document."""
+        return Loaded(self.document, [])
+
+    def set_aside(self) -> list[str]:
+        """Nothing to set aside."""
+        return []
+
+
+@dataclass
+class FakeWorld:
+    """A whole machine in memory: the card, systemd, Docker, the servers, the state directory."""
+
+    config: Config = field(default_factory=lambda: FAKE_CONFIG)
+    gpu: FakeGpu = field(default_factory=FakeGpu)
+    store: FakeStore = field(default_factory=FakeStore)
+
+    def __post_init__(self) -> None:
+        self.systemd = FakeSystemd(self.gpu)
+        self.docker = FakeDocker(self.gpu)
+        self.http = FakeHttp(self.systemd, self.docker)
+        self.systemd.add_unit(FakeUnit("strata.service", gpu_bytes=RESIDENT_BYTES, pid=1001))
+        self.systemd.add_unit(FakeUnit("llama-swap.service", requires=("strata.service",), pid=1002))
+        for agent in AGENTS:
+            self.systemd.add_timer(f"agent-{agent}.timer")
+        self.systemd.add_timer("agent-off.timer", active=False)  # disabled by its owner: stays so
+        self.systemd.add_timer("backup-models.timer")
+
+    def window(self, outside: Outside | None = None) -> Window:
+        """Build the real window on these fakes."""
+        outside = outside or Outside(DEADLINES)
+        vram = Vram(self.gpu, self.systemd, outside)  # type: ignore[arg-type]
+        resident = Resident(self.config, self.systemd, self.http, outside)  # type: ignore[arg-type]
+        engine = ContainerEngine(self.config.window, self.docker, self.http, outside)  # type: ignore[arg-type]
+        return Window(self.config, resident, engine, vram, self.store, Notifier(""), outside,  # type: ignore[arg-type]
+                      BACKOFFS)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Read the world's state: units, timers, containers, VRAM."""
+        return {
+            "units": {u: self.systemd.units[u].active_state for u in ("strata.service", "llama-swap.service")},
+            "timers": {name: state for name, (state, _) in self.systemd.timer_units.items()},
+            "containers": sorted(self.docker.containers),
+            "vram": sorted(self.gpu.holders),
+        }
+
+
+BASELINE = FakeWorld().snapshot()
+
+
+async def settle(window: Window, timeout: float = 10.0) -> None:
+    """Wait until the window's driver has nothing left to do (IDLE, no driver, state written)."""
+    deadline = time.monotonic() + timeout
+    while window.record is not None or window._driver is not None or window.writer.pending:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the window did not settle: phase {window.phase}, record "
+                                 f"{window.record and window.record.to_dict()}")
+        await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def running(window: Window, seq: int = 0) -> Any:
+    """Run a window's writer for the test, and stop it afterwards."""
+    window.writer.start(seq)
+    try:
+        yield window
+    finally:
+        window.stopping.set()
+        await window.writer.stop(1.0)

@@ -1,0 +1,214 @@
+"""The window on in-process fakes: the whole cycle, one window at a time, supervision, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gpuswapd.errors import Degraded, GpuswapError, WontFit
+from gpuswapd.phases import Phase
+from tests.fakes import BASELINE, FakeUnit, FakeWorld, GiB, running, settle
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_window_opens_and_closes_and_the_world_is_as_before() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert w.phase is Phase.READY
+            assert world.snapshot()["units"] == {"strata.service": "inactive", "llama-swap.service": "inactive"}
+            assert world.snapshot()["containers"] == ["hyperqwen"]
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+
+    run(main())
+    assert world.snapshot() == BASELINE
+    timings = world.store.history_records[-1]["timings"]
+    stages = [(t["phase"], t["stage"]) for t in timings]
+    assert ("WAITING_VRAM", "open") in stages and ("WAITING_VRAM", "close") in stages
+    assert stages[-1] == ("RESUMING_TIMERS", "close")
+    assert world.store.document is not None and world.store.document.window is None
+
+
+def test_an_acquire_while_closing_waits_for_the_restore_then_opens_a_new_window() -> None:
+    world = FakeWorld()
+    events: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("first", 60)
+            first = w.record
+            gate = asyncio.Event()
+            real_start = w.resident.start
+
+            async def slow_start(units: list[str]) -> None:
+                await gate.wait()
+                await real_start(units)
+
+            w.resident.start = slow_start  # type: ignore[method-assign]
+            await w.release(lease.id)
+            while w.phase is not Phase.RESTORING:
+                await asyncio.sleep(0.001)
+            second = asyncio.create_task(w.acquire("second", 60, listener=events.append))
+            await asyncio.sleep(0.02)
+            assert not second.done() and w.record is first  # the old record is not overwritten
+            gate.set()
+            lease2 = await second
+            assert w.record is not first and w.phase is Phase.READY
+            assert world.store.history_records[-1]["id"] == first.id  # the first finished first
+            await w.release(lease2.id)
+            await settle(w)
+
+    run(main())
+    assert events[0] == {"event": "waiting", "reason": "restoring the previous window", "phase": "RESTORING",
+                         "window": events[0]["window"]}
+    assert world.snapshot() == BASELINE
+
+
+def test_an_acquire_while_degraded_fails_at_once_with_the_reason() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            world.systemd.units["strata.service"].gpu_bytes = 30 * (1 << 30)  # cannot fit: fails to start
+            await w.release(lease.id)
+            while w.phase is not Phase.DEGRADED:
+                await asyncio.sleep(0.001)
+            with pytest.raises(Degraded, match="could not be closed yet"):
+                await w.acquire("other", 60)
+            world.systemd.units["strata.service"].gpu_bytes = 21 * (1 << 30)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_a_window_that_cannot_fit_is_refused_before_anything_is_touched() -> None:
+    world = FakeWorld()
+    world.gpu.free("strata.service")
+    world.systemd.units["strata.service"].gpu_bytes = 18 * GiB
+    world.gpu.claim("strata.service", 1001, 18 * GiB)
+    world.systemd.add_unit(FakeUnit("notebook.service", gpu_bytes=5 * GiB, pid=777))
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            with pytest.raises(WontFit, match=r"5.0 GiB by pid 777 \(notebook.service\)"):
+                await w.acquire("job", 60)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "refused"
+
+    run(main())
+    assert world.systemd.started == []  # nothing was stopped, so nothing had to start again
+    snap = world.snapshot()
+    assert snap["units"] == BASELINE["units"] and snap["timers"] == BASELINE["timers"]
+
+
+def test_a_client_that_hangs_up_while_its_grant_is_being_saved_leaves_no_lease() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            keeper = await w.acquire("keeper", 60)
+            gate = asyncio.Event()
+            real_write = world.store.write
+
+            def slow_write(data: bytes) -> None:
+                while not gate.is_set():
+                    __import__("time").sleep(0.001)
+                real_write(data)
+
+            world.store.write = slow_write  # type: ignore[method-assign]
+            w.writer.request()  # a write in flight
+            await asyncio.sleep(0.01)
+            hung_up = asyncio.create_task(w.acquire("vanishes", 60))
+            await asyncio.sleep(0.01)
+            hung_up.cancel()  # the client went away while its grant waited for the disk
+            with pytest.raises(asyncio.CancelledError):
+                await hung_up
+            gate.set()
+            # Nothing is wedged: a release answers at once, and the vanished client holds nothing.
+            await asyncio.wait_for(w.release(keeper.id), 1.0)
+            assert [x.holder for x in w.leases()] == []
+            await settle(w)
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_a_bug_in_a_step_rolls_the_window_back() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            async def broken() -> None:
+                raise KeyError("a bug")
+
+            w.engine.warm = broken  # type: ignore[method-assign]
+            with pytest.raises(GpuswapError, match="failed while opening the window"):
+                await w.acquire("job", 60)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "rolled_back"
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_a_bug_while_holding_gives_the_gpu_back() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.acquire("job", 60)
+            calls = 0
+
+            def broken_expire(now: float) -> list[Any]:
+                nonlocal calls
+                calls += 1
+                raise RuntimeError("a bug in the hold loop")
+
+            assert w.record is not None
+            w.record.leases.expire = broken_expire  # type: ignore[method-assign]
+            w.wake.set()
+            await settle(w)
+            assert calls >= 1 and w.last is not None and w.last.outcome == "rolled_back"
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_adopting_with_docker_failing_does_not_kill_the_driver() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.acquire("job", 60)
+            record = w.record
+            w.stopping.set()  # as on SIGKILL: the record stays
+        assert record is not None
+        assert world.store.document and world.store.document.window
+        left = world.store.document.window
+
+        def docker_down(name: str) -> Any:
+            raise __import__("gpuswapd.errors", fromlist=["DockerUnavailable"]).DockerUnavailable("down")
+
+        world.docker.state = docker_down  # type: ignore[method-assign]
+        async with running(world.window(), world.store.document.seq) as w2:
+            w2.recover(left)
+            await asyncio.sleep(0.05)
+            assert w2.phase is Phase.READY  # adopted on health alone
+            for lease in w2.leases():
+                await w2.release(lease.id)
+            await settle(w2)
+
+    run(main())
+    assert world.snapshot() == BASELINE
