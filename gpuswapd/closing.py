@@ -101,8 +101,9 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
     while True:
         attempt += 1
         try:
-            # An engine still holding its memory would only make the resident fail: wait for it.
-            if attempt > 1 and engine_left(rec) and not await _resident_fits(w):
+            # An engine still holding its memory would only make the resident fail (out of memory):
+            # wait until it is gone, or until the resident fits beside it.
+            if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
             await w.resident.start(rec.units)

@@ -177,6 +177,7 @@ class DaemonConfig:
     linger: float = _key(_span(0.0), 30.0)
     on_shutdown: str = _key(_choice("restore", "keep"), "restore")
     status_public: bool = _key(_bool, True)
+    call_timeout: float = _key(_span(0.5), 30.0)
     max_clients: int = _key(_int(1, 65536), 512)
     max_clients_per_uid: int = _key(_int(1, 65536), 32)
     reserved_clients: int = _key(_int(0, 65536), 32)

@@ -41,9 +41,13 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.notifier = Notifier()
-        self.outside = Outside(Deadlines(gpu=config.gpu.probe_timeout + 2.0))
-        self.systemd = Systemd()
-        self.docker = Docker()
+        d = config.daemon
+        # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
+        # error, which says what happened, usually comes first.
+        self.outside = Outside(Deadlines(systemd=d.call_timeout + 5.0, docker=d.call_timeout + 5.0,
+                                         state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0))
+        self.systemd = Systemd(call_timeout=d.call_timeout)
+        self.docker = Docker(timeout=d.call_timeout)
         self.http = ModelHttp()
         self.store = StateStore(config.daemon.state_dir)
         self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING
 
-from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.errors import JobFailed
 from gpuswapd.outside import Lane
+
+if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
+    from gpuswapd.adapters.systemd import Systemd
 
 
 async def run_jobs(systemd: Systemd, lane: Lane, method: str, units: list[str], timeout: float,

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuswapd.adapters.systemd import TimerState
+from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.blocking import together
 from gpuswapd.errors import WontFit
 from gpuswapd.phases import Phase

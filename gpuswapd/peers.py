@@ -9,14 +9,17 @@ import socket
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.adapters.unitnames import cgroup_of, service_prefixes
 from gpuswapd.errors import GpuswapError, UnitNotFound
 from gpuswapd.leases import Lease
 from gpuswapd.outside import Lane
 
 USER_MANAGER = re.compile(r"^user@\d+\.service$")
+
+if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
+    from gpuswapd.adapters.systemd import Systemd
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from gpuswapd.adapters.openai import ModelHttp
-from gpuswapd.adapters.systemd import Systemd, TimerState
+from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.config import Config
 from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
 from gpuswapd.jobs import run_jobs
@@ -14,6 +15,9 @@ from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 
 POLL_S = 0.25
+
+if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
+    from gpuswapd.adapters.systemd import Systemd
 
 
 class Resident:

@@ -12,10 +12,9 @@ import errno
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuswapd import __version__
-from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.admission import Admission
 from gpuswapd.config import Config
 from gpuswapd.errors import (
@@ -44,6 +43,9 @@ BACKLOG = 1024
 # wait a little (never spin), and let the caps bring the count down.
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_BACKOFF_S = (0.05, 1.0)
+
+if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
+    from gpuswapd.adapters.systemd import Systemd
 
 
 class Server:
@@ -161,8 +163,10 @@ class Server:
                 log.exception("request_crashed", request=line[:200].decode(errors="replace"))
                 reply = error_reply(GpuswapError(f"gpuswapd failed on this request ({type(err).__name__}); "
                                                  "see its log (journalctl -u gpuswapd)"))
-            if reply is None:  # the client went away while waiting
-                return
+            if reply is None:  # answered already, or the client went away while waiting
+                if writer.is_closing() or reader.at_eof():
+                    return
+                continue
             await self._send(writer, reply)
 
     def _authorize(self, peer: Peer, request: Request) -> None:
@@ -222,7 +226,8 @@ class Server:
         return lambda lease: match(lease) and peer.owns(lease)
 
     def _only_lease(self, peer: Peer, holder: str | None) -> str:
-        held = [lease for lease in self.window.leases() if self._mine(peer, holder)(lease)]
+        mine = self._mine(peer, holder)
+        held = [lease for lease in self.window.leases() if mine(lease)]
         if len(held) > 1:
             raise LeaseNotFound(f"{holder or peer.holder} holds {len(held)} leases: name the lease to renew")
         return held[0].id
@@ -262,12 +267,19 @@ class Server:
             raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
                                  f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
         lease = acquire.result()
-        if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
-                                                                          lease.unit)).active:
-            # The unit died while it waited: its watcher may have fired before the lease existed.
-            await self.window.unit_gone(lease.unit)
-        return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
-                "waited_s": round(time.monotonic() - started, 3)}
+        try:
+            if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
+                                                                              lease.unit)).active:
+                # The unit died while it waited: its watcher may have fired before the lease existed.
+                await self.window.unit_gone(lease.unit)
+            await self._send(writer, {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
+                                      "waited_s": round(time.monotonic() - started, 3)})
+        except BaseException:
+            # Its client never heard of the lease (it hung up, or this failed): nobody holds it.
+            with contextlib.suppress(GpuswapError):
+                await asyncio.shield(self.window.release(lease.id))
+            raise
+        return None
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:

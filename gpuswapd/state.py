@@ -161,6 +161,7 @@ class StateStore:
     def write(self, data: bytes) -> None:
         """Replace the document, keeping the one before as the previous copy."""
         tmp = self.dir / f".state.{os.getpid()}.{next(_counter)}.tmp"
+        link = self.dir / f".prev.{os.getpid()}.{next(_counter)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
             try:
@@ -168,14 +169,14 @@ class StateStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if self.current.exists():
-                link = self.dir / f".prev.{os.getpid()}.{next(_counter)}.tmp"
+            with contextlib.suppress(FileNotFoundError):  # the first document has no previous one
                 os.link(self.current, link)
                 os.replace(link, self.previous)
             os.replace(tmp, self.current)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            for leftover in (tmp, link):  # rename(2) of two links to one file leaves the source
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
         self._fsync_dir()
 
     def set_aside(self) -> list[str]:

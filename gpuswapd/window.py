@@ -403,7 +403,11 @@ class Window:
 
     async def _recover(self, rec: WindowRecord) -> None:
         structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-        if rec.phase in (Phase.DRAINING, Phase.IDLE):  # nothing was changed yet, or all was undone
+        if rec.phase is Phase.IDLE:  # it had finished; only the cleared document was not written
+            self.record = None
+            await self.persist(required=False)
+            return
+        if rec.phase is Phase.DRAINING:  # nothing was changed yet
             self.finish(rec, "recovered")
             return
         rec.leases.expire(time.time())

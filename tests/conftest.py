@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from tests.stack.config import stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import Probe
+from tests.stack.users import User, ensure_users, remove
 from tests.stack.world import Stack
 
 # Property tests check behaviour, not speed: on a loaded 2-core machine (or inside makepkg's
@@ -55,14 +56,23 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
     """Start gpuswapd with the stack's config (overrides as keyword sections); stopped after the test."""
     started: list[RunningDaemon] = []
 
-    def start(wait: bool = True, env: dict[str, str] | None = None, **sections: dict[str, Any]) -> RunningDaemon:
+    def start(wait: bool = True, env: dict[str, str] | None = None, nofile: int | None = None,
+              **sections: dict[str, Any]) -> RunningDaemon:
         name = request.node.name.replace("[", "-").replace("]", "").replace(":", "-")[:36] + f"-{len(started)}"
         config = stack_config(world, name, **sections)
         socket = Path(config).parent / "gpuswapd.sock"
         daemon = RunningDaemon(world, config, socket, env)
         started.append(daemon)
-        return daemon.start(wait=wait)
+        return daemon.start(wait=wait, nofile=nofile)
 
     yield start
     for daemon in started:
         daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def users() -> Iterator[dict[str, User]]:
+    """Two members of a socket group and a stranger, made for the session and removed after."""
+    made_users, made = ensure_users()
+    yield made_users
+    remove(made)

@@ -27,7 +27,7 @@ from gpuswapd.adapters.docker import ContainerState
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.systemd import TimerState, UnitState, _Jobs
+from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
@@ -148,7 +148,7 @@ class FakeSystemd:
         self.gpu = gpu
         self.units: dict[str, FakeUnit] = {}
         self.timer_units: dict[str, tuple[str, str]] = {}  # timer -> (active_state, service)
-        self.jobs = _Jobs()
+        self.jobs = JobResults()
         self._count = itertools.count(1)
         self._lock = threading.RLock()
         self._watchers: list[Any] = []

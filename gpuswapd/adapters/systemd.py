@@ -11,13 +11,13 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
 from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
+from gpuswapd.adapters.unitstates import ACTIVE, JobResults, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
 
 P = ParamSpec("P")
@@ -27,7 +27,6 @@ _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
-_ACTIVE = frozenset({"active", "activating", "reloading"})
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
 _DEPENDENTS = ("RequiredBy", "BoundBy", "ConsistsOf")
 _UNAVAILABLE = frozenset({
@@ -58,83 +57,12 @@ def _systemd_errors(func: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-@dataclass(frozen=True)
-class UnitState:
-    """What systemd says about a unit right now."""
-
-    name: str
-    load_state: str
-    active_state: str
-    sub_state: str
-
-    @property
-    def active(self) -> bool:
-        """Tell whether the unit is up or coming up."""
-        return self.active_state in _ACTIVE
-
-
-@dataclass(frozen=True)
-class TimerState:
-    """A timer and the service it triggers."""
-
-    name: str
-    active_state: str
-    service: str
-    service_state: str
-
-    @property
-    def job_running(self) -> bool:
-        """Tell whether the timer's service is running now."""
-        return self.service_state in ("activating", "active", "deactivating", "reloading")
-
-
-class _Jobs:
-    """Results of removed jobs, handed to whoever waits for that job path.
-
-    JobRemoved can arrive before StartUnit/StopUnit has even returned the job's path: a result
-    nobody waits for yet is kept for a while, for the waiter that comes next.
-    """
-
-    _KEEP_S = 300.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done: dict[str, tuple[str, float]] = {}
-        self._waiting: dict[str, Callable[[str], None]] = {}
-
-    def removed(self, path: str, result: str) -> None:
-        """Record that a job ended (called from the GLib thread)."""
-        now = time.monotonic()
-        with self._lock:
-            callback = self._waiting.pop(path, None)
-            if callback is None:
-                self._done[path] = (result, now)
-                if len(self._done) > 512:
-                    self._done = {p: v for p, v in self._done.items() if now - v[1] < self._KEEP_S}
-        if callback is not None:
-            callback(result)
-
-    def when_done(self, path: str, callback: Callable[[str], None]) -> None:
-        """Call ``callback(result)`` once the job at ``path`` has ended (at once if it has)."""
-        with self._lock:
-            done = self._done.pop(path, None)
-            if done is None:
-                self._waiting[path] = callback
-        if done is not None:
-            callback(done[0])
-
-    def forget(self, path: str) -> None:
-        """Stop waiting for a job (its waiter gave up)."""
-        with self._lock:
-            self._waiting.pop(path, None)
-
-
 class Systemd:
     """A connection to the system manager over the system bus."""
 
     def __init__(self, call_timeout: float = 25.0) -> None:
         self._timeout = call_timeout
-        self._jobs_done = _Jobs()
+        self._jobs_done = JobResults()
         self._lock = threading.Lock()
         self._bus: Any = None
         self._manager: Any = None
@@ -285,7 +213,7 @@ class Systemd:
                 continue
             seen.add(name)
             props = self.properties(name)
-            if props["ActiveState"] not in _ACTIVE:
+            if props["ActiveState"] not in ACTIVE:
                 continue
             active.append(name)
             for key in _DEPENDENTS:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import grp
 import json
 import os
 import socket
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +27,17 @@ def socket_path(explicit: str | None) -> str:
     return explicit or os.environ.get("GPUSWAPD_SOCKET") or DEFAULT_SOCKET
 
 
+def _who_may_connect(path: str) -> str:
+    """Say who may connect to the socket, from the socket file itself (its group may be any)."""
+    try:
+        st = os.stat(path)
+        group = grp.getgrgid(st.st_gid).gr_name
+    except (OSError, KeyError):
+        return "ask the administrator which group may use gpuswapd"
+    return (f"only root and members of group {group!r} may connect (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"an administrator can add you: usermod -aG {group} {getpass.getuser()}")
+
+
 class Client:
     """One connection to gpuswapd."""
 
@@ -37,7 +52,7 @@ class Client:
             raise Unreachable(f"{path} does not exist: is gpuswapd running? (systemctl status gpuswapd)") from None
         except PermissionError:
             self._sock.close()
-            raise Unreachable(f"permission denied on {path}: join its group (usermod -aG gpuswap $USER)") from None
+            raise Unreachable(f"permission denied on {path}: {_who_may_connect(path)}") from None
         except OSError as err:
             self._sock.close()
             raise Unreachable(f"cannot connect to {path}: {err.strerror or err}") from None
@@ -57,7 +72,9 @@ class Client:
         """
         self._sock.settimeout(timeout)
         try:
-            self._sock.sendall(json.dumps(message).encode() + b"\n")
+            # gpuswapd may have refused the connection at once (too many clients): its line says why.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self._sock.sendall(json.dumps(message).encode() + b"\n")
             return self._reply(on_event)
         except TimeoutError:
             raise Unreachable(f"gpuswapd did not answer on {self.path} within {timeout:g}s") from None

@@ -25,6 +25,12 @@ class Progress:
 
     def event(self, event: dict[str, Any]) -> None:
         """Take one event from gpuswapd."""
+        if self.enabled and event.get("event") == "waiting":
+            with self._lock:
+                self.stream.write(f"gpuswapctl: waiting: {event.get('reason')} (window {event.get('window')} in "
+                                  f"{event.get('phase')})\n")
+                self.stream.flush()
+            return
         if not self.enabled or event.get("event") != "phase":
             return
         with self._lock:
@@ -71,6 +77,14 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
     """Print the window's phase, leases and the last window."""
     window = reply.get("window")
     out.write(f"phase: {reply['phase']}\n")
+    baseline = reply.get("baseline_restore")
+    if baseline:
+        out.write(f"baseline restored {_ago(baseline['at'])}: {baseline['reason']}\n")
+    if reply.get("state_writable") is False:
+        out.write(f"STATE NOT WRITABLE: {reply.get('state_error')}\n")
+    for system, lane in (reply.get("hung") or {}).items():
+        for call in lane.get("hung", []):
+            out.write(f"hung: {system} {call['call']} for {call['for_s']:.0f}s\n")
     if window:
         out.write(f"window: {window['id']} opened {_ago(window['opened_at'])}\n")
         if window.get("degraded"):

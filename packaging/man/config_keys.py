@@ -47,8 +47,9 @@ MEANINGS: dict[str, str] = {
                            "under a lease and ask for a plan. Under socket activation the socket unit's "
                            "SocketGroup= sets the group of the socket file; this key still decides who is allowed. "
                            "Empty: root only.",
-    "daemon.state_dir": "An absolute path: the current window (current.json, rewritten atomically at every phase "
-                        "change) and the finished windows (history.jsonl).",
+    "daemon.state_dir": "An absolute path: the state document (state.json, with its previous copy state.prev.json, "
+                        "written before every phase change and every change to the system) and the finished "
+                        "windows (history.jsonl).",
     "daemon.default_lease": "The length of a lease when acquire has no --for.",
     "daemon.max_lease": "The longest lease: longer requests are capped to it. At least default_lease.",
     "daemon.linger": "How long the window stays open after its last lease ended, so that back-to-back jobs do not "
@@ -60,6 +61,12 @@ MEANINGS: dict[str, str] = {
                             "release). When true the socket is made world-connectable (0666; the shipped "
                             "gpuswapd.socket has SocketMode=0666 to match) and gpuswapd checks each caller's "
                             "credentials itself; set it to false and SocketMode=0660 to keep other users out.",
+    "daemon.call_timeout": "How long one call to systemd (D-Bus), Docker or the state directory may take. A call that "
+                           "outlives it fails the step that made it (opening rolls back; closing retries) and counts "
+                           "as hung until it returns: status lists it, and the window waits for it to land before "
+                           "its record is cleared. Each system has workers of its own, so one that hangs never "
+                           "starves the others. Start and stop jobs are bounded by resident.start_timeout and "
+                           "stop_timeout instead; the engine's stop by window.container.stop_timeout on top.",
     "daemon.max_clients": "How many connections gpuswapd serves at once. A client beyond the limit gets a one-line "
                           "refusal and is disconnected; gpuswapd never runs out of file descriptors (it raises its "
                           "soft RLIMIT_NOFILE to fit, or refuses to start, exit 78, if LimitNOFILE= is too low).",

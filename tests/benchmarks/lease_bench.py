@@ -10,6 +10,9 @@ with raw asyncio clients (one JSON line per request, the protocol of gpuswapd/pr
 - ``status`` latency and throughput, 1 / 10 / 100 clients, each on one persistent connection
   sending requests back to back for ``--seconds``; and the same with a new connection per
   request (what every ``gpuswapctl status`` does).
+- ``status`` latency for root while one non-root user (``nobody``) holds a flood of 2,000
+  connections (new connection per request, as ``gpuswapctl status``): the caps refuse all but
+  ``daemon.max_clients_per_uid`` of them at once, and root keeps its answer;
 - the daemon's resident memory (VmRSS, VmHWM of /proc/PID/status) after that load, and the CPU
   seconds (utime + stime of /proc/PID/stat) it spends over ``--idle`` seconds with the window open,
   for the watch interval of the test world's config and for the shipped default.
@@ -24,6 +27,9 @@ import argparse
 import asyncio
 import json
 import os
+import pwd
+import resource
+import socket as socketlib
 import sys
 import time
 from pathlib import Path
@@ -35,6 +41,8 @@ from tests.stack.daemon import RunningDaemon
 from tests.stack.world import Stack, StackError
 
 CONCURRENCY = (1, 10, 100)
+FLOOD = 2000
+NOBODY = pwd.getpwnam("nobody")
 TICKS = os.sysconf("SC_CLK_TCK")
 TARGETS = {"join_p99_100_ms": 50.0, "status_rps": 2000.0, "rss_mb": 80.0, "idle_cpu_s_per_min": 0.5}
 
@@ -119,6 +127,48 @@ async def statuses(socket: str, clients: int, seconds: float, persistent: bool) 
     return latencies, len(latencies) / took
 
 
+def flooded_status(socket: str, connections: int, samples: int = 50) -> list[float]:
+    """Measure root's status latency while ``nobody`` holds ``connections`` open to the daemon."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # nobody: open them, say so, hold them until the parent is done
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (connections + 64, connections + 64))
+            os.setgroups([])
+            os.setgid(NOBODY.pw_gid)
+            os.setuid(NOBODY.pw_uid)
+            held = []
+            for _ in range(connections):
+                s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+                s.connect(socket)
+                held.append(s)
+            os.write(ready_w, b"x")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        return asyncio.run(_status_samples(socket, samples))
+    finally:
+        os.close(done_w)
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, done_r):
+            os.close(fd)
+
+
+async def _status_samples(socket: str, samples: int) -> list[float]:
+    out = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        reader, writer = await asyncio.open_unix_connection(socket)
+        await _send(writer, {"op": "status"})
+        await _reply(reader)
+        writer.close()
+        out.append(time.perf_counter() - started)
+    return out
+
+
 def proc_status(pid: int) -> dict[str, int]:
     """Read VmRSS and VmHWM (kB) from /proc/PID/status."""
     out = {}
@@ -179,6 +229,9 @@ def run(seconds: float, idle: float) -> dict[str, Any]:
                     lat, rps = asyncio.run(statuses(socket, clients, seconds, persistent))
                     result[key][clients] = {"n": len(lat), "p50_ms": ms(lat, 50), "p99_ms": ms(lat, 99),
                                             "max_ms": max(lat) * 1000, "rps": rps}
+            lat = flooded_status(socket, FLOOD)
+            result["status_under_flood"] = {"connections": FLOOD, "n": len(lat), "p50_ms": ms(lat, 50),
+                                            "p99_ms": ms(lat, 99), "max_ms": max(lat) * 1000}
             result["rss_kb_after_load"] = proc_status(pid)
             # Load must not disturb the window: a starved event loop fails the engine's health watch.
             window = daemon.status()["window"]
@@ -207,6 +260,9 @@ def print_report(r: dict[str, Any]) -> None:
                         ("status_new_connection", "status (new connection each)")):
         for clients, s in r[kind].items():
             rows.append((label, clients, s["n"], s["p50_ms"], s["p99_ms"], s["max_ms"], s.get("rps")))
+    flood = r["status_under_flood"]
+    rows.append((f"status, {flood['connections']} connections of nobody open", 1, flood["n"], flood["p50_ms"],
+                 flood["p99_ms"], flood["max_ms"], None))
     print(table("\nlease and status latency, window READY (ms)",
                 ("request", "clients", "n", "p50", "p99", "max", "req/s"), rows))
     rss, hwm = r["rss_kb_after_load"]["VmRSS"] / 1024, r["rss_kb_after_load"]["VmHWM"] / 1024

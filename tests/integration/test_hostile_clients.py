@@ -162,3 +162,18 @@ def test_200_concurrent_clients_lose_and_duplicate_no_lease(gpuswapd: Start) -> 
     assert all(lease["remaining_s"] > 500 for lease in leases if lease["id"] in acquired)
     print(f"\nstatus under load: {len(latency)} answered, max {max(latency) * 1000:.0f} ms")
     assert max(latency) < 5.0, f"status took {max(latency):.2f}s under load"
+
+
+def test_huge_integers_and_deep_nesting_get_a_clear_error_before_authorization(gpuswapd: Start) -> None:
+    daemon = gpuswapd(env=NO_DOCKER)
+    frames = {
+        b'{"op": "status", "limit": ' + b"9" * 5000 + b"}\n": "will not read",
+        b'{"op": "acquire", "for": ' + b"[" * 100 + b"]" * 100 + b"}\n": "nested deeper than 32 levels",
+        b"[" * 20_000 + b"\n": "nested deeper than 32 levels",
+    }
+    for frame, message in frames.items():
+        [reply] = _exchange(daemon.socket, frame)
+        assert not reply["ok"] and reply["error"]["code"] == "bad_request" and message in reply["error"]["message"]
+    log = daemon.log.read_text()
+    assert "request_crashed" not in log and "Traceback" not in log
+    assert daemon.status()["phase"] == "IDLE"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,12 +30,17 @@ class RunningDaemon:
         self.log = config.with_suffix(".log")
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True, env: dict[str, str] | None = None) -> RunningDaemon:
-        """Start gpuswapd (``env`` for this start only); with ``wait``, until its socket answers."""
+    def start(self, wait: bool = True, env: dict[str, str] | None = None, nofile: int | None = None) -> RunningDaemon:
+        """Start gpuswapd (``env`` for this start only; ``nofile``: its soft descriptor limit)."""
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(BIN / "gpuswapd"), "--config", str(self.config)],
                                          env={**self.env, **(env or {})}, stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, preexec_fn=limit)
         if wait:
             deadline = time.monotonic() + 30
             while self.ctl("status", "--json").returncode != 0:

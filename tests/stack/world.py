@@ -467,7 +467,7 @@ class Stack:
         for f in self.paths.control.iterdir():
             f.unlink()
         self._remove_extra_units()
-        for f in ("engine-fault.json", "nvidia-smi.fail"):
+        for f in ("engine-fault.json", "nvidia-smi.fail", "nvidia-smi.hang"):
             (self.paths.gpu / f).unlink(missing_ok=True)
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
             self.restart_resident()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib.util
 import os
 import re
@@ -120,7 +121,10 @@ def test_socket_unit_sysusers_config_and_client_agree() -> None:
     s = unit_settings(UNITS / "gpuswapd.socket")
     group = one(s, "Socket", "SocketGroup")
     assert one(s, "Socket", "ListenStream") == DaemonConfig().socket == DEFAULT_SOCKET
-    assert one(s, "Socket", "SocketMode") == "0660"
+    # status_public = true (the default) promises every local user status: the socket lets them
+    # connect, and gpuswapd checks who may do more.
+    assert DaemonConfig().status_public
+    assert one(s, "Socket", "SocketMode") == "0666"
     assert one(s, "Install", "WantedBy") == "sockets.target"
     assert group == DaemonConfig().socket_group
     sysusers = [ln.split() for ln in (UNITS / "sysusers.d" / "gpuswapd.conf").read_text().splitlines()
@@ -457,3 +461,35 @@ def test_build_script_is_executable_bash() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# /proc/devices of NVIDIA's drivers, as they register their character devices.
+CURRENT_DRIVER = {"195": ["nvidia", "nvidiactl"], "234": ["nvidia-caps"], "509": ["nvidia-uvm"]}
+OLD_MULTI_MODULE_DRIVER = {"195": ["nvidia-frontend"], "246": ["nvidia-caps"]}
+
+
+def _allowed(names: list[str], patterns: list[tuple[str, str]], access: str) -> list[str]:
+    """Match device group names the way systemd does: char-GLOB against /proc/devices."""
+    return [name for name in names
+            if any(fnmatch.fnmatchcase(name, glob) and set(access) <= set(perm) for glob, perm in patterns)]
+
+
+@pytest.mark.parametrize("devices", [CURRENT_DRIVER, OLD_MULTI_MODULE_DRIVER], ids=["current", "multi-module"])
+def test_device_allow_lets_nvml_open_the_gpu_on_current_and_old_drivers(devices: dict[str, list[str]]) -> None:
+    s = unit_settings(UNITS / "gpuswapd.service")
+    assert one(s, "Service", "DevicePolicy") == "closed"
+    patterns = []
+    for entry in s["Service"]["DeviceAllow"]:
+        spec, perm = entry.split()
+        assert spec.startswith("char-"), entry
+        patterns.append((spec.removeprefix("char-"), perm))
+    # NVML opens /dev/nvidiactl and /dev/nvidiaN read-write: both are major 195.
+    assert _allowed(devices["195"], patterns, "rw") == devices["195"]
+    caps = [name for names in devices.values() for name in names if name == "nvidia-caps"]
+    assert _allowed(caps, patterns, "r") == caps
+
+
+def test_the_unit_leaves_room_for_the_connection_caps() -> None:
+    s = unit_settings(UNITS / "gpuswapd.service")
+    d = DaemonConfig()
+    assert int(one(s, "Service", "LimitNOFILE")) >= 4 * (d.max_clients + 256)

@@ -4,6 +4,7 @@ The ledger directory is ``$GPUSIM_DIR``, else the path written in a file ``gpusi
 this script (next to the link first, then next to the resolved script, so an installed
 ``nvidia-smi`` symlink works without the environment). No ledger, or a file
 ``DIR/nvidia-smi.fail``: the driver "cannot be reached" (its text, or the file's, exit 9).
+A file ``DIR/nvidia-smi.hang``: the tool never answers, as with a driver stuck in the kernel.
 
 Supported, in the real tool's formats::
 
@@ -256,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(__doc__ or "")
         return 0
     directory = find_dir()
+    if directory is not None and (directory / "nvidia-smi.hang").exists():
+        while True:
+            time.sleep(3600)
     fail = directory / "nvidia-smi.fail" if directory else None
     if fail is not None and fail.exists():
         text = fail.read_text(encoding="utf-8") or DRIVER_FAILED
