@@ -44,12 +44,11 @@ async def _check_and_drain(op: Opening) -> None:
 async def check_fit(w: Window) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free."""
     need = w.config.gpu.window_needs
-    reading = await w.vram.read(processes=False)
+    # With the resident up the card is mostly taken, so the process list is nearly always needed:
+    # read it in the same go (this read is also the check that the probe answers at all).
+    reading, units = await together(w.vram.read(processes=True), w.resident.closure())
     if reading is None or reading.free_bytes >= need:
         return  # it fits already (or there is no probe to ask)
-    reading = await w.vram.read(processes=True)
-    assert reading is not None
-    units = await w.resident.closure()
     fit = await predict_fit(w.vram, reading, units)
     if not fit.fits(need):
         raise WontFit(fit.misfit(need, units))

@@ -98,11 +98,9 @@ class _Workers:
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
             self._jobs.put(job)
-            if self._idle:
-                self._idle -= 1  # an idle worker takes it
+            # Start a worker when the idle ones cannot take every queued job.
+            if self._jobs.qsize() <= self._idle or self._threads >= self._count:
                 return
-            if self._threads >= self._count:
-                return  # every worker is busy: the next one free takes it
             self._threads += 1
         threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
 
@@ -115,22 +113,23 @@ class _Workers:
 
     def _work(self) -> None:
         while True:
+            with self._lock:
+                self._idle += 1
             try:
                 job = self._jobs.get(timeout=self.IDLE_S)
             except queue.Empty:
                 with self._lock:
+                    self._idle -= 1
                     if not self._jobs.empty():
                         continue  # a job came just now: it is this worker's
                     self._threads -= 1
-                    self._idle = max(0, self._idle - 1)
                 return
-            if job is None:
-                with self._lock:
-                    self._threads -= 1
-                return
-            job()
             with self._lock:
-                self._idle += 1
+                self._idle -= 1
+                if job is None:
+                    self._threads -= 1
+                    return
+            job()
 
 
 class Lane:

@@ -62,7 +62,7 @@ def _text(value: Any, key: str, limit: int = 256) -> str:
 
 def parse_request(line: bytes) -> Request:
     """Decode and validate one request line."""
-    if line.count(b"[") + line.count(b"{") > MAX_NESTING * 4 and _depth(line) > MAX_NESTING:
+    if line.count(b"[") + line.count(b"{") > MAX_NESTING and _depth(line) > MAX_NESTING:
         raise RequestError(f"request is nested deeper than {MAX_NESTING} levels")
     try:
         data = json.loads(line.decode("utf-8"))

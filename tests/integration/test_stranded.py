@@ -71,13 +71,14 @@ def test_clients_that_hang_up_mid_acquire_while_renewals_keep_the_writer_busy_we
     for t in renewers:
         t.start()
     try:
-        for n in range(200):
+        n = 0
+        while n < 200 or renewed < 50:  # hang-ups keep coming while the renewals keep the writer busy
             vanish(n)
+            n += 1
     finally:
         stop.set()
         for t in renewers:
             t.join()
-    assert renewed > 5
     started = time.monotonic()
     released = daemon.ctl("release", lease["id"], "--json")
     assert released.returncode == 0, released.stderr
@@ -152,13 +153,14 @@ def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _fill(path: Path) -> Path:
     filler = path / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-        except OSError:
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
             pass
+    except OSError:  # ENOSPC: full
+        pass
+    finally:
+        os.close(fd)
     return filler
 
 
@@ -218,9 +220,8 @@ def test_a_restart_while_docker_is_away_still_ends_the_window_when_its_lease_doe
             assert time.time() >= lease["expires_at"] - 1
         else:
             # Docker took the engine with it: nothing to adopt; the resident comes back at once.
-            _wait_for("the resident to be back", lambda: set(probe.states(list(RESIDENT_UNITS)).values())
-                      == {"active"}, 90, daemon)
-            assert set(probe.states(list(AGENT_TIMERS)).values()) == {"active"}
+            _wait_for("the resident and the timers to be back",
+                      lambda: set(probe.states([*RESIDENT_UNITS, *AGENT_TIMERS]).values()) == {"active"}, 90, daemon)
     finally:
         if docker == "frozen":
             _freeze(world, signal.SIGCONT)
