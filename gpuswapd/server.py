@@ -100,6 +100,9 @@ class Server:
                 delay = min(delay * 2, ACCEPT_BACKOFF_S[1])
                 continue
             delay = ACCEPT_BACKOFF_S[0]
+            # sock_accept does not yield while connections are pending: let the clients already
+            # admitted run, or a flood of new ones would starve them (and the window).
+            await asyncio.sleep(0)
             try:
                 peer = credentials(conn)
             except OSError:

@@ -1,0 +1,126 @@
+"""The socket server on a real Unix socket, over the window on fakes: floods and hang-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuswapd.listen import own_socket
+from gpuswapd.server import Server
+from tests.fakes import FakeWorld, running, settle
+
+FLOOD = """
+import signal, socket, sys
+n = 0
+signal.signal(signal.SIGTERM, lambda *_: (print(n), sys.exit(0)))
+while True:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(sys.argv[1])
+    n += 1
+"""
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def _connect(path: Path) -> socket.socket:
+    # A blocking connect waits while the listen backlog is full (a non-blocking one fails).
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # blocking, no timeout: see above
+    sock.connect(str(path))
+    sock.setblocking(False)
+    return sock
+
+
+async def _ask(path: Path, message: dict[str, Any]) -> dict[str, Any]:
+    reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
+    writer.write(json.dumps(message).encode() + b"\n")
+    try:
+        while True:
+            reply: dict[str, Any] = json.loads(await reader.readline())
+            if "event" not in reply:
+                return reply
+    finally:
+        writer.close()
+
+
+def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Server, Path]:
+    path = tmp_path / "gpuswapd.sock"
+    config = dataclasses.replace(world.config, daemon=dataclasses.replace(
+        world.config.daemon, max_clients=max_clients, max_clients_per_uid=max_clients))
+    window = world.window()
+    server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
+                    planner=lambda: asyncio.sleep(0, {}))
+    return server, path
+
+
+def test_a_stream_of_connections_does_not_starve_the_clients_already_served(tmp_path: Path) -> None:
+    # Without caps in the way: sock_accept does not yield while connections are pending, so
+    # only the accept loop's own yield lets the admitted clients (and the window) run.
+    world = FakeWorld()
+    server, path = _serve(world, tmp_path, max_clients=65536)
+    stop = threading.Event()
+    connected = 0
+
+    def flood() -> None:  # connect, hang up, again, as fast as another process allows
+        nonlocal connected
+        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, str(path)], stdout=subprocess.PIPE, text=True)
+        stop.wait()
+        flooder.terminate()
+        connected = int(flooder.communicate(timeout=10)[0] or 0)
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            await server.start(own_socket(str(path), "", 0o600))
+            flooder = threading.Thread(target=flood)
+            flooder.start()
+            try:
+                await asyncio.sleep(0.2)
+                latencies = []
+                for _ in range(5):
+                    started = time.monotonic()
+                    assert (await _ask(path, {"op": "status"}))["ok"]
+                    latencies.append(time.monotonic() - started)
+                lease = await _ask(path, {"op": "acquire", "for": 60, "holder": "under-flood"})
+                assert lease["ok"], lease
+                assert (await _ask(path, {"op": "release", "lease": lease["lease"]["id"]}))["ok"]
+                await settle(w)
+            finally:
+                stop.set()
+                await asyncio.to_thread(flooder.join)
+                await server.close()
+            assert connected > 100 and max(latencies) < 2.0, (connected, latencies)
+
+    run(main())
+
+
+def test_a_client_that_hangs_up_after_its_lease_was_granted_holds_nothing(tmp_path: Path) -> None:
+    world = FakeWorld()
+    server, path = _serve(world, tmp_path)
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            await server.start(own_socket(str(path), "", 0o600))
+            keeper = await _ask(path, {"op": "acquire", "for": 60, "holder": "keeper"})
+            for n in range(50):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(str(path))
+                    s.sendall(json.dumps({"op": "acquire", "for": 60, "holder": f"gone-{n}"}).encode() + b"\n")
+            deadline = time.monotonic() + 5
+            while [x.holder for x in w.leases()] != ["keeper"]:
+                assert time.monotonic() < deadline, [x.holder for x in w.leases()]
+                await asyncio.sleep(0.01)
+            assert server.admission.open <= 1
+            assert (await _ask(path, {"op": "release", "lease": keeper["lease"]["id"]}))["ok"]
+            await settle(w)
+            await server.close()
+
+    run(main())
