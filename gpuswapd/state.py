@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,15 +181,19 @@ class StateStore:
         self._fsync_dir()
 
     def set_aside(self) -> list[str]:
-        """Move unreadable copies out of the way (kept for a person to look at); name them."""
-        moved = []
+        """Copy unreadable files for a person to look at; name the copies.
+
+        The originals stay until a good document replaces them: should gpuswapd stop before,
+        the next start finds them unreadable again and restores the baseline again.
+        """
+        kept = []
         for path in (self.current, self.previous, self.legacy):
             if path.exists():
                 target = path.with_name(path.name + ".unreadable")
                 with contextlib.suppress(OSError):
-                    path.replace(target)
-                    moved.append(target.name)
-        return moved
+                    shutil.copyfile(path, target)
+                    kept.append(target.name)
+        return kept
 
     # -- history -----------------------------------------------------------------------------
 

@@ -93,12 +93,14 @@ class Window:
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
+        self._unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
-        return Document(window=self.record)
+        # A baseline record is written only once it says what to restore (see restore_baseline).
+        return Document(window=None if self.record is self._unknown_baseline else self.record)
 
     # -- what clients ask ------------------------------------------------------------------
 
@@ -338,7 +340,19 @@ class Window:
         """Restore what the configuration describes, when no state could be read at all."""
         self.baseline_restore = {"reason": reason, "at": time.time()}
         log.error("baseline_restore", reason=reason)
-        self._drive(self._baseline())
+        # The record exists at once (status shows the close), but it is written only once systemd
+        # has said what the baseline is: a record without its units would restore nothing.
+        rec = WindowRecord.new()
+        c = self.config.window.container
+        rec.phase = Phase.CLOSING
+        rec.timings.append(PhaseTiming(Phase.CLOSING, time.time(), stage="close"))
+        # Whatever was running is unknown: the configured engine goes down like any window's.
+        rec.container = {"name": c.name, "created": c.create, "image": c.image}
+        rec.baseline = dict(self.baseline_restore)
+        self.record, self._unknown_baseline = rec, rec
+        self.hung_mark = closing.hung_mark(self)
+        self.notify_status()
+        self._drive(self._baseline(rec))
 
     def _drive(self, first: Any = None) -> None:
         self._driver = spawn(self._supervise(first), "window-driver", on_failure=self._driver_died)
@@ -380,10 +394,10 @@ class Window:
                     rec.fail(failure)
                 failures += 1
                 await asyncio.sleep(_backoff(self.backoffs.driver, failures))
-                if rec is not None:
+                if rec is not None and rec is self._unknown_baseline:
+                    step = self._baseline(rec)  # it failed before systemd said what to restore: again
+                elif rec is not None:
                     step = self._rescue(rec)
-                elif self.baseline_restore is not None and self.last is None:
-                    step = self._baseline()  # it failed before its record existed: start it again
                 else:
                     step = None
         finally:
@@ -418,27 +432,17 @@ class Window:
             return
         await closing.close(self, rec, "recovered")
 
-    async def _baseline(self) -> None:
-        assert self.baseline_restore is not None
+    async def _baseline(self, rec: WindowRecord) -> None:
+        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
         try:
-            moved = await self.outside.state.call("write", self.store.set_aside)
+            kept = await self.outside.state.call("write", self.store.set_aside)
         except (GpuswapError, OSError) as err:
             log.warning("state_not_set_aside", error=getattr(err, "message", None) or repr(err))
         else:
-            if moved:
-                log.warning("state_set_aside", files=moved, state_dir=str(self.store.dir))
-        units, timers = await self._baseline_targets()
-        rec = WindowRecord.new()
-        c = self.config.window.container
-        rec.phase, rec.units, rec.timers = Phase.CLOSING, units, timers
-        rec.timings.append(PhaseTiming(Phase.CLOSING, time.time(), stage="close"))
-        # Whatever was running is unknown: the configured engine goes down like any window's.
-        rec.container = {"name": c.name, "created": c.create, "image": c.image}
-        rec.baseline = dict(self.baseline_restore)
-        self.record = rec
-        self.hung_mark = closing.hung_mark(self)
-        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-        self.notify_status()
+            if kept:
+                log.warning("state_set_aside", copies=kept, state_dir=str(self.store.dir))
+        rec.units, rec.timers = await self._baseline_targets()
+        self._unknown_baseline = None
         await self.persist(required=False)
         await closing.close(self, rec, "baseline_restored")
 
