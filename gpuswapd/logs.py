@@ -8,8 +8,8 @@ import sys
 import structlog
 
 
-def setup_logging(level: str = "info", json: bool | None = None) -> None:
-    """Configure structlog once: JSON unless stderr is a terminal."""
+def setup_logging(level: str = "info", json: bool | None = None, cache: bool = True) -> None:
+    """Configure structlog: JSON unless stderr is a terminal (``cache=False``: it may be reconfigured)."""
     as_json = not sys.stderr.isatty() if json is None else json
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -24,7 +24,7 @@ def setup_logging(level: str = "info", json: bool | None = None) -> None:
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )
 
 

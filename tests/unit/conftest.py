@@ -5,4 +5,4 @@ from __future__ import annotations
 from gpuswapd.logs import setup_logging
 
 # Thousands of windows run here on fakes: their info lines cost more than the checks themselves.
-setup_logging("warning", json=False)
+setup_logging("warning", json=False, cache=False)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from gpuswapd.errors import GpuswapError
+from gpuswapd.logs import setup_logging
 from gpuswapd.outside import _ERRORS, CALLS, Deadlines, Outside, close_unawaited
 from gpuswapd.phases import Phase
 from gpuswapd.recovery import recover_at_start
@@ -276,6 +277,14 @@ async def _run_all(name: str, entries: list[tuple[str, str, str, str]]) -> list[
 
     results = await asyncio.gather(*(one(*entry) for entry in entries))
     return [p for r in results for p in r]
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Any:
+    """Keep only critical lines: the faults make every cell log errors, each cell's problems say enough."""
+    setup_logging("critical", json=False, cache=False)
+    yield
+    setup_logging("warning", json=False, cache=False)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -61,3 +61,14 @@ def test_good_requests() -> None:
     req = parse_request(b'{"op": "acquire", "for": "1h 30min", "holder": "eval", "timeout": 90}')
     assert (req.op, req.duration, req.holder, req.timeout, req.wait) == ("acquire", 5400, "eval", 90, True)
     assert parse_request(b'{"op": "renew", "lease": "abc", "for": 60}').duration == 60
+
+
+@pytest.mark.parametrize(("frame", "message"), [
+    (b'{"op": "history", "limit": ' + b"7" * 5000 + b"}", "will not read"),
+    (b'{"op": "status", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "nested deeper than 32 levels"),
+    (b"[" * 100_000, "nested deeper than 32 levels"),
+    (b'{"op": "status", "holder": "' + b"[" * 100 + b'"}', "unknown field"),  # brackets in a string are text
+])
+def test_huge_numbers_and_deep_nesting_are_refused_clearly(frame: bytes, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        parse_request(frame)

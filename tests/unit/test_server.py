@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import grp
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,8 +56,10 @@ async def _ask(path: Path, message: dict[str, Any]) -> dict[str, Any]:
 
 def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Server, Path]:
     path = tmp_path / "gpuswapd.sock"
+    # Whoever runs the tests (root, or makepkg's build user) is in the socket's group.
     config = dataclasses.replace(world.config, daemon=dataclasses.replace(
-        world.config.daemon, max_clients=max_clients, max_clients_per_uid=max_clients))
+        world.config.daemon, max_clients=max_clients, max_clients_per_uid=max_clients,
+        socket_group=grp.getgrgid(os.getgid()).gr_name))
     window = world.window()
     server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
                     planner=lambda: asyncio.sleep(0, {}))
