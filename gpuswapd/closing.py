@@ -9,7 +9,6 @@ gpuswapd continues from that phase.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from gpuswapd.errors import Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
-from gpuswapd.tasks import reap, spawn
+from gpuswapd.tasks import reap, sleep_unless, spawn
 
 if TYPE_CHECKING:
     from gpuswapd.window import Window
@@ -144,11 +143,7 @@ async def _resume(w: Window, rec: WindowRecord) -> None:
 
 async def _pause(w: Window, seconds: float) -> None:
     """Wait before a retry; when gpuswapd is stopping, leave the record for the next start."""
-    if w.stopping.is_set():
-        raise Interrupted
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(w.stopping.wait(), seconds)
-    if w.stopping.is_set():
+    if await sleep_unless(w.stopping, seconds):
         raise Interrupted
 
 
@@ -266,5 +261,4 @@ async def _sweep(w: Window) -> None:
             first, cap = w.backoffs.restore
             delay = min(cap, first * 2 ** (attempt - 1))
             log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(w.stopping.wait(), delay)
+            await sleep_unless(w.stopping, delay)

@@ -28,7 +28,7 @@ from gpuswapd.errors import (
 )
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.tasks import reap, spawn
+from gpuswapd.tasks import reap, sleep_unless, spawn
 
 R = TypeVar("R")
 MANAGED_LABEL = "io.gpuswapd.managed"
@@ -232,8 +232,7 @@ class ContainerEngine:
         while True:
             if self._exited.is_set() or self._watch is None:
                 return self._exit or f"container {self.name} is not being watched"
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exited.wait(), interval)
+            if await sleep_unless(self._exited, interval):
                 continue
             try:
                 status = await self.outside.http.run("health", self.http.health(self.config.health_url, HEALTH_S),

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuswapd.adapters.unitstates import TimerState
-from gpuswapd.blocking import together
 from gpuswapd.errors import WontFit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
+from gpuswapd.tasks import together
 from gpuswapd.vram import predict_fit
 
 if TYPE_CHECKING:

@@ -187,7 +187,9 @@ class Lane:
         self._pool.submit(job)
         started = time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), deadline)
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation.
+            async with asyncio.timeout(deadline):
+                return await asyncio.shield(future)
         except TimeoutError:
             self._hung(name, future, started)
             raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {deadline:g}s; "
@@ -210,7 +212,8 @@ class Lane:
                 awaitable = wrap(awaitable)
         limit = self.deadline if deadline is None else deadline
         try:
-            return await asyncio.wait_for(awaitable, limit)
+            async with asyncio.timeout(limit):
+                return await awaitable
         except TimeoutError:
             raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {limit:g}s; "
                               f"{_NEXT[self.system]}") from None

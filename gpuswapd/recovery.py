@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from typing import TYPE_CHECKING
 
-from gpuswapd.closing import sweep_orphans
+import structlog
+
+from gpuswapd import closing, holding
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
+from gpuswapd.phases import Phase
+from gpuswapd.record import PhaseTiming, WindowRecord
 from gpuswapd.state import Loaded
 from gpuswapd.tasks import uncancel
-from gpuswapd.window import Window
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
 
@@ -30,7 +38,8 @@ async def recover_at_start(window: Window) -> None:
             lane = window.outside.state
             # A read that outlived its deadline holds the lane: give it a while to come back.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lane.drained(), lane.deadline)
+                async with asyncio.timeout(lane.deadline):
+                    await lane.drained()
             await asyncio.sleep(window.backoffs.driver[0] * 2**attempt)
     if loaded is not None and loaded.problems:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
@@ -49,7 +58,72 @@ async def recover_at_start(window: Window) -> None:
         await window.engine.remove_orphans(record.id if record is not None and record.container else None)
     except (GpuswapError, asyncio.CancelledError) as err:
         log.warning("orphan_check_failed", error=_why(err, window), retry="in the background")
-        sweep_orphans(window)
+        closing.sweep_orphans(window)
+
+
+async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
+    """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
+    structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
+    if rec.phase is Phase.IDLE:  # it had finished; only the cleared document was not written
+        w.record = None
+        await w.persist(required=False)
+        return
+    if rec.phase is Phase.DRAINING:  # nothing was changed yet
+        w.finish(rec, "recovered")
+        return
+    rec.leases.expire(time.time())
+    if rec.phase is Phase.READY and len(rec.leases) and rec.container and await w.engine.adopt(rec.container):
+        log.info("window_adopted", leases=len(rec.leases))
+        w.notify_status()
+        await holding.hold_then_close(w, rec)
+        return
+    await closing.close(w, rec, "recovered")
+
+
+def baseline_record(w: Window) -> WindowRecord:
+    """Make the record of a baseline restore; its units and timers come from systemd next.
+
+    The record exists at once (status shows the close), but it is written only once systemd has
+    said what the baseline is: a record without its units would restore nothing.
+    """
+    rec = WindowRecord.new()
+    c = w.config.window.container
+    rec.phase = Phase.CLOSING
+    rec.timings.append(PhaseTiming(Phase.CLOSING, time.time(), stage="close"))
+    # Whatever was running is unknown: the configured engine goes down like any window's.
+    rec.container = {"name": c.name, "created": c.create, "image": c.image}
+    rec.baseline = dict(w.baseline_restore or {})
+    return rec
+
+
+async def restore_baseline(w: Window, rec: WindowRecord) -> None:
+    """Ask systemd what the baseline is, write it down, and close to it like any window."""
+    structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
+    try:
+        kept = await w.outside.state.call("write", w.store.set_aside)
+    except (GpuswapError, OSError) as err:
+        log.warning("state_not_set_aside", error=getattr(err, "message", None) or repr(err))
+    else:
+        if kept:
+            log.warning("state_set_aside", copies=kept, state_dir=str(w.store.dir))
+    rec.units, rec.timers = await _baseline_targets(w)
+    w.unknown_baseline = None
+    await w.persist(required=False)
+    await closing.close(w, rec, "baseline_restored")
+
+
+async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:
+    """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
+    attempt = 0
+    while True:
+        try:
+            return await w.resident.baseline()
+        except GpuswapError as err:
+            attempt += 1
+            first, cap = w.backoffs.restore
+            delay = min(cap, first * 2 ** (attempt - 1))
+            log.error("baseline_unknown", error=err.message, retry_in_s=delay)
+            await asyncio.sleep(delay)
 
 
 def _why(err: BaseException, window: Window) -> str:

@@ -144,7 +144,8 @@ class Server:
         wait = FIRST_REQUEST_S
         while True:
             try:
-                line = await asyncio.wait_for(reader.readline(), wait)
+                async with asyncio.timeout(wait):
+                    line = await reader.readline()
             except (ValueError, asyncio.LimitOverrunError):
                 await self._send(writer, error_reply(RequestError(f"request line longer than {MAX_LINE} bytes")))
                 return

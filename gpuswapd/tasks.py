@@ -8,7 +8,7 @@ that must react to the failure passes ``on_failure``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from gpuswapd.logs import log
@@ -40,20 +40,50 @@ def spawn(coro: Coroutine[Any, Any, T], name: str,
 
 
 async def reap(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a task and wait until it has ended (its outcome is dropped: it was not wanted)."""
-    if task is None or task.done():
-        if task is not None and not task.cancelled():
-            task.exception()  # retrieved: nothing more to say about it
-        return
-    task.cancel()
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()
+    """Cancel a task and wait until it has ended (its outcome is dropped: it was not wanted).
+
+    Python 3.11's ``asyncio.wait_for`` can swallow a cancellation that arrives as its inner
+    await completes: cancel again until the task is really gone.
+    """
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if task is not None and not task.cancelled():
+        task.exception()  # retrieved: nothing more to say about it
+
+
+async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to ``seconds``, waking early when ``event`` is set; tell whether it is.
+
+    Unlike ``wait_for`` with a suppressed TimeoutError, a cancellation always gets through.
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=max(0.0, seconds))
+    finally:
+        waiter.cancel()
+    return event.is_set()
 
 
 def retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a finished task's outcome as seen (a cancelled helper whose result nobody needs)."""
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def together(*aws: Awaitable[Any]) -> list[Any]:
+    """Run awaitables concurrently; on the first failure cancel the rest and raise that error."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_wrap(aw)) for aw in aws]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _wrap(aw: Awaitable[T]) -> T:
+    return await aw
 
 
 def uncancel() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import closing, holding, opening
+from gpuswapd import closing, holding, opening, recovery
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine
 from gpuswapd.errors import (
@@ -36,7 +36,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
-from gpuswapd.record import PhaseTiming, WindowRecord
+from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
 from gpuswapd.state import Document, StateStore
 from gpuswapd.tasks import spawn, uncancel
@@ -93,14 +93,14 @@ class Window:
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
-        self._unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
+        self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
         # A baseline record is written only once it says what to restore (see restore_baseline).
-        return Document(window=None if self.record is self._unknown_baseline else self.record)
+        return Document(window=None if self.record is self.unknown_baseline else self.record)
 
     # -- what clients ask ------------------------------------------------------------------
 
@@ -334,25 +334,17 @@ class Window:
         """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
         self.record = rec
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
-        self._drive(self._recover(rec))
+        self._drive(recovery.adopt_or_roll_back(self, rec))
 
     def restore_baseline(self, reason: str) -> None:
         """Restore what the configuration describes, when no state could be read at all."""
         self.baseline_restore = {"reason": reason, "at": time.time()}
         log.error("baseline_restore", reason=reason)
-        # The record exists at once (status shows the close), but it is written only once systemd
-        # has said what the baseline is: a record without its units would restore nothing.
-        rec = WindowRecord.new()
-        c = self.config.window.container
-        rec.phase = Phase.CLOSING
-        rec.timings.append(PhaseTiming(Phase.CLOSING, time.time(), stage="close"))
-        # Whatever was running is unknown: the configured engine goes down like any window's.
-        rec.container = {"name": c.name, "created": c.create, "image": c.image}
-        rec.baseline = dict(self.baseline_restore)
-        self.record, self._unknown_baseline = rec, rec
+        rec = recovery.baseline_record(self)
+        self.record, self.unknown_baseline = rec, rec
         self.hung_mark = closing.hung_mark(self)
         self.notify_status()
-        self._drive(self._baseline(rec))
+        self._drive(recovery.restore_baseline(self, rec))
 
     def _drive(self, first: Any = None) -> None:
         self._driver = spawn(self._supervise(first), "window-driver", on_failure=self._driver_died)
@@ -394,8 +386,9 @@ class Window:
                     rec.fail(failure)
                 failures += 1
                 await asyncio.sleep(_backoff(self.backoffs.driver, failures))
-                if rec is not None and rec is self._unknown_baseline:
-                    step = self._baseline(rec)  # it failed before systemd said what to restore: again
+                if rec is not None and rec is self.unknown_baseline:
+                    # It failed before systemd said what to restore: ask again.
+                    step = recovery.restore_baseline(self, rec)
                 elif rec is not None:
                     step = self._rescue(rec)
                 else:
@@ -414,49 +407,6 @@ class Window:
             self.finish(rec, "refused")
             return
         await closing.close(self, rec, "rolled_back")
-
-    async def _recover(self, rec: WindowRecord) -> None:
-        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-        if rec.phase is Phase.IDLE:  # it had finished; only the cleared document was not written
-            self.record = None
-            await self.persist(required=False)
-            return
-        if rec.phase is Phase.DRAINING:  # nothing was changed yet
-            self.finish(rec, "recovered")
-            return
-        rec.leases.expire(time.time())
-        if rec.phase is Phase.READY and len(rec.leases) and rec.container and await self.engine.adopt(rec.container):
-            log.info("window_adopted", leases=len(rec.leases))
-            self.notify_status()
-            await holding.hold_then_close(self, rec)
-            return
-        await closing.close(self, rec, "recovered")
-
-    async def _baseline(self, rec: WindowRecord) -> None:
-        structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-        try:
-            kept = await self.outside.state.call("write", self.store.set_aside)
-        except (GpuswapError, OSError) as err:
-            log.warning("state_not_set_aside", error=getattr(err, "message", None) or repr(err))
-        else:
-            if kept:
-                log.warning("state_set_aside", copies=kept, state_dir=str(self.store.dir))
-        rec.units, rec.timers = await self._baseline_targets()
-        self._unknown_baseline = None
-        await self.persist(required=False)
-        await closing.close(self, rec, "baseline_restored")
-
-    async def _baseline_targets(self) -> tuple[list[str], list[str]]:
-        """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
-        attempt = 0
-        while True:
-            try:
-                return await self.resident.baseline()
-            except GpuswapError as err:
-                attempt += 1
-                delay = _backoff(self.backoffs.restore, attempt)
-                log.error("baseline_unknown", error=err.message, retry_in_s=delay)
-                await asyncio.sleep(delay)
 
     async def _run_window(self) -> None:
         assert self.record is None, "a new window while the last one is not finished"

@@ -569,9 +569,23 @@ async def settle(window: Window, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while window.record is not None or window._driver is not None or window.writer.pending:
         if time.monotonic() > deadline:
-            raise AssertionError(f"the window did not settle: phase {window.phase}, record "
-                                 f"{window.record and window.record.to_dict()}")
+            rec = window.record
+            raise AssertionError(f"the window did not settle: phase {window.phase}, leases "
+                                 f"{rec and [x.to_dict(time.time()) for x in rec.leases.all()]}, driver "
+                                 f"{window._driver and _awaiting(window._driver.get_coro())}")
         await asyncio.sleep(0.005)
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Follow what a coroutine awaits, down to the innermost (for a report of where it hangs)."""
+    chain = []
+    while coro is not None and len(chain) < 30:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            chain.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    chain.append(repr(coro))
+    return chain
 
 
 @contextlib.asynccontextmanager

@@ -6,7 +6,7 @@ key is written here. The page keeps the output between its ``BEGIN KEYS``/``END 
     python packaging/man/config_keys.py            # print the generated part
     python packaging/man/config_keys.py --write    # update packaging/man/gpuswapd.toml.5
 
-tests/unit/test_packaging.py fails when the page differs from what this script writes, or when a
+tests/packaging/test_packaging.py fails when the page differs from what this script writes, or when a
 key has no meaning here.
 """
 
