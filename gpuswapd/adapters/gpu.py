@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,25 +114,38 @@ class SmiProbe:
     def read(self, processes: bool = True) -> VramReading:
         """Read total/used/free memory and (unless told not to) the compute processes of the GPU."""
         memory_query = "--query-gpu=memory.used,memory.total,memory.free"
-        memory = self._run(memory_query)
-        used, total, free = _memory_row(memory, self._describe(memory_query))
         apps_query = "--query-compute-apps=pid,used_memory"
+        # nvidia-smi answers one kind of query per run: the two run side by side, not one after the other.
+        memory_proc = self._start(memory_query)
+        try:
+            apps_proc = self._start(apps_query) if processes else None
+        except GpuProbeError:
+            _kill_group(memory_proc)
+            raise
+        deadline = time.monotonic() + self.timeout
+        try:
+            memory = self._finish(memory_proc, memory_query, deadline)
+            apps = self._finish(apps_proc, apps_query, deadline) if apps_proc is not None else ""
+        finally:
+            for proc in (memory_proc, apps_proc):
+                if proc is not None and proc.poll() is None:
+                    _kill_group(proc)
+        used, total, free = _memory_row(memory, self._describe(memory_query))
         return VramReading(
             total_bytes=total * _MiB,
             used_bytes=used * _MiB,
             free_bytes=free * _MiB,
-            processes=_processes(self._run(apps_query), self._describe(apps_query)) if processes else (),
+            processes=_processes(apps, self._describe(apps_query)) if processes else (),
         )
 
     def _describe(self, query: str) -> str:
         return f"`{self.binary} -i {self.index} {query}`"
 
-    def _run(self, query: str) -> str:
-        """Run one query and return its output; any failure is a GpuProbeError."""
+    def _start(self, query: str) -> subprocess.Popen[str]:
+        """Start one query; failing to start it is a GpuProbeError."""
         argv = [self.binary, "-i", str(self.index), query, "--format=csv,noheader,nounits"]
-        what = self._describe(query)
         try:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, errors="replace", start_new_session=True,
             )
@@ -142,8 +156,12 @@ class SmiProbe:
             ) from err
         except OSError as err:
             raise GpuProbeError(f"cannot run {self.binary!r}: {err}; {_NO_PROBE}") from err
+
+    def _finish(self, proc: subprocess.Popen[str], query: str, deadline: float) -> str:
+        """Wait for one query until ``deadline`` and return its output; any failure is a GpuProbeError."""
+        what = self._describe(query)
         try:
-            out, err_text = proc.communicate(timeout=self.timeout)
+            out, err_text = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired as err:
             _kill_group(proc)
             raise GpuProbeError(
