@@ -196,3 +196,14 @@ def test_down_spares_tmp_and_leaves_nothing_running(stack: Stack) -> None:
         assert Probe(stack).active_state("strata.service") == "active"
     finally:
         canary.unlink(missing_ok=True)
+
+
+def test_up_after_a_world_died_without_down(stack: Stack) -> None:
+    """A restart of the machine kills the world without down(): dockerd's pid file stays behind."""
+    stack.down()
+    pidfile = stack.paths.docker / "dockerd.pid"
+    pidfile.write_text("1")
+    stack.up()
+    assert stack.running()
+    assert stack.docker("version", "--format", "{{.Server.Version}}").returncode == 0
+    assert Probe(stack).active_state("strata.service") == "active"

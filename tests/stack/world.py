@@ -187,6 +187,14 @@ def _wait(what: str, check: Any, timeout: float, interval: float = 0.1) -> Any:
     raise StackError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
 
 
+def _tail(path: Path, lines: int = 8) -> str:
+    """The last lines of a log, for an error that says why something did not come up."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as err:
+        return f"(unreadable: {err})"
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -337,11 +345,24 @@ class Stack:
         proc = self._spawn(
             "systemd", ["unshare", "--pid", "--fork", "--mount", "--mount-proc", str(self.paths.root / "boot.sh")]
         )
-        _wait("the stack's system bus", lambda: self.bus("list", check=False) is not None, 30)
+        try:
+            _wait("the stack's system bus", lambda: self.bus("list", check=False) is not None, 30)
+        except StackError as err:
+            log = self.paths.logs / "systemd.log"
+            raise StackError(f"{err}; the end of {log}:\n{_tail(log)}") from None
         return proc
 
     def _boot_dockerd(self) -> Proc:
         p = self.paths
+        # A world whose processes died without down() (a machine restart, a SIGKILLed session)
+        # leaves dockerd's pid file behind, and dockerd refuses to start over it. The PID in it
+        # is one of the dead namespace's, so only the socket can tell whether a dockerd is there.
+        pidfile = p.docker / "dockerd.pid"
+        if pidfile.exists():
+            if self.docker("version", "--format", "{{.Server.Version}}").returncode == 0:
+                raise StackError(f"a dockerd this world did not record answers on {p.docker_sock}: "
+                                 f"stop it (its PID is in {pidfile}, as its own namespace numbers it) and retry")
+            pidfile.unlink()
         proc = self._spawn(
             "dockerd",
             [
@@ -364,7 +385,10 @@ class Stack:
                 "--storage-driver=vfs",
             ],
         )
-        _wait("dockerd", lambda: self.docker("version", "--format", "{{.Server.Version}}").returncode == 0, 60)
+        try:
+            _wait("dockerd", lambda: self.docker("version", "--format", "{{.Server.Version}}").returncode == 0, 60)
+        except StackError as err:
+            raise StackError(f"{err}; the end of {p.logs / 'dockerd.log'}:\n{_tail(p.logs / 'dockerd.log')}") from None
         return proc
 
     def bus(self, *args: str, check: bool = True) -> Any:
