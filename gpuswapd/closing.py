@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from gpuswapd import parking
 from gpuswapd.errors import Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -28,15 +29,15 @@ class Interrupted(Exception):
 
 
 def engine_left(rec: WindowRecord) -> bool:
-    """Tell whether the window's engine has not been taken down yet."""
-    return rec.container is not None and not rec.container.get("removed")
+    """Tell whether the window's engine has not been taken down (or parked) yet."""
+    return rec.container is not None and not rec.container.get("removed") and not rec.container.get("parked")
 
 
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
     await w.persist(required=False)
-    if engine_left(rec):
+    if engine_left(rec) and not await parking.try_park(w, rec):
         await _retry_take_down(w, rec, time.monotonic() + w.backoffs.take_down_for)
 
 
@@ -220,7 +221,7 @@ async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
         w.hung_mark = hung_mark(w)
-        if rec.container is not None:
+        if rec.container is not None and not rec.container.get("parked"):
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         await _restore(w, rec)
@@ -253,9 +254,8 @@ async def _sweep(w: Window) -> None:
     attempt = 0
     while not w.stopping.is_set():
         attempt += 1
-        keep = w.record.id if w.record is not None else None
         try:
-            await w.engine.remove_orphans(keep)
+            await w.engine.remove_orphans(w.engines_kept())
             return
         except GpuswapError as err:
             first, cap = w.backoffs.restore

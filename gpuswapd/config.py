@@ -266,6 +266,16 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParkConfig:
+    """``[window.park]``: what happens to the engine at close."""
+
+    mode: str = _key(_choice("stop", "sleep"), "stop")
+    level: int = _key(_int(1, 2), 1)
+    keep: float = _key(_span(1.0), 7200.0)
+    host_ram_needs: int = _key(_size, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class WindowConfig:
     """``[window]``: the engine that owns the GPU during a window."""
 
@@ -276,6 +286,7 @@ class WindowConfig:
     container: ContainerConfig
     warmup: WarmupConfig
     verify: CompletionCheck
+    park: ParkConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +357,23 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
     if d.max_clients_per_uid > d.max_clients:
         raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
+    if config.window.park.mode == "sleep" and config.gpu.probe == "none":
+        raise ConfigError(f"{source}: window.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a reading "
+                          "of free VRAM proves the resident fits beside a sleeping engine")
+
+
+def warnings(config: Config) -> list[str]:
+    """Say what is valid but probably not what was meant (``--check-config`` prints these)."""
+    out = []
+    c, park = config.window.container, config.window.park
+    if park.mode == "sleep":
+        if "--enable-sleep-mode" not in c.command:
+            out.append("window.park.mode = \"sleep\", but window.container.command has no --enable-sleep-mode: "
+                       "vLLM offers sleep only when started with it (an env_file or the image may still set it)")
+        if c.env.get("VLLM_SERVER_DEV_MODE") != "1":
+            out.append("window.park.mode = \"sleep\", but window.container.env has no VLLM_SERVER_DEV_MODE = \"1\": "
+                       "vLLM serves /sleep and /wake_up only with it (an env_file or the image may still set it)")
+    return out
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

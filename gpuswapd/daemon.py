@@ -16,6 +16,7 @@ from gpuswapd.adapters.gpu import make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.config import DEFAULT_PATH, Config, load_config
+from gpuswapd.config import warnings as config_warnings
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
 from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
@@ -60,7 +61,7 @@ class Daemon:
             self.store,
             self.systemd,
             self.outside,
-            lambda: make_plan(config, self.resident, self.engine, self.vram),
+            lambda: make_plan(config, self.resident, self.engine, self.vram, self.window.parked),
         )
         self._stop = asyncio.Event()
         self._signals = 0
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuswapd: {err.message}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        for warning in config_warnings(config):
+            print(f"gpuswapd: warning: {warning}", file=sys.stderr)
         print(f"{args.config}: ok")
         return 0
     return asyncio.run(Daemon(config).run())

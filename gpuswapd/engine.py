@@ -1,15 +1,20 @@
 """The engine that owns the GPU during a window, behind one interface.
 
-The window only asks an engine to come up, to prove it serves, and to go down. Today that is
-a Docker container started and stopped; vLLM's sleep mode (weights to CPU RAM, GPU freed) can
-later implement the same interface without touching the phase table.
+The window only asks an engine to come up, to prove it serves, and to go down: a Docker
+container started and stopped. With ``window.park.mode = "sleep"`` it may also be put to sleep
+(vLLM's sleep mode: weights to host RAM or dropped, most of the GPU freed) and woken for the next
+window; a short greedy completion, the canary, proves a woken engine answers as it did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
+import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -38,6 +43,11 @@ DEFAULT_INSTANCE = "default"
 WATCH_WAIT_S = 300.0
 WATCH_RETRY_S = (1.0, 30.0)
 HEALTH_S = 2.0  # one health probe; a slower answer counts as a miss
+# The canary: short and greedy. A long greedy output may drift on a GPU (vLLM's kernels are not
+# batch-invariant by default); a garbled wake is garbage from the first tokens.
+CANARY_PROMPT = "List the first five prime numbers, separated by commas."
+CANARY_TOKENS = 16
+CANARY_SAMPLING = {"temperature": 0, "seed": 0}
 
 
 class Engine(Protocol):
@@ -70,8 +80,26 @@ class Engine(Protocol):
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the engine and free the GPU (removing what bring_up created)."""
 
-    async def remove_orphans(self, keep_window: str | None) -> list[str]:
-        """Remove this instance's engines that no window record knows."""
+    async def remove_orphans(self, keep: set[str]) -> list[str]:
+        """Remove this instance's engines that belong to no window in ``keep``."""
+
+    async def offers_sleep(self) -> bool:
+        """Tell whether the engine serves sleep mode (asked once it serves)."""
+
+    async def sleep(self, level: int) -> None:
+        """Put the engine to sleep and wait until it says it sleeps; stop watching it meanwhile."""
+
+    async def wake(self) -> None:
+        """Wake a sleeping engine, wait until it says it is awake, and watch it again."""
+
+    async def canary(self) -> str:
+        """Send the canary completion; return its raw text (reasoning and answer together)."""
+
+    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+        """Say why a parked engine cannot be used (gone, awake, another spec); None if it can."""
+
+    def spec(self) -> str:
+        """Return a hash of the container's configuration (a parked engine must match it)."""
 
 
 class ContainerEngine:
@@ -147,7 +175,104 @@ class ContainerEngine:
         await self._docker("start", self.docker.start, c.name)
         self._watch_exits()
         log.info("engine_started", container=c.name, image=c.image, created=c.create)
-        return {"name": c.name, "created": c.create, "image": c.image}
+        return {"name": c.name, "created": c.create, "image": c.image, "window": window_id, "spec": self.spec()}
+
+    def spec(self) -> str:
+        """Return a hash of the container's configuration (a parked engine must match it)."""
+        c = dataclasses.asdict(self.config.container)
+        text = json.dumps({"container": c, "health_url": self.config.health_url}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def base_url(self) -> str:
+        """Return the engine's base URL (sleep mode's endpoints live there), from ``health_url``."""
+        parts = urlsplit(self.config.health_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    async def offers_sleep(self) -> bool:
+        """Tell whether the engine serves ``/is_sleeping`` (vLLM with sleep mode and dev mode on)."""
+        http = self.outside.http
+        try:
+            sleeping = await http.run("is_sleeping", self.http.is_sleeping(self.base_url, HEALTH_S),
+                                      http.beyond(HEALTH_S))
+        except EndpointError as err:
+            log.warning("engine_sleep_unavailable", reason=err.message)
+            return False
+        if sleeping is None:
+            log.warning("engine_sleep_unavailable",
+                        reason=f"{self.base_url}/is_sleeping is not served: start vLLM with --enable-sleep-mode "
+                               "and VLLM_SERVER_DEV_MODE=1; windows end with the engine removed "
+                               "(window.park.mode = \"stop\") until then")
+            return False
+        return True
+
+    async def sleep(self, level: int) -> None:
+        """Put the engine to sleep at ``level``; wait until ``/is_sleeping`` says so."""
+        await reap(self._watch)  # a parked engine is watched by the window, not by the exit watcher
+        self._watch = None
+        http, limit = self.outside.http, self.config.boot_timeout
+        try:
+            await http.run("sleep", self.http.sleep(self.base_url, level, limit), http.beyond(limit))
+            await self._until_sleeping(True, limit)
+        except EndpointError as err:
+            raise EngineFailed(f"the engine did not go to sleep: {err.message}") from err
+
+    async def wake(self) -> None:
+        """Wake the engine; wait until ``/is_sleeping`` says it is awake; watch it again."""
+        http, limit = self.outside.http, self.config.boot_timeout
+        try:
+            await http.run("wake_up", self.http.wake_up(self.base_url, limit), http.beyond(limit))
+            await self._until_sleeping(False, limit)
+        except EndpointError as err:
+            raise EngineFailed(f"the parked engine did not wake: {err.message}") from err
+        self._watch_exits()
+
+    async def _until_sleeping(self, want: bool, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        http = self.outside.http
+        while True:
+            said = await http.run("is_sleeping", self.http.is_sleeping(self.base_url, HEALTH_S),
+                                  http.beyond(HEALTH_S))
+            if said is None:
+                raise EndpointError(f"{self.base_url}/is_sleeping is not served any more")
+            if said is want:
+                return
+            if time.monotonic() >= deadline:
+                raise EndpointError(f"{self.base_url}/is_sleeping still says {str(said).lower()} after {limit:g}s")
+            await asyncio.sleep(0.05)
+
+    async def canary(self) -> str:
+        """Send the short greedy canary completion; return reasoning and answer as they came."""
+        check, http = self.config.verify, self.outside.http
+        try:
+            reply = await http.run("canary", self.http.chat(check.url, check.model, CANARY_PROMPT, CANARY_TOKENS,
+                                                            check.timeout, sampling=CANARY_SAMPLING),
+                                   http.beyond(check.timeout))
+        except EndpointError as err:
+            raise EngineFailed(f"the engine did not answer the canary: {err.message}") from err
+        return reply.reasoning + reply.text
+
+    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+        """Say why a parked engine cannot be used: gone, not ours, another spec, awake; None if usable."""
+        if record.get("spec") != self.spec():
+            return "the container's configuration changed since it was parked"
+        try:
+            state = await self._docker("state", self.docker.state, self.name)
+        except GpuswapError as err:
+            return f"Docker could not say whether it still runs: {err.message}"
+        if state is None or not state.running:
+            return f"container {self.name} is {'gone' if state is None else state.status}"
+        if not self._ours(state.labels) or state.labels.get(WINDOW_LABEL) != record.get("window"):
+            return f"container {self.name} is not the engine that was parked"
+        http = self.outside.http
+        try:
+            sleeping = await http.run("is_sleeping", self.http.is_sleeping(self.base_url, HEALTH_S),
+                                      http.beyond(HEALTH_S))
+        except EndpointError as err:
+            return f"it does not answer: {err.message}"
+        if sleeping is not True:
+            return "it says it is not sleeping" if sleeping is False else "it does not serve /is_sleeping"
+        return None
 
     def _watch_exits(self) -> None:
         self._exit = None
@@ -203,13 +328,13 @@ class ContainerEngine:
         self._watch_exits()
         return await self.healthy()
 
-    async def remove_orphans(self, keep_window: str | None) -> list[str]:
-        """Stop and remove this instance's containers that belong to no window gpuswapd knows."""
+    async def remove_orphans(self, keep: set[str]) -> list[str]:
+        """Stop and remove this instance's containers that belong to no window in ``keep``."""
         gone = []
         for state in await self._docker("find", self.docker.find, {MANAGED_LABEL: "1"}):
             if not self._ours(state.labels):
                 continue  # another instance's (or another gpuswapd's) engine
-            if keep_window is not None and state.labels.get(WINDOW_LABEL) == keep_window:
+            if state.labels.get(WINDOW_LABEL) in keep:
                 continue
             log.warning("orphan_engine_removed", container=state.name, window=state.labels.get(WINDOW_LABEL),
                         status=state.status)

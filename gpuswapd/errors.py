@@ -96,6 +96,12 @@ class LeaseNotFound(RequestError):
     code = "lease_not_found"
 
 
+class NotFound(RequestError):
+    """There is nothing of what the request names (no parked engine, say)."""
+
+    code = "not_found"
+
+
 class NotReady(RequestError):
     """The window is not open and the client asked not to wait."""
 

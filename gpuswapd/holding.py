@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from gpuswapd import closing
+from gpuswapd import closing, opening
 from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -91,6 +91,7 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             await w.engine.wait_serving(cfg.window.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)
             await w.engine.warm()
+            await opening.learn_canary(w, rec)
         except GpuswapError as err:
             reason = err.message
             log.error("engine_restart_failed", restart=rec.restarts, error=reason)

@@ -1,5 +1,8 @@
 """Opening the window, one step per phase: check, drain, pause, stop, wait for VRAM, boot, warm.
 
+With a parked engine the last two are one: WAKING wakes it and checks the canary; an engine that
+does not wake, or answers the canary differently, is removed and booted cold instead.
+
 Each step runs after its phase is on disk, and records what it is about to change before it
 changes it; a failure anywhere rolls the window back through closing. Everything that can be
 checked without changing anything is checked in DRAINING, so a window that cannot open never
@@ -13,8 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpuswapd import parking
+from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
-from gpuswapd.errors import WontFit
+from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
+from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.tasks import together
@@ -31,19 +37,46 @@ class Opening:
     window: Window
     rec: WindowRecord
     timers: list[TimerState] = field(default_factory=list)
+    parked: parking.Parked | None = None
+
+    @property
+    def needs(self) -> int:
+        """The VRAM to wait for: a parked engine already holds its residual."""
+        held = self.parked.residual_bytes if self.parked is not None else 0
+        return max(0, self.window.config.gpu.window_needs - held)
 
 
 async def _check_and_drain(op: Opening) -> None:
     """Check everything that could fail before anything changes, at once; then let work finish."""
     w, cfg = op.window, op.window.config
-    _, _, op.timers = await together(w.engine.preflight(), check_fit(w), w.resident.timers())
+    op.parked = await _usable_parked(w)
+    preflight = w.engine.preflight() if op.parked is None else _nothing()
+    _, _, op.timers = await together(preflight, check_fit(w, op.needs), w.resident.timers())
     await together(w.resident.wait_jobs(op.timers, time.monotonic() + cfg.timers.wait_for_jobs),
                    w.resident.drain())
 
 
-async def check_fit(w: Window) -> None:
+async def _nothing() -> None:
+    return None
+
+
+async def _usable_parked(w: Window) -> parking.Parked | None:
+    """Return the parked engine if it can be woken; remove it (resident untouched) if not."""
+    parked = w.parked
+    if parked is None:
+        return None
+    why = await w.engine.why_not_parked(parked.container)
+    if why is None:
+        return parked
+    if not await parking.remove(w, f"it cannot be woken: {why}"):
+        raise DockerError(f"the parked engine {parked.container.get('name')} cannot be woken ({why}) and could not "
+                          "be removed: see the log (journalctl -u gpuswapd)")
+    return None
+
+
+async def check_fit(w: Window, need: int | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free."""
-    need = w.config.gpu.window_needs
+    need = w.config.gpu.window_needs if need is None else need
     # With the resident up the card is mostly taken, so the process list is nearly always needed:
     # read it in the same go (this read is also the check that the probe answers at all).
     reading, units = await together(w.vram.read(processes=True), w.resident.closure())
@@ -72,7 +105,7 @@ async def _stop_resident(op: Opening) -> None:
 
 async def _wait_vram(op: Opening) -> None:
     gpu = op.window.config.gpu
-    await op.window.vram.wait_free(gpu.window_needs, gpu.release_timeout)
+    await op.window.vram.wait_free(op.needs, gpu.release_timeout)
 
 
 async def _boot(op: Opening) -> None:
@@ -80,20 +113,73 @@ async def _boot(op: Opening) -> None:
     c = w.config.window.container
     rec.container = {"name": c.name, "created": c.create}
     await w.persist(required=True)
+    free = w.vram.last.free_bytes if w.vram.last is not None else None
     rec.container = await w.engine.bring_up(rec.id)
+    if free is not None:
+        rec.container["free_before_boot"] = free  # what the sleeping engine keeps is measured against it
     await w.persist(required=True)
     await w.engine.wait_serving(w.config.window.boot_timeout)
 
 
 async def _warm(op: Opening) -> None:
     await op.window.engine.warm()
+    await learn_canary(op.window, op.rec)
 
 
-STEPS: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
+async def learn_canary(w: Window, rec: WindowRecord) -> None:
+    """With park mode "sleep", learn whether the cold engine can sleep, and its canary's answer."""
+    if w.config.window.park.mode != "sleep" or rec.container is None:
+        return
+    sleeps = await w.engine.offers_sleep()
+    canary = None
+    if sleeps:
+        try:
+            canary = await w.engine.canary()
+        except GpuswapError as err:
+            log.warning("engine_canary_failed", error=err.message, consequence="this engine will not be parked")
+            sleeps = False
+    rec.container = {**rec.container, "sleep": sleeps, "canary": canary}
+
+
+async def _wake(op: Opening) -> bool:
+    """Wake the parked engine and check its canary; False if it must boot cold instead."""
+    w, rec, parked = op.window, op.rec, op.parked
+    assert parked is not None
+    # The window takes the engine over in the same write that enters WAKING.
+    rec.container = {**parked.container, "sleep": True, "canary": parked.canary,
+                     "residual_bytes": parked.residual_bytes}
+    rec.start = "warm"
+    w.parked = None
+    await w.enter(rec, Phase.WAKING, required=True)
+    try:
+        await w.engine.wake()
+        said = await w.engine.canary()
+        if said != parked.canary:
+            raise EngineFailed(f"the woken engine answers the canary differently: {snip(said)!r}, before it slept: "
+                               f"{snip(parked.canary)!r}")
+    except GpuswapError as err:
+        rec.restarts += 1
+        max_restarts = w.config.window.max_restarts
+        log.error("engine_wake_failed", error=err.message, restarts=rec.restarts, max_restarts=max_restarts)
+        if rec.restarts > max_restarts:
+            raise EngineFailed(f"{err.message}; no restart left for a cold boot (window.max_restarts = "
+                               f"{max_restarts})", phase=str(Phase.WAKING)) from err
+        await w.engine.take_down(rec.container)
+        rec.container = {**rec.container, "removed": True}
+        rec.start = "cold"
+        return False
+    log.info("engine_woken", container=rec.container.get("name"), level=parked.level,
+             parked_s=round(time.time() - parked.since, 3))
+    return True
+
+
+BEFORE_ENGINE: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
     (Phase.DRAINING, _check_and_drain),
     (Phase.PAUSING_TIMERS, _pause_timers),
     (Phase.STOPPING_RESIDENT, _stop_resident),
     (Phase.WAITING_VRAM, _wait_vram),
+)
+COLD: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
     (Phase.BOOTING, _boot),
     (Phase.WARMING, _warm),
 )
@@ -102,6 +188,15 @@ STEPS: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
 async def open_window(window: Window, rec: WindowRecord) -> None:
     """Take a new window from DRAINING to the edge of READY; raise on any failure."""
     op = Opening(window, rec)
-    for phase, step in STEPS:
+    for phase, step in BEFORE_ENGINE:
+        await window.enter(rec, phase, required=True)
+        await step(op)
+    if op.parked is not None:
+        if await _wake(op):
+            return
+        op.parked = None  # boot cold: wait for the whole window's memory first
+        await window.enter(rec, Phase.WAITING_VRAM, required=True)
+        await _wait_vram(op)
+    for phase, step in COLD:
         await window.enter(rec, phase, required=True)
         await step(op)

@@ -40,7 +40,8 @@ CALLS: dict[str, frozenset[str]] = {
                          "logs_tail", "find", "env_file"}),  # wait_exit: a long wait on a thread of its own
     "gpu": frozenset({"read"}),
     "state": frozenset({"read", "write", "append_history", "read_history"}),
-    "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify"}),
+    "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify", "is_sleeping", "sleep", "wake_up",
+                       "canary"}),
 }
 
 # Raised when a call of that lane misses its deadline or the lane is hung.

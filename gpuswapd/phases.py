@@ -15,6 +15,7 @@ class Phase(StrEnum):
     WAITING_VRAM = "WAITING_VRAM"
     BOOTING = "BOOTING"
     WARMING = "WARMING"
+    WAKING = "WAKING"
     READY = "READY"
     RECOVERING = "RECOVERING"
     CLOSING = "CLOSING"
@@ -25,6 +26,8 @@ class Phase(StrEnum):
 
 P = Phase
 # IDLE ─acquire→ DRAINING → PAUSING_TIMERS → STOPPING_RESIDENT → WAITING_VRAM → BOOTING → WARMING → READY
+# With a parked engine: WAITING_VRAM → WAKING → READY; a wake that fails (or answers the canary
+# differently) goes back to WAITING_VRAM for a cold BOOTING.
 # READY ─engine fails→ RECOVERING → (WARMING → READY) | CLOSING; a restart that fails warming goes back
 # to RECOVERING for the next restart.
 # READY ─last lease gone + linger→ CLOSING → WAITING_VRAM → RESTORING → RESUMING_TIMERS → IDLE
@@ -35,7 +38,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.DRAINING: frozenset({P.PAUSING_TIMERS, P.IDLE}),
     P.PAUSING_TIMERS: frozenset({P.STOPPING_RESIDENT, P.CLOSING}),
     P.STOPPING_RESIDENT: frozenset({P.WAITING_VRAM, P.CLOSING}),
-    P.WAITING_VRAM: frozenset({P.BOOTING, P.RESTORING, P.CLOSING}),
+    P.WAITING_VRAM: frozenset({P.BOOTING, P.WAKING, P.RESTORING, P.CLOSING}),
+    P.WAKING: frozenset({P.READY, P.WAITING_VRAM, P.CLOSING}),
     P.BOOTING: frozenset({P.WARMING, P.CLOSING}),
     P.WARMING: frozenset({P.READY, P.CLOSING, P.RECOVERING}),
     P.READY: frozenset({P.RECOVERING, P.CLOSING}),

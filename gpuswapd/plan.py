@@ -7,14 +7,24 @@ from typing import Any
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
+from gpuswapd.parking import Parked
 from gpuswapd.resident import Resident
 from gpuswapd.sizes import format_size
 from gpuswapd.vram import Vram, predict_fit
 
 
-async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram) -> dict[str, Any]:
+async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,
+                    parked: Parked | None = None) -> dict[str, Any]:
     """Describe the units, timers, container and VRAM a window would touch, and any blocker."""
     problems: list[str] = []
+    start, need, parked_note = "cold", config.gpu.window_needs, None
+    if parked is not None:
+        why = await engine.why_not_parked(parked.container)
+        if why is None:
+            start, need = "warm", max(0, need - parked.residual_bytes)
+            parked_note = f"{parked.container.get('name')} asleep (level {parked.level}): the next window wakes it"
+        else:
+            parked_note = f"{parked.container.get('name')} cannot be woken ({why}): the next window removes it"
 
     async def attempt(what: str, coro: Any) -> Any:
         try:
@@ -27,7 +37,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     timers = await attempt("timers", resident.timers()) or []
     idle = resident.outside.http.run("idle", resident.http.idle(config.resident.idle))
     busy = await attempt("resident idle probe", idle)
-    await attempt("engine", engine.preflight())
+    if parked is None:
+        await attempt("engine", engine.preflight())
     reading = await attempt("gpu", vram.read())
     c = config.window.container
     plan: dict[str, Any] = {
@@ -39,6 +50,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         "container": {"name": c.name, "image": c.image, "create": c.create,
                       "health_url": config.window.health_url},
         "vram": None,
+        "next_open": start,
+        "parked": parked_note,
         "problems": problems,
     }
     if reading is not None:
@@ -46,14 +59,14 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         fit = await predict_fit(vram, reading, units or [])
         plan["vram"] = {
             "total": format_size(reading.total_bytes), "free": format_size(reading.free_bytes),
-            "free_after_stop": format_size(fit.free_after_stop), "window_needs": format_size(config.gpu.window_needs),
+            "free_after_stop": format_size(fit.free_after_stop), "window_needs": format_size(need),
             "resident_needs": format_size(config.gpu.resident_needs),
             "held_by_others": [{"pid": h.pid, "bytes": h.used_bytes, "unit": h.unit} for h in fit.others],
         }
-        if not fit.fits(config.gpu.window_needs):
-            problems.append(f"gpu: {fit.misfit(config.gpu.window_needs, units or [])}")
-        elif fit.free_after_stop < config.gpu.window_needs:
+        if not fit.fits(need):
+            problems.append(f"gpu: {fit.misfit(need, units or [])}")
+        elif fit.free_after_stop < need:
             problems.append(f"gpu: only {format_size(fit.free_after_stop)} would be free once the units stop, "
-                            f"the window needs {format_size(config.gpu.window_needs)}")
+                            f"the window needs {format_size(need)}")
     plan["ok"] = not problems
     return plan

@@ -18,7 +18,7 @@ from gpuswapd.timespan import SpanError, parse_span
 MAX_LINE = 64 * 1024
 MAX_SPAN_S = 10 * 365 * 86400.0
 MAX_NESTING = 32
-OPS = ("acquire", "release", "renew", "status", "plan", "history")
+OPS = ("acquire", "release", "renew", "status", "plan", "history", "park")
 _FIELDS: dict[str, set[str]] = {
     "acquire": {"for", "holder", "wait", "timeout"},
     "release": {"lease", "holder"},
@@ -26,6 +26,7 @@ _FIELDS: dict[str, set[str]] = {
     "status": set(),
     "plan": set(),
     "history": {"limit"},
+    "park": {"remove"},
 }
 
 
@@ -40,6 +41,7 @@ class Request:
     wait: bool = True
     timeout: float | None = None
     limit: int = 20
+    remove: bool = False
 
 
 def _span(value: Any, key: str) -> float:
@@ -85,6 +87,9 @@ def parse_request(line: bytes) -> Request:
     wait = data.get("wait", True)
     if not isinstance(wait, bool):
         raise RequestError("'wait' must be true or false")
+    remove = data.get("remove", False)
+    if not isinstance(remove, bool):
+        raise RequestError("'remove' must be true or false")
     limit = data.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
         raise RequestError("'limit' must be an integer from 1 to 1000")
@@ -98,6 +103,7 @@ def parse_request(line: bytes) -> Request:
         wait=wait,
         timeout=_span(data["timeout"], "timeout") if "timeout" in data else None,
         limit=limit,
+        remove=remove,
     )
 
 

@@ -50,6 +50,7 @@ class WindowRecord:
     degraded: str | None = None
     # Set when no state could be read and this record was made from the configuration.
     baseline: dict[str, Any] | None = None
+    start: str = "cold"  # "warm": the engine was woken from park
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
@@ -94,6 +95,7 @@ class WindowRecord:
             "timers": self.timers, "units": self.units, "container": self.container,
             "leases": [lease.to_dict(now) for lease in self.leases.all()], "restarts": self.restarts,
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
+            "start": self.start,
         }
 
     @classmethod
@@ -112,7 +114,7 @@ class WindowRecord:
             timers=d.texts("timers"), units=d.texts("units"), container=d.table("container"),
             leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)), error=d.table("error"),
             outcome=d.text("outcome", optional=True), degraded=d.text("degraded", optional=True),
-            baseline=d.table("baseline"),
+            baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
         )
 
 
@@ -167,6 +169,12 @@ class _Fields:
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{self.where}.{key}: expected an object")
         return value
+
+
+def _start(value: str) -> str:
+    if value not in ("cold", "warm"):
+        raise ValueError(f"window.start: expected 'cold' or 'warm', got {value!r}")
+    return value
 
 
 def _timing(data: Any, where: str) -> PhaseTiming:

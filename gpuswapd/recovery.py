@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import closing, holding
+from gpuswapd import closing, holding, parking
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -51,14 +51,20 @@ async def recover_at_start(window: Window) -> None:
         window.restore_baseline(f"no copy of the state could be read ({problem})")
         return  # the baseline takes the configured engine down itself
     record = document.window if document is not None else None
+    if document is not None and document.parked is not None:
+        try:
+            window.parked = parking.Parked.from_dict(document.parked)
+        except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
+            log.error("parked_state_unreadable", error=str(err))
     if record is not None:
         window.recover(record)
     # Reconcile before serving: nobody sees an engine no record knows about.
     try:
-        await window.engine.remove_orphans(record.id if record is not None and record.container else None)
+        await window.engine.remove_orphans(window.engines_kept())
     except (GpuswapError, asyncio.CancelledError) as err:
         log.warning("orphan_check_failed", error=_why(err, window), retry="in the background")
         closing.sweep_orphans(window)
+    await parking.check_at_start(window)
 
 
 async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:

@@ -177,7 +177,7 @@ class Server:
         d = self.config.daemon
         if peer.uid == 0 or (d.socket_group and peer.in_group(d.socket_group)):
             return
-        if request.op in READ_ONLY and d.status_public:
+        if (request.op in READ_ONLY or (request.op == "park" and not request.remove)) and d.status_public:
             return
         who = f"user {peer.user} (uid {peer.uid})"
         if not d.socket_group:
@@ -211,6 +211,10 @@ class Server:
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
                     "endpoint": {"url": verify.url, "model": verify.model}, **self.window.status()}
+        if req.op == "park":
+            if req.remove:
+                return {"ok": True, "removed": await self.window.remove_parked()}
+            return {"ok": True, "parked": self.window.status()["parked"]}
         if req.op == "history":
             history = await self.outside.state.call("read_history", self.store.history, req.limit)
             return {"ok": True, "windows": history}

@@ -30,12 +30,14 @@ class Vram:
         self.probe = probe
         self._units = units
         self.outside = outside
+        self.last: VramReading | None = None  # the last reading, whoever asked for it
 
     async def read(self, processes: bool = True) -> VramReading | None:
         """Read the GPU's memory now; None when probing is off."""
         if self.probe is None:
             return None
-        return await self.outside.gpu.call("read", self.probe.read, processes)
+        self.last = await self.outside.gpu.call("read", self.probe.read, processes)
+        return self.last
 
     async def unit_of(self, pid: int) -> str | None:
         """Name the unit of a process that holds VRAM (None if unknown or systemd does not say)."""

@@ -18,13 +18,15 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import closing, holding, opening, recovery
+from gpuswapd import closing, holding, opening, parking, recovery
 from gpuswapd.config import Config
 from gpuswapd.engine import Engine
 from gpuswapd.errors import (
     Degraded,
+    DockerError,
     GpuswapError,
     LeaseNotFound,
+    NotFound,
     NotReady,
     PermissionDenied,
     StateError,
@@ -94,13 +96,26 @@ class Window:
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
+        self.parked: parking.Parked | None = None  # the engine asleep between windows
+        self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
         # A baseline record is written only once it says what to restore (see restore_baseline).
-        return Document(window=None if self.record is self.unknown_baseline else self.record)
+        return Document(window=None if self.record is self.unknown_baseline else self.record,
+                        parked=self.parked.to_dict() if self.parked is not None else None)
+
+    def engines_kept(self) -> set[str]:
+        """Name the windows whose containers are still wanted: the open window's and the parked one's."""
+        keep = set()
+        rec = self.record
+        if rec is not None and rec.container is not None:
+            keep.add(str(rec.container.get("window", rec.id)))
+        if self.parked is not None:
+            keep.add(str(self.parked.container.get("window")))
+        return keep
 
     # -- what clients ask ------------------------------------------------------------------
 
@@ -215,7 +230,27 @@ class Window:
             "state_error": self.writer.error,
             "baseline_restore": self.baseline_restore,
             "hung": self.outside.status(),
+            "parked": self.parked.status(self.config.window.park.keep) if self.parked is not None else None,
+            "next_open": "warm" if self.parked is not None else "cold",
         }
+
+    async def remove_parked(self) -> dict[str, Any]:
+        """Remove the parked engine now (``gpuswapctl park --remove``); say what was removed."""
+        parked = self.parked
+        if parked is None:
+            raise NotFound("no engine is parked")
+        rec = self.record
+        if rec is not None and not rec.closing:
+            raise NotReady(f"window {rec.id} is opening or open ({rec.phase}) and may wake the parked engine: "
+                           "remove it once that window has closed")
+        await parking.stop_watching(self)
+        try:
+            if not await parking.remove(self, "removed on request (gpuswapctl park --remove)"):
+                raise DockerError(f"the parked engine {parked.container.get('name')} could not be removed: see the "
+                                  "log (journalctl -u gpuswapd); gpuswapd keeps trying")
+        finally:
+            parking.watch(self)
+        return parked.status(self.config.window.park.keep)
 
     def closed_because(self) -> str:
         """Say why no window is open, when the last one ended badly (for lease errors)."""
@@ -324,9 +359,10 @@ class Window:
         self.last, self.record = rec, None
         self.writer.add_history(rec.to_dict())
         self.notify_status()
-        log.info("window_finished", window=rec.id, outcome=outcome,
+        log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start,
                  took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3))
         structlog.contextvars.unbind_contextvars("window_id", "phase")
+        parking.watch(self)
 
     # -- the driver ------------------------------------------------------------------------
 
@@ -410,6 +446,7 @@ class Window:
 
     async def _run_window(self) -> None:
         assert self.record is None, "a new window while the last one is not finished"
+        await parking.stop_watching(self)  # the window takes the parked engine over, or removes it
         rec = self.record = WindowRecord.new()
         self.hung_mark = closing.hung_mark(self)
         structlog.contextvars.bind_contextvars(window_id=rec.id)
@@ -454,16 +491,18 @@ class Window:
         self.stopping.set()
         self.fail_waiters(WindowCancelled("gpuswapd is stopping"))
         driver = self._driver
+        await parking.stop_watching(self)
         if not restore:
             if driver is not None:
                 driver.cancel()
                 await asyncio.wait({driver})
-            return
+            return  # a parked engine stays parked, for the next start to adopt
         if self._opening is not None:
             self._opening.cancel()
         self.wake.set()
         if driver is not None:
             await asyncio.wait({driver})
+        await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
 
 
 def _backoff(bounds: tuple[float, float], attempt: int) -> float:

@@ -31,6 +31,7 @@ from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
+    BadResponse,
     ContainerNotFound,
     EndpointUnreachable,
     ImageNotFound,
@@ -49,6 +50,8 @@ ENGINE_URL = "http://engine.test:18020/v1/chat/completions"
 AGENTS = ("triage", "review", "digest")
 RESIDENT_BYTES = 21 * GiB
 ENGINE_BYTES = int(19.5 * GiB)
+RESIDUAL_BYTES = 1 * GiB  # what a sleeping engine keeps (its CUDA context and pools)
+CANARY = "2, 3, 5, 7, 11"
 
 CONFIG = f"""
 [daemon]
@@ -94,6 +97,10 @@ timeout = "300ms"
 """
 
 FAKE_CONFIG = parse_config(CONFIG, "<fake>")
+PARK_CONFIG = parse_config(CONFIG + """
+[window.park]
+mode = "sleep"
+""", "<fake, park = sleep>")
 DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
                     writer=(0.005, 0.02))
@@ -313,6 +320,9 @@ class FakeContainer:
     status: str = "created"
     exit_code: int | None = None
     starts: int = 0
+    sleeping: int | None = None  # the sleep level, while asleep
+    garbled: bool = False  # answers differently since its last wake
+    wakes: int = 0
 
 
 class FakeDocker:
@@ -354,6 +364,7 @@ class FakeDocker:
             raise ContainerNotFound(f"no container {name}")
         with self._changed:
             c.starts += 1
+            c.sleeping, c.garbled = None, False
             if self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
                 c.status, c.exit_code = "running", None
             else:
@@ -377,6 +388,29 @@ class FakeDocker:
         with self._changed:
             self.containers.pop(name, None)
             self._changed.notify_all()
+
+    def sleep(self, name: str, level: int) -> None:
+        """Put the engine to sleep: it keeps only its residual."""
+        with self._changed:
+            c = self.containers[name]
+            if c.status == "running" and c.sleeping is None:
+                self.gpu.free(f"engine:{name}")
+                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                c.sleeping = level
+
+    def wake(self, name: str, garble: bool = False) -> bool:
+        """Wake the engine: it takes its memory back, or stays asleep (False) if there is no room."""
+        with self._changed:
+            c = self.containers[name]
+            if c.sleeping is None:
+                return True
+            self.gpu.free(f"engine:{name}")
+            if not self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
+                self.gpu.ooms.pop()
+                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                return False
+            c.sleeping, c.garbled, c.wakes = None, garble, c.wakes + 1
+            return True
 
     def die(self, name: str) -> None:
         """Make the engine exit as on EngineDeadError."""
@@ -423,10 +457,45 @@ class FakeHttp:
         self.systemd = systemd
         self.docker = docker
         self.completions: list[str] = []
+        self.garble_wakes = 0  # the next wakes answer differently
+        self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
+
+    def _engine(self) -> FakeContainer | None:
+        c = self.docker.containers.get("hyperqwen")
+        return c if c is not None and c.status == "running" else None
 
     def _engine_up(self) -> bool:
-        c = self.docker.containers.get("hyperqwen")
-        return c is not None and c.status == "running"
+        c = self._engine()
+        return c is not None and c.sleeping is None
+
+    def _sleep_endpoint(self, url: str) -> FakeContainer:
+        c = self._engine()
+        if c is None:
+            raise EndpointUnreachable(f"{url}: connection refused")
+        return c
+
+    async def is_sleeping(self, base: str, timeout: float) -> bool | None:
+        """Answer vLLM's /is_sleeping (None: sleep mode is off)."""
+        await asyncio.sleep(0)
+        c = self._sleep_endpoint(f"GET {base}/is_sleeping")
+        return None if not self.sleep_mode else c.sleeping is not None
+
+    async def sleep(self, base: str, level: int, timeout: float) -> None:
+        """Put the engine to sleep."""
+        await asyncio.sleep(0)
+        c = self._sleep_endpoint(f"POST {base}/sleep")
+        if not self.sleep_mode:
+            raise BadResponse(f"POST {base}/sleep: HTTP 404")
+        self.docker.sleep(c.name, level)
+
+    async def wake_up(self, base: str, timeout: float) -> None:
+        """Wake the engine (CUDA out of memory when there is no room)."""
+        await asyncio.sleep(0)
+        c = self._sleep_endpoint(f"POST {base}/wake_up")
+        garble = self.garble_wakes > 0
+        self.garble_wakes -= garble
+        if not self.docker.wake(c.name, garble):
+            raise BadResponse(f"POST {base}/wake_up: HTTP 500: CUDA out of memory")
 
     def _resident_up(self) -> bool:
         return all(self.systemd.units[u].active_state == "active" for u in ("strata.service", "llama-swap.service"))
@@ -447,14 +516,22 @@ class FakeHttp:
             await asyncio.sleep(0.005)
         return time.monotonic() - started
 
-    async def chat(self, url: str, model: str, prompt: Any, max_tokens: int, timeout: float) -> Completion:
-        """Answer a completion if the server behind ``url`` is up."""
+    async def chat(self, url: str, model: str, prompt: Any, max_tokens: int, timeout: float,
+                   sampling: dict[str, Any] | None = None) -> Completion:
+        """Answer a completion if the server behind ``url`` is up (a sleeping engine crashes)."""
         await asyncio.sleep(0)
+        c = self._engine() if url == ENGINE_URL else None
+        if c is not None and c.sleeping is not None:
+            self.docker.die(c.name)  # a request to a sleeping vLLM can crash it
+            raise BadResponse(f"POST {url}: HTTP 500: the engine is sleeping")
         up = self._engine_up() if url == ENGINE_URL else self._resident_up()
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
         self.completions.append(url)
-        return Completion("ready", "", "stop", 5, 1, 1, 0.001, 0.001)
+        text = CANARY if sampling is not None else "ready"
+        if c is not None and c.garbled:
+            text = text[::-1]
+        return Completion(text, "", "stop", 5, 1, 1, 0.001, 0.001)
 
     async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
         """Get a real answer, retrying until ``retry_until``."""
@@ -503,7 +580,7 @@ class FakeStore:
     def write(self, data: bytes) -> None:
         """Take a serialized document."""
         if self.on_write is not None:
-            self.on_write(b'"window":null' in data)
+            self.on_write(b'"window":null' in data, data)
         self._data, self._document = data, None
 
     def append_history(self, records: list[dict[str, Any]]) -> None:

@@ -116,14 +116,19 @@ class ModelHttp:
         prompt: str | list[dict[str, Any]],
         max_tokens: int,
         timeout: float,
+        sampling: dict[str, Any] | None = None,
     ) -> Completion:
-        """Stream one chat completion of a prompt or a message list (bounded by ``timeout``)."""
+        """Stream one chat completion of a prompt or a message list (bounded by ``timeout``).
+
+        ``sampling`` adds request fields such as ``temperature`` and ``seed``.
+        """
         body = {
             "model": model,
             "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(sampling or {}),
         }
         got = CompletionBuilder(time.monotonic(), f"POST {url}")
         try:
@@ -207,6 +212,34 @@ class ModelHttp:
                         f"{err.message} (tried {tries} times over {now - started:.1f}s)"
                     ) from err
                 await asyncio.sleep(min(RETRY_INTERVAL_S, retry_until - now))
+
+    async def is_sleeping(self, base: str, timeout: float) -> bool | None:
+        """Ask vLLM's ``GET /is_sleeping``; None when the server does not offer sleep mode (404)."""
+        url = f"{base}/is_sleeping"
+        with _mapped("GET", url, timeout):
+            response = await self._http().get(url, timeout=self._timeout(timeout))
+        if response.status_code in (404, 405):
+            return None
+        if response.status_code != 200:
+            await _raise_status("GET", url, response)
+        value = _json_object(response.content, f"GET {url}").get("is_sleeping")
+        if not isinstance(value, bool):
+            raise BadResponse(f"GET {url}: no is_sleeping true/false in {snip(response.content)}")
+        return value
+
+    async def sleep(self, base: str, level: int, timeout: float) -> None:
+        """Put vLLM to sleep (``POST /sleep?level=N``; it answers once asleep)."""
+        await self._post(f"{base}/sleep?level={level}", timeout)
+
+    async def wake_up(self, base: str, timeout: float) -> None:
+        """Wake vLLM (``POST /wake_up``; it answers once its memory is back)."""
+        await self._post(f"{base}/wake_up", timeout)
+
+    async def _post(self, url: str, timeout: float) -> None:
+        with _mapped("POST", url, timeout):
+            response = await self._http().post(url, timeout=self._timeout(timeout))
+        if response.status_code != 200:
+            await _raise_status("POST", url, response)
 
     async def idle(self, idle: IdleConfig, timeout: float = IDLE_TIMEOUT_S) -> Busy:
         """Ask the resident whether a request is in flight, the way ``idle.kind`` says."""

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from gpuswapd.ctl.client import Client, Unreachable, socket_path
-from gpuswapd.ctl.render import Progress, print_plan, print_status
+from gpuswapd.ctl.render import Progress, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
 from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, WindowError
 from gpuswapd.timespan import SpanError, format_span, parse_span
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
     sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
+    park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
+    park.add_argument("--remove", action="store_true", help="remove the parked engine now (root and members)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
     history.add_argument("--limit", type=_limit, default=10, help="how many windows, 1 to 1000 (default 10)")
 
@@ -210,6 +212,12 @@ def _run(args: argparse.Namespace, client: Client) -> int:
         reply = client.request({"op": "plan"})
         print(json.dumps(reply, indent=2)) if args.json else print_plan(reply["plan"])
         return EXIT_OK if reply["plan"]["ok"] else EXIT_FAILED
+    elif args.command == "park":
+        reply = client.request({"op": "park", "remove": args.remove})
+        if args.remove:
+            _emit(args, reply, f"removed the parked engine {reply['removed']['container']}")
+        else:
+            _emit(args, reply, parked_line(reply["parked"]))
     elif args.command == "history":
         reply = client.request({"op": "history", "limit": args.limit})
         _emit(args, reply, "\n".join(_history_line(w) for w in reply["windows"]) or "no windows yet")
@@ -256,7 +264,8 @@ def _lease_line(lease: dict[str, Any], verb: str) -> str:
 def _history_line(window: dict[str, Any]) -> str:
     took = (window.get("closed_at") or time.time()) - window["opened_at"]
     error = f" error: {window['error']['message']}" if window.get("error") else ""
-    return f"{window['id']}  {window.get('outcome') or '?':<11} {format_span(round(took, 1))}{error}"
+    start = window.get("start", "cold")
+    return f"{window['id']}  {window.get('outcome') or '?':<11} {start:<5} {format_span(round(took, 1))}{error}"
 
 
 if __name__ == "__main__":

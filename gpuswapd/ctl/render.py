@@ -95,12 +95,22 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
             out.write(f"  lease {lease['id']}  {lease['holder']:<30} {format_span(round(lease['remaining_s']))} left\n")
     if reply.get("waiting"):
         out.write(f"waiting: {reply['waiting']} acquire(s)\n")
+    out.write(f"parked: {parked_line(reply.get('parked'))}\n")
     last = reply.get("last")
     if last:
         out.write(f"last window: {last['id']} {last.get('outcome')} {_ago(last.get('closed_at'))}\n")
         if last.get("error"):
             out.write(f"  error: {last['error']['message']} (in {last['error'].get('phase')})\n")
         out.write(f"  {_timings(last)}\n")
+
+
+def parked_line(parked: dict[str, Any] | None) -> str:
+    """Say what is parked (the next open is warm) or that nothing is (the next open is cold)."""
+    if not parked:
+        return "nothing (the next window boots its engine cold)"
+    left = format_span(round(max(0.0, parked["expires_at"] - time.time())))
+    return (f"{parked['container']} asleep at level {parked['level']} since {_ago(parked['since'])}, holding "
+            f"{parked['residual']}; the next window wakes it (removed if unused for {left} more)")
 
 
 def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
@@ -113,6 +123,8 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
         out.write(f"resident busy: {plan['resident_busy']}\n")
     c = plan["container"]
     out.write(f"container:     {c['name']} from {c['image']} ({'created per window' if c['create'] else 'existing'})\n")
+    start = plan.get("next_open", "cold")
+    out.write(f"next open:     {start}" + (f" ({plan['parked']})" if plan.get("parked") else "") + "\n")
     vram = plan.get("vram")
     if vram:
         out.write(f"VRAM:          {vram['free']} free of {vram['total']} now; "

@@ -29,9 +29,9 @@ from gpuswapd.logs import setup_logging
 from gpuswapd.outside import _ERRORS, CALLS, Deadlines, Outside, close_unawaited
 from gpuswapd.phases import Phase
 from gpuswapd.recovery import recover_at_start
-from gpuswapd.state import Document, Loaded
+from gpuswapd.state import Document, Loaded, decode
 from gpuswapd.window import Window
-from tests.fakes import BASELINE, FakeWorld, settle
+from tests.fakes import BASELINE, PARK_CONFIG, FakeWorld, settle
 
 KINDS = ("raise", "hang", "cancel")
 DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, http=0.1, workers=4)
@@ -97,10 +97,10 @@ class Cell:
         # A hung call still does its work, late: a thread stuck past its deadline, an answer that never comes.
         return _late if asynchronous else _stuck
 
-    def check_clear(self, clears: bool) -> None:
+    def check_clear(self, clears: bool, data: bytes) -> None:
         """The store's hook: a cleared record must find the world restored."""
         if clears and self.world.store.holds_window():
-            snap = self.world.snapshot()
+            snap = without_parked(self, self.world.snapshot(), decode(data))
             if snap != self.expected:
                 self.problems.append(f"record cleared before the world was restored: {snap}")
 
@@ -210,17 +210,39 @@ async def baseline(cell: Cell) -> None:
     await recover_at_start(w)
 
 
+async def park(cell: Cell) -> None:
+    """A window parks its engine asleep; the parked engine is watched; the next window wakes it."""
+    w = _window(cell)
+    w.writer.start()
+    await _release(w, await _acquire(w))
+    await settle(w)
+    await asyncio.sleep(0.12)  # the parked engine's watch looks at it (every watch_interval)
+    await _release(w, await _acquire(w))
+
+
 SCENARIOS: dict[str, Scenario] = {"cycle": cycle, "engine_dies": engine_dies, "restore_fails_once": restore_fails_once,
-                                  "adopt": adopt, "baseline": baseline}
+                                  "adopt": adopt, "baseline": baseline, "park": park}
 
 
 # The baseline is what the configuration says: every matching timer runs, even one that was off.
 BASELINE_RESTORED = {**BASELINE, "timers": {**BASELINE["timers"], "agent-off.timer": "active"}}
 
 
+def without_parked(cell: Cell, snap: dict[str, Any], doc: Document | None) -> dict[str, Any]:
+    """Leave out an engine that is parked, asleep and recorded as parked (in ``doc``): it may stay."""
+    w = cell.window
+    c = cell.world.docker.containers.get("hyperqwen")
+    if w is None or w.parked is None or doc is None or doc.parked is None or c is None or c.sleeping is None \
+            or c.status != "running":
+        return snap
+    return {**snap, "containers": [n for n in snap["containers"] if n != "hyperqwen"],
+            "vram": [h for h in snap["vram"] if h != "engine:hyperqwen"]}
+
+
 async def run_cell(scenario: Scenario, fault: Fault | None) -> Cell:
     """Run one scenario (with one fault) and check where it ends."""
-    cell = Cell(FakeWorld(), BASELINE_RESTORED if scenario is baseline else BASELINE, fault)
+    world = FakeWorld(config=PARK_CONFIG) if scenario is park else FakeWorld()
+    cell = Cell(world, BASELINE_RESTORED if scenario is baseline else BASELINE, fault)
     try:
         await asyncio.wait_for(scenario(cell), 20)
         assert cell.window is not None
@@ -232,7 +254,7 @@ async def run_cell(scenario: Scenario, fault: Fault | None) -> Cell:
             cell.window.stopping.set()
             await cell.window.writer.stop(0.5)
             cell.window.outside.close()
-    snap = cell.world.snapshot()
+    snap = without_parked(cell, cell.world.snapshot(), cell.world.store.document)
     if snap != cell.expected:
         cell.problems.append(f"ended with {snap}")
     if cell.world.gpu.ooms:

@@ -1,0 +1,204 @@
+"""A parked engine: asleep on the card between windows, woken for the next one in seconds.
+
+With ``window.park.mode = "sleep"`` a window that closes normally puts its engine to sleep
+instead of removing it, but only when the card then has ``gpu.resident_needs`` free: a parked
+engine never costs the resident an out-of-memory. The parked engine lives in the state
+document's ``parked`` field, written in the same document as the window's record that hands it
+over, so a restart finds it either in the window (and removes it with the window) or parked
+(and keeps it only if it still sleeps and matches the configuration).
+
+While parked it is watched: an engine that dies, stops saying it sleeps, or stays unused for
+``window.park.keep`` is removed, and the resident is never touched for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gpuswapd.errors import GpuswapError
+from gpuswapd.logs import log
+from gpuswapd.record import WindowRecord, _Fields
+from gpuswapd.sizes import format_size
+from gpuswapd.tasks import reap, sleep_unless, spawn
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
+
+RETRY_S = (1.0, 60.0)
+# What the window's container record says that a parked engine's does not need.
+_WINDOW_ONLY = ("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
+
+
+@dataclass
+class Parked:
+    """The engine left asleep by the last window."""
+
+    container: dict[str, Any]  # the window's container record: name, created, image, window, spec
+    since: float
+    level: int
+    residual_bytes: int
+    canary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the state document."""
+        return {"container": self.container, "since": self.since, "level": self.level,
+                "residual_bytes": self.residual_bytes, "canary": self.canary}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Parked:
+        """Rebuild from the state document; ValueError names what is wrong."""
+        d = _Fields(data, "parked")
+        container = d.table("container")
+        if container is None or not isinstance(container.get("name"), str):
+            raise ValueError("parked.container: expected the parked container's record")
+        level = int(d.number("level"))
+        if level not in (1, 2):
+            raise ValueError("parked.level: expected 1 or 2")
+        return cls(container=container, since=d.number("since"), level=level,
+                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"))
+
+    def status(self, keep: float) -> dict[str, Any]:
+        """Describe it for ``status``."""
+        return {"container": self.container.get("name"), "since": self.since, "level": self.level,
+                "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
+                "expires_at": self.since + keep, "next_open": "warm"}
+
+
+def host_ram_available() -> int | None:
+    """Read MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _level(w: Window) -> int:
+    """Pick the sleep level: level 1 holds the weights in host RAM, so it needs room there."""
+    park = w.config.window.park
+    if park.level == 1 and park.host_ram_needs:
+        available = host_ram_available()
+        if available is None or available < park.host_ram_needs:
+            shown = "unknown" if available is None else format_size(available)
+            log.warning("park_level_lowered", level=2, host_ram_available=shown,
+                        host_ram_needs=format_size(park.host_ram_needs))
+            return 2
+    return park.level
+
+
+async def try_park(w: Window, rec: WindowRecord) -> bool:
+    """Put the window's engine to sleep and park it, if it may be and the resident then fits.
+
+    False means it was not parked (the caller removes it); the log says why, with the numbers.
+    """
+    c = rec.container or {}
+    if w.config.window.park.mode != "sleep" or w.stopping.is_set():
+        return False
+    if rec.error is not None or rec.baseline is not None:
+        return False  # only a window that served to the end parks its engine
+    if not c.get("sleep") or not c.get("canary"):
+        log.info("engine_not_parked", reason="the engine did not offer sleep mode at its boot")
+        return False
+    level = _level(w)
+    try:
+        await w.engine.sleep(level)
+        reading = await w.vram.read(processes=False)
+    except GpuswapError as err:
+        log.warning("engine_not_parked", reason=err.message)
+        return False
+    need = w.config.gpu.resident_needs
+    if reading is None or reading.free_bytes < need:
+        free = "unknown" if reading is None else format_size(reading.free_bytes)
+        log.warning("engine_not_parked", reason="the resident would not fit beside the sleeping engine",
+                    free=free, resident_needs=format_size(need), level=level)
+        return False
+    before = c.get("free_before_boot")
+    if isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
+        residual = max(0, int(before) - reading.free_bytes)
+    else:  # woken from park: it holds what it held before
+        residual = int(c.get("residual_bytes") or 0)
+    record = {k: v for k, v in c.items() if k not in _WINDOW_ONLY}
+    w.parked = Parked(container=record, since=time.time(), level=level, residual_bytes=residual,
+                      canary=str(c["canary"]))
+    rec.container = {**c, "parked": True}
+    await w.persist(required=False)  # one document: the window lets go of it, parked takes it
+    log.info("engine_parked", container=record.get("name"), level=level, residual=format_size(residual),
+             free=format_size(reading.free_bytes), resident_needs=format_size(need))
+    return True
+
+
+async def remove(w: Window, why: str) -> bool:
+    """Remove the parked engine (the resident is left alone); False if Docker would not."""
+    parked = w.parked
+    if parked is None:
+        return True
+    try:
+        await w.engine.take_down(parked.container)
+    except GpuswapError as err:
+        log.error("parked_engine_not_removed", reason=why, error=err.message)
+        return False
+    if w.parked is parked:
+        w.parked = None
+        await w.persist(required=False)
+    log.info("parked_engine_removed", container=parked.container.get("name"), reason=why)
+    return True
+
+
+def watch(w: Window) -> None:
+    """Watch the parked engine while no window is open (replacing any earlier watch)."""
+    if w.parked is not None and (w.park_watch is None or w.park_watch.done()):
+        w.park_watch = spawn(_watch(w), "park-watch")
+
+
+async def stop_watching(w: Window) -> None:
+    """Stop watching the parked engine (a window is about to use it or gpuswapd stops)."""
+    task, w.park_watch = w.park_watch, None
+    if task is not None and task is not asyncio.current_task():
+        await reap(task)
+
+
+async def _watch(w: Window) -> None:
+    keep = w.config.window.park.keep
+    interval = w.config.window.watch_interval
+    failures = 0
+    while w.parked is not None and not w.stopping.is_set():
+        parked = w.parked
+        left = parked.since + keep - time.time()
+        why: str | None
+        if left <= 0:
+            why = f"unused for window.park.keep = {keep:g}s"
+        else:
+            if await sleep_unless(w.stopping, min(interval, left)) or w.parked is not parked:
+                continue
+            why = await w.engine.why_not_parked(parked.container)
+            if why is not None:
+                why = f"the parked engine failed: {why}"
+        if why is None:
+            failures = 0
+            continue
+        if not await remove(w, why):
+            failures += 1
+            await sleep_unless(w.stopping, min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
+
+
+async def check_at_start(w: Window) -> None:
+    """Keep a parked engine an earlier gpuswapd left only if it still sleeps and matches; else remove it."""
+    parked = w.parked
+    if parked is None:
+        return
+    why = await w.engine.why_not_parked(parked.container)
+    if why is None and time.time() >= parked.since + w.config.window.park.keep:
+        why = f"unused for window.park.keep = {w.config.window.park.keep:g}s"
+    if why is None:
+        log.info("parked_engine_adopted", container=parked.container.get("name"), since=parked.since)
+        watch(w)
+        return
+    log.warning("parked_engine_dropped", reason=why)
+    if not await remove(w, why):
+        watch(w)  # keep trying
