@@ -236,30 +236,177 @@ def test_oom_at_boot(kit: Any, gpusim: Path, engine: Any) -> None:
     os.close(fd)
 
 
+SLEEPY = {
+    "ENGINE_SLEEP_RESIDUAL_1": "1GiB",
+    "ENGINE_SLEEP_RESIDUAL_2": "0.5GiB",
+    "ENGINE_SLEEP_DELAY": "0.05",
+    "ENGINE_WAKE_DELAY_1": "0.1",
+    "ENGINE_WAKE_DELAY_2": "0.2",
+}
+CANARY = {"temperature": 0, "seed": 1234, "max_tokens": 12}
+
+
+def state(kit: Any, port: int) -> Any:
+    """The engine's ``/sim/state``."""
+    return json.loads(kit.request(port, "GET", "/sim/state")[2])
+
+
+def asleep(kit: Any, port: int) -> bool:
+    """What ``/is_sleeping`` says."""
+    status, _, raw = kit.request(port, "GET", "/is_sleeping")
+    assert status == 200
+    return bool(json.loads(raw)["is_sleeping"])
+
+
+def engine_entry(kit: Any, gpusim: Path) -> tuple[str, int | None, int]:
+    """(name, pid, bytes) of the engine's ledger entry (the only one)."""
+    [entry] = [h for h in kit.ledger.snapshot(gpusim)["holders"] if h["name"] == "hyperqwen"]
+    return entry["name"], entry["pid"], entry["bytes"]
+
+
+def text(kit: Any, port: int, **body: Any) -> str:
+    """The raw text of a non-streamed completion: reasoning, then content."""
+    status, reply = chat(kit, port, **body)
+    assert status == 200, reply
+    message = reply["choices"][0]["message"]
+    return f"{message['reasoning'] or ''}|{message['content'] or ''}"
+
+
+def timed(kit: Any, port: int, path: str) -> tuple[int, float]:
+    """POST ``path``; return the status and how long it took."""
+    start = time.monotonic()
+    status = kit.request(port, "POST", path)[0]
+    return status, time.monotonic() - start
+
+
 def test_sleep_and_wake(kit: Any, gpusim: Path, engine: Any) -> None:
-    """Sleep frees the VRAM at once; wake claims it again or fails with OOM."""
+    """Asleep, the engine holds its level's residual (same holder, same PID); awake, all of it."""
+    proc, port = engine(**SLEEPY)
+    assert engine_entry(kit, gpusim) == ("hyperqwen", proc.pid, int(19.5 * GiB))
+    for bad in ("3", "0", "deep"):
+        status, _, raw = kit.request(port, "POST", f"/sleep?level={bad}")
+        error = json.loads(raw)["error"]
+        assert (status, error["code"], error["param"]) == (400, 400, "level")
+    assert asleep(kit, port) is False
+    for level, residual, wake_delay in ((1, GiB, 0.1), (2, GiB // 2, 0.2)):
+        status, took = timed(kit, port, f"/sleep?level={level}")
+        assert status == 200 and took >= 0.05
+        assert asleep(kit, port) is True
+        assert engine_entry(kit, gpusim) == ("hyperqwen", proc.pid, residual)
+        assert kit.ledger.snapshot(gpusim)["free_bytes"] == 24 * GiB - residual  # at once, no lag
+        # Asleep already: nothing changes, not even the level.
+        assert kit.request(port, "POST", "/sleep?level=1")[0] == 200
+        assert engine_entry(kit, gpusim)[2] == residual
+        assert state(kit, port)["sleep_level"] == level
+        status, took = timed(kit, port, "/wake_up")
+        assert status == 200 and took >= wake_delay
+        assert asleep(kit, port) is False
+        assert engine_entry(kit, gpusim) == ("hyperqwen", proc.pid, int(19.5 * GiB))
+        assert chat(kit, port)[0] == 200
+    # Awake already: nothing changes.
+    status, took = timed(kit, port, "/wake_up")
+    assert status == 200 and took < 0.1
+    got = state(kit, port)
+    assert (got["sleep_level"], got["wakes"], got["garbled"]) == (None, 2, False)
+    assert got["dead"] is False
+    assert kit.ledger.ooms(gpusim) == []
+
+
+def test_wake_without_room_fails_and_stays_asleep(kit: Any, gpusim: Path, engine: Any) -> None:
+    """Someone took the room meanwhile: waking fails like CUDA OOM, the engine stays asleep."""
     led = kit.ledger
-    proc, port = engine()
+    proc, port = engine(**SLEEPY)
     assert kit.request(port, "POST", "/sleep?level=1")[0] == 200
-    assert json.loads(kit.request(port, "GET", "/is_sleeping")[2]) == {"is_sleeping": True}
-    assert led.snapshot(gpusim)["free_bytes"] == 24 * GiB  # freed at once, no lag
-    assert chat(kit, port)[0] == 503
-    # Someone took the room meanwhile: waking fails like CUDA, the engine stays asleep.
-    fd = led.claim(gpusim, "strata", 10 * GiB)
+    fd = led.claim(gpusim, "strata", 10 * GiB)  # 13 GiB left; waking needs 18.5 more
     status, _, raw = kit.request(port, "POST", "/wake_up")
-    assert status == 500 and "out of memory" in json.loads(raw)["error"]["message"]
-    assert json.loads(kit.request(port, "GET", "/is_sleeping")[2])["is_sleeping"] is True
+    error = json.loads(raw)["error"]
+    assert status == 500 and "out of memory" in error["message"]
+    assert error["type"] == "InternalServerError"
+    assert asleep(kit, port) is True
+    assert engine_entry(kit, gpusim) == ("hyperqwen", proc.pid, GiB)
+    [oom] = led.ooms(gpusim)
+    assert (oom["name"], oom["wanted_bytes"]) == ("hyperqwen", int(18.5 * GiB))
+    assert kit.request(port, "GET", "/health")[0] == 200  # still alive, just asleep
     led.release(gpusim, "strata", fd)
     assert kit.request(port, "POST", "/wake_up")[0] == 200
-    [entry] = led.snapshot(gpusim)["holders"]
-    assert (entry["name"], entry["pid"]) == ("hyperqwen", proc.pid)
+    assert engine_entry(kit, gpusim) == ("hyperqwen", proc.pid, int(19.5 * GiB))
     assert chat(kit, port)[0] == 200
+    assert state(kit, port)["wakes"] == 1
+
+
+def test_completion_while_asleep_kills_the_engine(kit: Any, gpusim: Path, engine: Any) -> None:
+    """The other endpoints answer while asleep; a completion gets 500 and the engine dies."""
+    proc, port = engine(**SLEEPY, ENGINE_DEATH_EXIT_DELAY="0.3")
+    assert kit.request(port, "POST", "/sleep?level=2")[0] == 200
+    for path in ("/health", "/v1/models", "/version", "/metrics", "/is_sleeping", "/sim/state"):
+        assert kit.request(port, "GET", path)[0] == 200, path
+    status, body = chat(kit, port, stream=True)
+    assert status == 500 and body["error"]["type"] == "InternalServerError"
+    assert body["error"]["message"].startswith("EngineDeadError")
+    assert "asleep" in body["error"]["message"]
+    assert kit.request(port, "GET", "/health")[0] == 503
+    assert kit.request(port, "POST", "/wake_up")[0] == 500
+    assert proc.wait(timeout=5) == 1
+    assert kit.ledger.snapshot(gpusim)["holders"][0]["dead_at"] is not None
+
+
+def test_same_request_same_text(kit: Any, engine: Any) -> None:
+    """Completions are deterministic: the same request gets the same text, streamed or not."""
+    _, port = engine()
+    first = text(kit, port, **CANARY)
+    assert text(kit, port, **CANARY) == first
+    status, events = chat(kit, port, stream=True, **CANARY)
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    streamed = "".join(d.get("reasoning", "") for d in deltas)
+    streamed += "|" + "".join(d.get("content", "") for d in deltas)
+    assert status == 200 and streamed == first
+    other = [{"role": "user", "content": "something else"}]
+    assert text(kit, port, **CANARY, messages=other) != first
+
+
+def test_garbled_wakes(kit: Any, gpusim: Path, engine: Any) -> None:
+    """Each of the next N wakes counts the fault down and garbles the text; a clean one heals."""
+    fault = gpusim / "engine-fault.json"
+    _, port = engine(**{**SLEEPY, "ENGINE_WAKE_DELAY_2": "0.1"})
+    clean = text(kit, port, **CANARY)
+    fault.write_text(json.dumps({"failing_boots": 0, "garbled_wakes": 2}))
+    garbled = []
+    for left, level in ((1, 2), (0, 1)):
+        assert kit.request(port, "POST", f"/sleep?level={level}")[0] == 200
+        assert kit.request(port, "POST", "/wake_up")[0] == 200
+        assert json.loads(fault.read_text()) == {"failing_boots": 0, "garbled_wakes": left}
+        got = text(kit, port, **CANARY)
+        assert got != clean and len(got.split()) == len(clean.split())
+        assert text(kit, port, **CANARY) == got  # still deterministic
+        garbled.append(got)
+        assert state(kit, port)["garbled"] is True
+    status, body = chat(kit, port, **CANARY)
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    # Garbled the whole way: every word differs, even a one-token reply.
+    assert text(kit, port, **{**CANARY, "max_tokens": 1}).split("|")[0] != "Let"
+    # The next wake is clean: the original text is back.
+    assert kit.request(port, "POST", "/sleep?level=1")[0] == 200
+    assert kit.request(port, "POST", "/wake_up")[0] == 200
+    assert text(kit, port, **CANARY) == clean
+    got = state(kit, port)
+    assert (got["garbled"], got["wakes"], got["garbled_wakes"]) == (False, 3, 0)
+
+
+def test_residual_over_vram_refused_at_start(kit: Any, gpusim: Path, engine: Any) -> None:
+    """A sleep residual larger than ENGINE_VRAM is a configuration error: exit 1, no claim."""
+    proc, port = engine(wait=False, ENGINE_VRAM="2GiB", ENGINE_SLEEP_RESIDUAL_2="3GiB")
+    assert proc.wait(timeout=5) == 1
+    assert not kit.port_open(port)
+    assert "ENGINE_SLEEP_RESIDUAL_2" in proc.log.read_text()
+    assert kit.ledger.snapshot(gpusim)["holders"] == []
+    assert not (gpusim / "engine-boots").exists()
 
 
 def test_sleep_needs_dev_mode(kit: Any, engine: Any) -> None:
     """Sleep endpoints exist only with VLLM_SERVER_DEV_MODE=1, as in vLLM."""
     _, port = engine(VLLM_SERVER_DEV_MODE="")
     assert kit.request(port, "POST", "/sleep?level=1")[0] == 404
+    assert kit.request(port, "POST", "/wake_up")[0] == 404
     assert kit.request(port, "GET", "/is_sleeping")[0] == 404
 
 

@@ -108,6 +108,49 @@ def test_release_frees_at_once(kit: Any, gpusim: Path) -> None:
         os.fstat(fd)
 
 
+def test_resize_shrinks_at_once_grows_only_into_room(kit: Any, gpusim: Path) -> None:
+    """resize() keeps the holder and its PID; shrinking frees at once; growing may OOM."""
+    led = kit.ledger
+    fmt = "--format=csv,noheader,nounits"
+    fd = led.claim(gpusim, "hyperqwen", 19 * GiB)
+    led.resize(gpusim, "hyperqwen", fd, 1 * GiB)  # sleep mode: no release lag
+    snap = led.snapshot(gpusim)
+    assert (snap["used_bytes"], snap["free_bytes"]) == (1 * GiB, 23 * GiB)
+    assert snap["holders"] == [
+        {"name": "hyperqwen", "pid": os.getpid(), "bytes": 1 * GiB, "dead_at": None}
+    ]
+    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (
+        0,
+        f"{os.getpid()}, 1024\n",
+    )
+    other = led.claim(gpusim, "strata", 10 * GiB)
+    with pytest.raises(led.OutOfMemory) as err:
+        led.resize(gpusim, "hyperqwen", fd, 19 * GiB)
+    assert "tried to allocate 18.00 GiB; 13.00 GiB free" in str(err.value)
+    assert holder(kit, gpusim, "hyperqwen")["bytes"] == 1 * GiB  # unchanged
+    assert led.ooms(gpusim)[-1]["wanted_bytes"] == 18 * GiB
+    # Only the claim's own fd can resize it.
+    with pytest.raises(led.LedgerError):
+        led.resize(gpusim, "hyperqwen", other, 0)
+    with pytest.raises(led.LedgerError):
+        led.resize(gpusim, "nobody", fd, 0)
+    led.release(gpusim, "strata", other)
+    led.resize(gpusim, "hyperqwen", fd, 19 * GiB)
+    assert holder(kit, gpusim, "hyperqwen") == {
+        "name": "hyperqwen",
+        "pid": os.getpid(),
+        "bytes": 19 * GiB,
+        "dead_at": None,
+    }
+    os.close(fd)
+    # A dead claim cannot be resized: its memory lags as usual.
+    again = os.open(gpusim / "holders" / "hyperqwen.lock", os.O_RDONLY)
+    with pytest.raises(led.LedgerError):
+        led.resize(gpusim, "hyperqwen", again, 0)
+    os.close(again)
+    assert led.snapshot(gpusim)["used_bytes"] == 19 * GiB
+
+
 def test_gpu_hold_execs_and_the_claim_follows(kit: Any, gpusim: Path, procs: Any) -> None:
     """gpu_hold.py execs the command, which keeps the claim and the PID."""
     proc = procs.start(

@@ -19,17 +19,41 @@ Configuration (environment)::
     ENGINE_DEATH_EXIT_DELAY=5           after engine death the process exits 1 this much later,
     VLLM_KEEP_ALIVE_ON_ENGINE_DEATH     ... unless this is set (then it stays up, dead)
     ENGINE_DEAD_AFTER=0.5               a doomed boot serves this long, then dies
-    ENGINE_FAULT_FILE=$GPUSIM_DIR/engine-fault.json   {"failing_boots": N}
-    VLLM_SERVER_DEV_MODE=1              enables /sleep, /wake_up, /is_sleeping (as in vLLM)
+    ENGINE_FAULT_FILE=$GPUSIM_DIR/engine-fault.json
+                                        {"failing_boots": N, "garbled_wakes": M} (both optional)
+    VLLM_SERVER_DEV_MODE=1              enables /sleep, /wake_up, /is_sleeping (as in vLLM);
+                                        without it the engine has no sleep mode (404)
+    ENGINE_SLEEP_RESIDUAL_1=1GiB        VRAM still held asleep at level 1 (CUDA context, pools)
+    ENGINE_SLEEP_RESIDUAL_2=0.5GiB      ... at level 2; a residual over ENGINE_VRAM: exit 1 at start
+    ENGINE_SLEEP_DELAY=0.1              seconds /sleep takes (offloading)
+    ENGINE_WAKE_DELAY_1=0.3             seconds /wake_up takes after level 1 (weights from RAM)
+    ENGINE_WAKE_DELAY_2=1.0             ... after level 2 (weights reloaded)
 
 A token is a whitespace-separated word: the text of a reply has exactly ``completion_tokens``
-words (reasoning + answer); ``max_tokens`` is spent on reasoning first.
+words (reasoning + answer); ``max_tokens`` is spent on reasoning first. The text depends only on
+the request (and on whether the engine is garbled, below): the same request gets the same text.
 
 Endpoints: ``GET /health`` (200, 503 once dead), ``GET /v1/models``, ``GET /metrics``,
 ``GET /version``, ``POST /v1/chat/completions`` (stream or not), sleep mode, and for tests
 ``POST /sim/die`` ``{"failing_boots": N}`` (die now; the next N boots die too: a boot counts
 down the fault file, serves ENGINE_DEAD_AFTER seconds, then dies) and ``GET /sim/state``.
 Every start adds one to ``$GPUSIM_DIR/engine-boots``. SIGTERM: exit 0 at once.
+
+Sleep mode, as in vLLM: ``POST /sleep?level=1|2`` answers 200 once asleep (after
+ENGINE_SLEEP_DELAY); level 1 offloads the weights to host RAM and drops the KV cache, level 2
+drops the weights too. Asleep, the engine's ledger entry shrinks from ENGINE_VRAM to the level's
+residual (same holder, same PID; the rest is free at once). ``GET /is_sleeping`` says
+``{"is_sleeping": bool}``. ``POST /wake_up`` grows the entry back first (no room: 500 with a CUDA
+out-of-memory error, still asleep), then answers 200 once awake (ENGINE_WAKE_DELAY_1 or _2).
+Sleeping when asleep or waking when awake: 200, nothing changes; a level other than 1 or 2: 400.
+A completion that reaches a sleeping engine (also one in flight when it falls asleep) crashes
+it: 500, and the engine dies as by ``POST /sim/die``. ``/health``, ``/v1/models``, ``/version``,
+``/metrics`` and ``/is_sleeping`` keep answering while asleep.
+
+Fault ``"garbled_wakes": M`` in the fault file: each of the next M wakes (any level) counts M
+down and leaves the engine garbled: every completion's words are replaced by fixed junk (still
+200, as many tokens, still deterministic) until the next clean wake or cold boot.
+``POST /sim/die`` sets ``failing_boots`` and keeps the other keys.
 """
 
 from __future__ import annotations
@@ -56,6 +80,9 @@ except ImportError:
 
 REASONING_WORDS = ["Let", "me", "think", "about", "this", "request", "carefully", "first."]
 FILLER_WORDS = ["This", "is", "a", "simulated", "answer", "from", "the", "test", "engine."]
+# What a garbled engine says instead: the kind of junk broken weights produce.
+GARBLED_WORDS = ["!!!!", "ĠĠĠ", "<|endoftext|>", "的的的", "ilerilerile", "%%%%", "\ufffd\ufffd"]
+SLEEP_LEVELS = (1, 2)
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -81,6 +108,11 @@ class Config:
     dead_after: float
     fault_file: Path
     dev_mode: bool
+    sleep_residual_1: int
+    sleep_residual_2: int
+    sleep_delay: float
+    wake_delay_1: float
+    wake_delay_2: float
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -105,7 +137,29 @@ class Config:
             dead_after=float(env.get("ENGINE_DEAD_AFTER", "0.5")),
             fault_file=Path(env.get("ENGINE_FAULT_FILE", str(gpusim_dir / "engine-fault.json"))),
             dev_mode=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            sleep_residual_1=ledger.parse_size(env.get("ENGINE_SLEEP_RESIDUAL_1", "1GiB")),
+            sleep_residual_2=ledger.parse_size(env.get("ENGINE_SLEEP_RESIDUAL_2", "0.5GiB")),
+            sleep_delay=float(env.get("ENGINE_SLEEP_DELAY", "0.1")),
+            wake_delay_1=float(env.get("ENGINE_WAKE_DELAY_1", "0.3")),
+            wake_delay_2=float(env.get("ENGINE_WAKE_DELAY_2", "1.0")),
         )
+
+    def validate(self) -> None:
+        """Raise ValueError for settings no engine could run with."""
+        for level in SLEEP_LEVELS:
+            if self.residual(level) > self.vram:
+                raise ValueError(
+                    f"ENGINE_SLEEP_RESIDUAL_{level}={self.residual(level)} bytes is more than "
+                    f"ENGINE_VRAM={self.vram} bytes"
+                )
+
+    def residual(self, level: int) -> int:
+        """Bytes still held asleep at ``level``."""
+        return self.sleep_residual_1 if level == 1 else self.sleep_residual_2
+
+    def wake_delay(self, level: int) -> float:
+        """Seconds a wake from ``level`` takes."""
+        return self.wake_delay_1 if level == 1 else self.wake_delay_2
 
 
 class ApiError(Exception):
@@ -139,12 +193,37 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def read_faults(path: Path) -> dict[str, int]:
+    """The counters of the fault file (empty when there is none or it is not a JSON object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    faults = {}
+    for key, value in data.items() if isinstance(data, dict) else ():
+        try:
+            faults[key] = max(0, int(value))
+        except (TypeError, ValueError):
+            continue
+    return faults
+
+
 def read_failing_boots(path: Path) -> int:
     """Failing boots left in the fault file (0 when there is none)."""
-    try:
-        return max(0, int(json.loads(path.read_text(encoding="utf-8")).get("failing_boots", 0)))
-    except (OSError, ValueError, AttributeError):
-        return 0
+    return read_faults(path).get("failing_boots", 0)
+
+
+def set_fault(path: Path, key: str, count: int) -> None:
+    """Set one counter of the fault file (atomically), keeping the others."""
+    write_atomic(path, json.dumps({**read_faults(path), key: max(0, count)}) + "\n")
+
+
+def take_fault(path: Path, key: str) -> bool:
+    """Count one down from the fault file's ``key``; return whether there was one to take."""
+    left = read_faults(path).get(key, 0)
+    if left > 0:
+        set_fault(path, key, left - 1)
+    return left > 0
 
 
 def read_boots(directory: Path) -> int:
@@ -164,7 +243,11 @@ class Engine:
         self.fd: int | None = None
         self.boot = 0
         self.dead: str | None = None
-        self.sleeping = False
+        # Sleep and wake take time: one at a time.
+        self.mode_lock = threading.Lock()
+        self.sleep_level: int | None = None
+        self.wakes = 0
+        self.garbled = False
         self.running = 0
         self.served = 0
         self.prompt_tokens_total = 0
@@ -194,11 +277,9 @@ class Engine:
                 flush=True,
             )
             sys.exit(1)
-        left = read_failing_boots(cfg.fault_file)
-        if left > 0:
-            write_atomic(cfg.fault_file, json.dumps({"failing_boots": left - 1}) + "\n")
+        doomed = take_fault(cfg.fault_file, "failing_boots")
         time.sleep(cfg.boot_delay)
-        return left > 0
+        return doomed
 
     def die(self, reason: str) -> None:
         """Kill the engine: requests fail from now on; the process exits unless kept alive."""
@@ -217,14 +298,25 @@ class Engine:
         log("ERROR [api_server.py] AsyncLLM has failed, terminating server process")
         os._exit(1)
 
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine is asleep (at either level)."""
+        return self.sleep_level is not None
+
     def check_alive(self) -> None:
-        """Raise the error a request gets from a dead or sleeping engine."""
+        """Raise the error a request gets from a dead engine."""
         if self.dead is not None:
             raise ApiError(500, self.dead, "InternalServerError")
-        if self.sleeping:
-            raise ApiError(
-                503, "The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError"
+
+    def check_awake(self) -> None:
+        """Fail a request that reaches the engine; one that finds it asleep crashes it first."""
+        level = self.sleep_level
+        if level is not None and self.dead is None:
+            self.die(
+                f"request while asleep (sleep level {level}): "
+                "CUDA error: an illegal memory access was encountered"
             )
+        self.check_alive()
 
     def wait_warm(self) -> None:
         """Delay requests that come while the kernels are still "compiling"."""
@@ -235,24 +327,70 @@ class Engine:
         if remaining > 0:
             time.sleep(remaining)
 
-    def sleep(self) -> None:
-        """Sleep mode: give the VRAM back at once (the process stays alive)."""
-        with self.lock:
-            if not self.sleeping and self.fd is not None:
-                ledger.release(self.cfg.gpusim_dir, self.cfg.name, self.fd)
-                self.fd = None
-            self.sleeping = True
+    def _resize(self, nbytes: int) -> None:
+        """Resize the engine's ledger claim (same holder, same PID)."""
+        if self.fd is None:
+            raise ledger.LedgerError(f"{self.cfg.name}: no claim")
+        ledger.resize(self.cfg.gpusim_dir, self.cfg.name, self.fd, nbytes)
 
-    def wake(self) -> None:
-        """Leave sleep mode: claim the VRAM again (fails like CUDA when there is no room)."""
-        with self.lock:
-            if not self.sleeping:
+    def sleep(self, level: int) -> None:
+        """Fall asleep: offload (ENGINE_SLEEP_DELAY), then shrink the claim to the residual."""
+        cfg = self.cfg
+        with self.mode_lock:
+            self.check_alive()
+            if self.sleep_level is not None:
+                log(
+                    f"INFO [api_server.py] sleep level {level}: asleep already "
+                    f"(level {self.sleep_level})"
+                )
                 return
+            what = "weights offloaded to CPU" if level == 1 else "weights discarded"
+            log(f"INFO [api_server.py] sleep level {level}: {what}, KV cache discarded")
+            start = time.monotonic()
+            time.sleep(cfg.sleep_delay)
+            residual = cfg.residual(level)
             try:
-                self.fd = ledger.claim(self.cfg.gpusim_dir, self.cfg.name, self.cfg.vram)
+                self._resize(residual)
             except ledger.LedgerError as e:
                 raise ApiError(500, str(e), "InternalServerError") from None
-            self.sleeping = False
+            self.sleep_level = level
+        freed = cfg.vram - residual
+        log(
+            f"INFO [gpu_worker.py] Sleep mode freed {ledger.gib(freed)} ({freed} bytes) memory, "
+            f"{ledger.gib(residual)} ({residual} bytes) memory is still in use."
+        )
+        log(
+            f"INFO [executor_base.py] It took {time.monotonic() - start:.2f} seconds "
+            f"to fall asleep (level {level})."
+        )
+
+    def wake(self) -> None:
+        """Wake up: grow the claim back (CUDA OOM when there is no room: still asleep), reload."""
+        cfg = self.cfg
+        with self.mode_lock:
+            self.check_alive()
+            level = self.sleep_level
+            if level is None:
+                log("INFO [api_server.py] wake up: awake already")
+                return
+            start = time.monotonic()
+            try:
+                self._resize(cfg.vram)
+            except ledger.LedgerError as e:
+                log(f"ERROR [gpu_worker.py] wake up from sleep level {level} failed: {e}")
+                raise ApiError(500, str(e), "InternalServerError") from None
+            time.sleep(cfg.wake_delay(level))
+            garbled = take_fault(cfg.fault_file, "garbled_wakes")
+            with self.lock:
+                self.sleep_level, self.garbled = None, garbled
+                self.wakes += 1
+        log(
+            f"INFO [executor_base.py] It took {time.monotonic() - start:.2f} seconds "
+            f"to wake up from sleep level {level} ({cfg.vram - cfg.residual(level)} bytes back)."
+        )
+        if garbled:
+            # vLLM says nothing here: only the answers tell. This line is for whoever reads logs.
+            log("SIM garbled wake (fault file): completions are junk until a clean wake")
 
     def state(self) -> dict[str, Any]:
         """The counters for ``GET /sim/state``."""
@@ -262,7 +400,11 @@ class Engine:
             "boots": read_boots(self.cfg.gpusim_dir),
             "dead": self.dead is not None,
             "failing_boots": read_failing_boots(self.cfg.fault_file),
+            "garbled_wakes": read_faults(self.cfg.fault_file).get("garbled_wakes", 0),
             "sleeping": self.sleeping,
+            "sleep_level": self.sleep_level,
+            "wakes": self.wakes,
+            "garbled": self.garbled,
             "running": self.running,
             "requests_served": self.served,
         }
@@ -297,7 +439,16 @@ def words(seed: list[str], filler: list[str], n: int) -> list[str]:
     return out[:n]
 
 
-def plan_completion(body: Any, cfg: Config) -> Plan:
+def garble(toks: list[str]) -> list[str]:
+    """Fixed junk in place of every word, never the word itself (as many tokens)."""
+    out = []
+    for i, word in enumerate(toks):
+        junk = GARBLED_WORDS[i % len(GARBLED_WORDS)]
+        out.append(junk if junk != word else GARBLED_WORDS[(i + 1) % len(GARBLED_WORDS)])
+    return out
+
+
+def plan_completion(body: Any, cfg: Config, garbled: bool = False) -> Plan:
     """Validate a chat completion request and decide its output (deterministic)."""
     if not isinstance(body, dict):
         raise ApiError(400, "Input should be a valid dictionary", "BadRequestError")
@@ -347,6 +498,8 @@ def plan_completion(body: Any, cfg: Config) -> Plan:
     kept_reasoning = reasoning[:budget]
     kept_answer = answer[: budget - len(kept_reasoning)]
     cut = len(kept_reasoning) + len(kept_answer) < len(reasoning) + len(answer)
+    if garbled:
+        kept_reasoning, kept_answer = garble(kept_reasoning), garble(kept_answer)
     return Plan(
         prompt_tokens=sum(len(p.split()) for p in prompt),
         reasoning=kept_reasoning,
@@ -364,6 +517,14 @@ def chunks(plan: Plan, per_chunk: int) -> list[tuple[str, str]]:
         for i in range(0, len(toks), per_chunk):
             out.append((phase, (" " if i else "") + " ".join(toks[i : i + per_chunk])))
     return out
+
+
+def sleep_level(query: str) -> int:
+    """The ``level`` of a ``/sleep`` query (default 1, as in vLLM); 400 unless 1 or 2."""
+    text = parse_qs(query).get("level", ["1"])[0]
+    if text not in {str(level) for level in SLEEP_LEVELS}:
+        raise ApiError(400, f"level must be 1 or 2, not {text!r}", "BadRequestError", "level")
+    return int(text)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -450,11 +611,7 @@ class Handler(BaseHTTPRequestHandler):
             if url.path == "/v1/chat/completions":
                 self._chat(raw)
             elif url.path == "/sleep" and cfg.dev_mode:
-                if engine.dead is not None:
-                    raise ApiError(500, engine.dead, "InternalServerError")
-                level = parse_qs(url.query).get("level", ["1"])[0]
-                log(f"INFO [api_server.py] sleep level {level}")
-                engine.sleep()
+                engine.sleep(sleep_level(url.query))
                 self._send(200, b"", "application/json")
             elif url.path == "/wake_up" and cfg.dev_mode:
                 engine.wake()
@@ -473,9 +630,7 @@ class Handler(BaseHTTPRequestHandler):
             failing = int(body.get("failing_boots", 0))
         except (ValueError, AttributeError, TypeError):
             raise ApiError(400, 'expected {"failing_boots": N}', "BadRequestError") from None
-        write_atomic(
-            self.server.engine.cfg.fault_file, json.dumps({"failing_boots": max(0, failing)}) + "\n"
-        )
+        set_fault(self.server.engine.cfg.fault_file, "failing_boots", failing)
         self.server.engine.die("simulated engine death (POST /sim/die)")
         self._json(200, {"dead": True, "failing_boots": max(0, failing)})
 
@@ -525,7 +680,8 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as e:
             raise ApiError(400, f"JSON decode error: {e}", "BadRequestError") from None
         engine.check_alive()
-        plan = plan_completion(body, engine.cfg)
+        plan = plan_completion(body, engine.cfg, engine.garbled)
+        engine.check_awake()
         with engine.lock:
             engine.running += 1
         try:
@@ -557,7 +713,7 @@ class Handler(BaseHTTPRequestHandler):
         engine, cfg = self.server.engine, self.server.engine.cfg
         for _ in chunks(plan, cfg.tokens_per_chunk):
             time.sleep(cfg.chunk_delay)
-            engine.check_alive()
+            engine.check_awake()
         message = {
             "role": "assistant",
             # A thinking model cut off while reasoning has no content at all.
@@ -610,9 +766,10 @@ class Handler(BaseHTTPRequestHandler):
             self._event({**base, "choices": [first], **extra})
             for i, (phase, text) in enumerate(pieces or [("content", "")]):
                 time.sleep(cfg.chunk_delay)
-                if engine.dead is not None:
-                    err = {"message": engine.dead, "type": "InternalServerError", "code": 500}
-                    self._event({"error": err})
+                try:
+                    engine.check_awake()
+                except ApiError as e:
+                    self._event({"error": {"message": e.message, "type": e.kind, "code": e.status}})
                     break
                 field = cfg.reasoning_field if phase == "reasoning" else "content"
                 last = i == max(len(pieces), 1) - 1
@@ -655,7 +812,12 @@ def main() -> int:
     # As PID 1 in a container, the default action of SIGTERM would be to ignore it.
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    cfg = Config.from_env(os.environ)
+    try:
+        cfg = Config.from_env(os.environ)
+        cfg.validate()
+    except ValueError as e:
+        log(f"ERROR [arg_utils.py] invalid engine configuration: {e}")
+        return 1
     engine = Engine(cfg)
     doomed = engine.start()
     try:

@@ -14,8 +14,9 @@ bind-mounts the directory), but not across ``exec`` (the fd is inheritable), whi
 A dead holder's memory stays used for ``release_lag_s`` after it is first *seen* dead (every
 read reaps), like VRAM that the driver releases some time after the process exits. That lagging
 memory also counts against new claims: restarting a big user too soon fails with out of memory,
-as on a real GPU. ``release()`` (a live process freeing its memory, e.g. vLLM sleep mode) frees
-at once.
+as on a real GPU. ``release()`` (a live process freeing its memory) frees at once, and so does
+a shrinking ``resize()``; a growing one takes memory only if it is free (vLLM's sleep mode shrinks
+its claim to a residual and grows it back on wake, keeping the same lock, so the same PID).
 
 PIDs come from ``/proc/locks``: the kernel names the process that called flock(2), translated
 into the reader's PID namespace (0 when not visible there). That PID survives ``exec``; a child
@@ -236,16 +237,52 @@ def release(directory: str | Path, name: str, fd: int) -> None:
     """Free a live claim at once (a live process freeing its memory) and close its fd."""
     directory = Path(directory)
     with _locked(directory) as state:
-        holder = state["holders"].get(name)
-        if holder is not None and holder["dead_at"] is None:
-            mine = os.fstat(fd)
-            try:
-                theirs = os.stat(directory / holder["lock"])
-            except FileNotFoundError:
-                theirs = None
-            if theirs is not None and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
-                del state["holders"][name]
+        if _own_entry(directory, state, name, fd) is not None:
+            del state["holders"][name]
     os.close(fd)
+
+
+def _own_entry(directory: Path, state: dict[str, Any], name: str, fd: int) -> dict[str, Any] | None:
+    """The live entry of ``name`` if ``fd`` is the open file of its lock (None otherwise)."""
+    holder: dict[str, Any] | None = state["holders"].get(name)
+    if holder is None or holder["dead_at"] is not None:
+        return None
+    mine = os.fstat(fd)
+    try:
+        theirs = os.stat(directory / holder["lock"])
+    except FileNotFoundError:
+        return None
+    return holder if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino) else None
+
+
+def resize(directory: str | Path, name: str, fd: int, nbytes: int) -> None:
+    """Change a live claim to ``nbytes``, keeping its lock (``fd``), so its holder and PID stay.
+
+    Shrinking frees at once (a live process freeing memory, no release lag). Growing takes the
+    difference only if it is free, else raises OutOfMemory (recorded like a failed claim) and
+    leaves the claim as it was.
+    """
+    if nbytes < 0:
+        raise LedgerError("cannot resize to a negative size")
+    directory = Path(directory)
+    oom: OutOfMemory | None = None
+    with _locked(directory) as state:
+        now = time.time()
+        _reap(directory, state, now)
+        holder = _own_entry(directory, state, name, fd)
+        if holder is None:
+            raise LedgerError(f"{name}: no live claim held through fd {fd}")
+        more = nbytes - int(holder["bytes"])
+        free = state["total_bytes"] - _used(state)
+        if more > free:
+            oom = OutOfMemory(name, more, free, state["total_bytes"])
+            state["ooms"].append(
+                {"name": name, "wanted_bytes": more, "free_bytes": free, "at": now}
+            )
+        else:
+            holder["bytes"] = nbytes
+    if oom is not None:
+        raise oom
 
 
 def _flock_entries() -> list[tuple[int, int, int]]:
