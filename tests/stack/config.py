@@ -52,7 +52,7 @@ def stack_config(stack: Stack, name: str = "gpuswapd", **sections: dict[str, Any
                           "prompt": "Reply with the single word: ready", "max_tokens": 64, "timeout": "30s"},
     }
     for section, overrides in sections.items():
-        tables[section.replace("__", ".")].update(overrides)
+        tables.setdefault(section.replace("__", "."), {}).update(overrides)
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items()) + "\n"
                    for name, keys in tables.items())
     path = home / "gpuswapd.toml"

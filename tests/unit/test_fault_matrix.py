@@ -216,7 +216,7 @@ async def park(cell: Cell) -> None:
     w.writer.start()
     await _release(w, await _acquire(w))
     await settle(w)
-    await asyncio.sleep(0.12)  # the parked engine's watch looks at it (every watch_interval)
+    await asyncio.sleep(0.07)  # the parked engine's watch looks at it (every watch_interval)
     await _release(w, await _acquire(w))
 
 

@@ -1,0 +1,218 @@
+"""Parking the engine asleep between windows, on the real world: warm re-opens and every way out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from tests.integration.test_faults import _acquire_in_background, _wait_persisted
+from tests.integration.test_window import assert_resident_back, engine_state
+from tests.stack.config import ENGINE_ENV
+from tests.stack.daemon import RunningDaemon
+from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
+from tests.stack.world import ENGINE_PORT, OTHER_TIMER, Stack
+
+Start = Callable[..., RunningDaemon]
+GiB = 1 << 30
+SLEEPY = {**ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "ENGINE_WAKE_DELAY_1": "0.3", "ENGINE_SLEEP_DELAY": "0.05"}
+
+
+def parking(gpuswapd: Start, env: dict[str, str] | None = None, park: dict[str, Any] | None = None,
+            **sections: dict[str, Any]) -> RunningDaemon:
+    """Start gpuswapd with park mode "sleep" and an engine that offers sleep mode."""
+    return gpuswapd(window__park={"mode": "sleep", **(park or {})},
+                    window__container={"env": {**SLEEPY, **(env or {})}}, **sections)
+
+
+def cycle(daemon: RunningDaemon) -> None:
+    out = daemon.ctl("acquire", "--for", "2m")
+    assert out.returncode == 0, out.stderr
+    assert daemon.ctl("release").returncode == 0
+    daemon.wait_phase("IDLE", timeout=90)
+
+
+def engine_holds(stack: Stack) -> int:
+    """Bytes the engine holds in the VRAM ledger (0 if it holds none)."""
+    return sum(h["bytes"] for h in stack.ledger()["holders"] if h["name"] == "hyperqwen")
+
+
+def assert_resident_back_beside_parked(probe: Probe) -> None:
+    """The resident and every timer are back, and the engine is there, asleep."""
+    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "active")
+    assert probe.states([*AGENT_TIMERS, OTHER_TIMER]) == dict.fromkeys([*AGENT_TIMERS, OTHER_TIMER], "active")
+    assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen", "running")]
+    assert engine_state()["sleeping"] is True
+    assert probe.stack.ooms() == []
+
+
+def is_sleeping() -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ENGINE_PORT}/is_sleeping", timeout=5) as resp:
+        return bool(json.loads(resp.read())["is_sleeping"])
+
+
+def history(daemon: RunningDaemon) -> list[dict[str, Any]]:
+    windows: list[dict[str, Any]] = daemon.ctl_json("history")["windows"]
+    return windows
+
+
+def test_release_parks_the_engine_and_the_next_acquire_wakes_it(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd)
+    cycle(daemon)
+    assert_resident_back_beside_parked(probe)
+    assert is_sleeping()
+    assert engine_holds(probe.stack) == 1 * GiB  # its residual, in the ledger
+    status = daemon.status()
+    assert status["next_open"] == "warm"
+    assert status["parked"]["level"] == 1 and status["parked"]["container"] == "hyperqwen"
+    assert "asleep at level 1" in daemon.ctl("park").stdout
+    assert "next open:     warm" in daemon.ctl("plan").stdout
+    boots = engine_state()["boots"]
+
+    out = daemon.ctl("acquire", "--for", "2m")
+    assert out.returncode == 0, out.stderr
+    assert engine_state()["boots"] == boots  # woken, not booted
+    assert not is_sleeping()
+    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    assert daemon.status()["window"]["start"] == "warm"
+    assert daemon.ctl("release").returncode == 0
+    daemon.wait_phase("IDLE", timeout=90)
+    assert_resident_back_beside_parked(probe)
+    assert [w["start"] for w in history(daemon)[-2:]] == ["cold", "warm"]
+
+
+def test_a_residual_that_leaves_the_resident_short_removes_the_engine(gpuswapd: Start, probe: Probe) -> None:
+    # 24 GiB card, 3 GiB kept asleep: 21 GiB free, the resident needs 22.
+    daemon = parking(gpuswapd, env={"ENGINE_SLEEP_RESIDUAL_1": "3GiB"})
+    cycle(daemon)
+    assert_resident_back(probe)  # no container, no out-of-memory
+    assert daemon.status()["parked"] is None
+    assert "the resident would not fit beside the sleeping engine" in daemon.tail(200)
+
+
+def test_a_canary_mismatch_after_a_wake_boots_the_engine_cold(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd)
+    cycle(daemon)
+    boots = engine_state()["boots"]
+    (probe.stack.paths.gpu / "engine-fault.json").write_text(json.dumps({"garbled_wakes": 1}))
+    out = daemon.ctl("acquire", "--for", "2m")
+    assert out.returncode == 0, out.stderr
+    assert engine_state()["boots"] == boots + 1  # booted cold after the garbled wake
+    window = daemon.status()["window"]
+    assert window["start"] == "cold" and window["restarts"] == 1
+    phases = [t["phase"] for t in window["timings"]]
+    assert phases[-5:] == ["WAKING", "WAITING_VRAM", "BOOTING", "WARMING", "READY"]
+    assert daemon.ctl("release").returncode == 0
+    daemon.wait_phase("IDLE", timeout=90)
+    assert_resident_back_beside_parked(probe)
+
+
+def test_an_engine_without_sleep_mode_is_removed_as_before(gpuswapd: Start, probe: Probe) -> None:
+    daemon = gpuswapd(window__park={"mode": "sleep"})  # the engine runs without VLLM_SERVER_DEV_MODE
+    cycle(daemon)
+    assert_resident_back(probe)
+    assert daemon.status()["parked"] is None
+    assert "--enable-sleep-mode" in daemon.tail(200)
+
+
+def test_sigkill_while_parked_then_restart_adopts_the_parked_engine(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd)
+    cycle(daemon)
+    boots = engine_state()["boots"]
+    daemon.kill()
+    daemon.start()
+    assert daemon.status()["parked"] is not None
+    assert_resident_back_beside_parked(probe)
+    assert daemon.ctl("acquire", "--for", "2m").returncode == 0
+    assert engine_state()["boots"] == boots
+    assert daemon.status()["window"]["start"] == "warm"
+
+
+def test_sigkill_while_waking_then_restart_parks_the_engine_again(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd, daemon={"on_shutdown": "keep"})
+    cycle(daemon)
+    daemon.stop()  # with "keep", the parked engine stays for the next start
+    daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": "WAKING=60"})
+    client = _acquire_in_background(daemon, "--for", "2m")
+    _wait_persisted(daemon, "WAKING")
+    daemon.kill()
+    assert client.wait(10) != 0
+    daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": ""})
+    status = daemon.wait_phase("IDLE", timeout=90)
+    assert status["last"]["outcome"] == "recovered"
+    # The window had taken the engine over: its close put it back to sleep, the resident is back.
+    assert_resident_back_beside_parked(probe)
+    assert status["parked"] is not None
+    assert daemon.ctl("acquire", "--for", "2m").returncode == 0  # and it wakes and passes the canary
+    assert daemon.status()["window"]["start"] == "warm"
+
+
+def test_keep_expiry_removes_the_parked_engine_and_leaves_the_resident_alone(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd, park={"keep": "2s"}, window={"watch_interval": "200ms"})
+    cycle(daemon)
+    resident_since = probe.entered_active_us("strata.service")
+    _until(lambda: probe.containers() == [], 15, daemon)
+    assert daemon.status()["parked"] is None
+    assert probe.entered_active_us("strata.service") == resident_since
+    assert_resident_back(probe)
+
+
+def test_a_parked_engine_that_dies_is_removed_and_the_resident_left_alone(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd, window={"watch_interval": "200ms"})
+    cycle(daemon)
+    resident_since = probe.entered_active_us("strata.service")
+    req = urllib.request.Request(f"http://127.0.0.1:{ENGINE_PORT}/sim/die", data=b"{}", method="POST")
+    urllib.request.urlopen(req, timeout=5).close()
+    _until(lambda: probe.containers() == [], 30, daemon)
+    assert daemon.status()["parked"] is None
+    assert probe.entered_active_us("strata.service") == resident_since
+    assert_resident_back(probe)
+
+
+def test_a_changed_container_spec_removes_the_parked_engine_at_restart(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd)
+    cycle(daemon)
+    daemon.stop()  # on_shutdown = "restore" removes it anyway: keep it for the next start instead
+    assert probe.containers() == []
+    daemon = parking(gpuswapd, daemon={"on_shutdown": "keep"})
+    cycle(daemon)
+    daemon.stop()
+    assert [c["Names"] for c in probe.containers()] == ["hyperqwen"]
+    changed = parking(gpuswapd, env={"ENGINE_MODEL": "hyperqwen", "ENGINE_ANSWER_TOKENS": "13"},
+                      daemon={"on_shutdown": "keep", "state_dir": str(daemon.state_dir)})
+    assert changed.status()["parked"] is None
+    assert probe.containers() == []
+    assert "configuration changed" in changed.tail(200)
+    assert_resident_back(probe)
+
+
+def test_park_remove_on_request(gpuswapd: Start, probe: Probe) -> None:
+    daemon = parking(gpuswapd)
+    cycle(daemon)
+    out = daemon.ctl("park", "--remove")
+    assert out.returncode == 0, out.stderr
+    assert probe.containers() == []
+    assert daemon.status()["next_open"] == "cold"
+    again = daemon.ctl("park", "--remove")
+    assert again.returncode == 4 and "no engine is parked" in again.stderr
+
+
+def _until(check: Callable[[], Any], timeout: float, daemon: RunningDaemon) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"did not happen in {timeout}s; log:\n{daemon.tail()}"
+        time.sleep(0.1)
+
+
+def test_check_config_warns_when_the_engine_shows_no_sleep_mode(world: Stack, tmp_path: Any) -> None:
+    from tests.stack.config import stack_config
+    from tests.stack.daemon import BIN
+
+    config = stack_config(world, "check-config-park", window__park={"mode": "sleep"})
+    out = subprocess.run([str(BIN / "gpuswapd"), "--config", str(config), "--check-config"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--enable-sleep-mode" in out.stderr and "VLLM_SERVER_DEV_MODE" in out.stderr
