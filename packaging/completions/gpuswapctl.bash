@@ -5,7 +5,7 @@ _gpuswapctl() {
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="acquire renew release run status plan history bench"
+    local commands="acquire renew release run status plan park history bench"
     local common="--socket --json -h --help"
     local -A options=(
         [acquire]="--for --holder --no-wait --timeout"
@@ -14,6 +14,7 @@ _gpuswapctl() {
         [run]="--for --holder --timeout --"
         [status]=""
         [plan]=""
+        [park]="--remove"
         [history]="--limit"
         [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease"
     )

@@ -1,7 +1,7 @@
 # fish completion for gpuswapctl(1).
 # Installed as /usr/share/fish/vendor_completions.d/gpuswapctl.fish.
 
-set -l commands acquire renew release run status plan history bench
+set -l commands acquire renew release run status plan park history bench
 set -l spans 90s 5m 15m 30m 1h 4h
 
 # True while completing COMMAND (or its arguments) after "gpuswapctl run ... --".
@@ -31,6 +31,7 @@ complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a release
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a run -d 'Hold a lease while a command runs'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a status -d "The window's phase, leases and last timings"
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a plan -d 'What a window would do now (changes nothing)'
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a park -d 'The engine parked asleep between windows'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a history -d 'Past windows with their phase timings'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a bench -d "Measure the window's engine under a lease"
 
@@ -53,6 +54,9 @@ complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l timeout -x -a "$spans" -d 'Give up if not ready within SPAN'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -a -- -d 'End of options: the command follows'
 complete -c gpuswapctl -n __gpuswapctl_after_dashdash -x -a '(__gpuswapctl_complete_command)'
+
+# park
+complete -c gpuswapctl -n '__fish_seen_subcommand_from park' -l remove -d 'Remove the parked engine now'
 
 # history
 complete -c gpuswapctl -n '__fish_seen_subcommand_from history' -l limit -x -d 'How many windows'

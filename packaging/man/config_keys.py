@@ -127,6 +127,17 @@ MEANINGS: dict[str, str] = {
     "window.container.shm_size": "The size of /dev/shm in Docker's notation (\"16g\"). Empty: Docker's default.",
     "window.container.command": "The command, replacing the image's. Empty: the image's own.",
     "window.container.stop_timeout": "How long the container may take to stop before Docker kills it.",
+    "window.park.mode": "What happens to the engine when a window closes: \"stop\" removes it; \"sleep\" puts "
+                        "it to sleep (vLLM's sleep mode) and parks it, if the card then has gpu.resident_needs free, "
+                        "so that the next window wakes it in seconds. Sleep needs vLLM started with "
+                        "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1; without them gpuswapd logs why and removes "
+                        "the engine as with \"stop\". Needs a GPU probe.",
+    "window.park.level": "vLLM's sleep level: 1 offloads the weights to host RAM (the fastest wake), 2 drops them "
+                         "(a slower wake that reloads them).",
+    "window.park.keep": "A parked engine unused this long is removed (the resident is not touched). It holds across "
+                        "restarts of gpuswapd.",
+    "window.park.host_ram_needs": "Sleep at level 1 only if at least this much host memory is available "
+                                  "(MemAvailable); otherwise sleep at level 2. 0: do not check.",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
     "window.warmup.prompt": "The prompt of the warmup completions.",
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
