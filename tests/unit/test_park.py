@@ -111,7 +111,7 @@ def test_a_garbled_wake_without_restarts_fails_the_window_and_restores_the_resid
             world.http.garble_wakes = 1
             try:
                 await w.acquire("job", 60)
-            except Exception as err:  # noqa: BLE001 - the reason is what is checked
+            except Exception as err:
                 assert "canary" in str(err)
             else:
                 raise AssertionError("the window opened on a garbled engine")
