@@ -112,3 +112,30 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
         parse_config("[daemon\n", "x.toml")
     with pytest.raises(ConfigError, match="no such configuration file"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_park_sleep_needs_a_gpu_probe() -> None:
+    text = MINIMAL + '[gpu]\nprobe = "none"\n[window.park]\nmode = "sleep"\n'
+    with pytest.raises(ConfigError, match=r"window.park.mode = \"sleep\" needs a GPU probe"):
+        parse_config(text)
+
+
+def test_park_keys_are_checked() -> None:
+    for patch, names in (('mode = "nap"', "window.park.mode"), ("level = 3", "window.park.level"),
+                         ('keep = "soon"', "window.park.keep"),
+                         ('host_ram_needs = "lots"', "window.park.host_ram_needs")):
+        with pytest.raises(ConfigError, match=names):
+            parse_config(MINIMAL + f"[window.park]\n{patch}\n")
+
+
+def test_check_config_warns_about_an_engine_without_sleep_mode() -> None:
+    from gpuswapd.config import warnings
+
+    plain = parse_config(MINIMAL + '[window.park]\nmode = "sleep"\n')
+    assert [w for w in warnings(plain) if "--enable-sleep-mode" in w or "VLLM_SERVER_DEV_MODE" in w] == warnings(plain)
+    assert len(warnings(plain)) == 2
+    ready = parse_config(MINIMAL.replace('image = "hyperqwen:latest"', 'image = "hyperqwen:latest"\n'
+                                         'command = ["--enable-sleep-mode"]\nenv = { VLLM_SERVER_DEV_MODE = "1" }')
+                         + '[window.park]\nmode = "sleep"\n')
+    assert warnings(ready) == []
+    assert warnings(parse_config(MINIMAL)) == []  # mode = "stop": nothing to say

@@ -230,3 +230,27 @@ def test_park_remove_on_request() -> None:
 
     run(main())
     assert world.snapshot() == BASELINE
+
+
+def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
+    from gpuswapd import parking
+
+    world = park_world(host_ram_needs="64GiB")
+    monkeypatch.setattr(parking, "host_ram_available", lambda: 8 << 30)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await cycle(w)
+            assert w.parked is not None and w.parked.level == 2
+            assert world.docker.containers["hyperqwen"].sleeping == 2
+
+    run(main())
+    monkeypatch.setattr(parking, "host_ram_available", lambda: 128 << 30)
+    roomy = park_world(host_ram_needs="64GiB")
+
+    async def again() -> None:
+        async with running(roomy.window()) as w:
+            await cycle(w)
+            assert w.parked is not None and w.parked.level == 1
+
+    run(again())
