@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,17 @@ from tests.stack.world import Stack
 settings.register_profile("gpuswapd", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("gpuswapd")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep every test of the world on one xdist worker: there is one world per machine.
+
+    With ``-n 2 --dist loadgroup`` (what ``bash tests/run test`` runs), the fast layer, the
+    simulators and the packaging checks run on the other worker meanwhile.
+    """
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("world"))
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +72,8 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
               **sections: dict[str, Any]) -> RunningDaemon:
         name = request.node.name.replace("[", "-").replace("]", "").replace(":", "-")[:36] + f"-{len(started)}"
         config = stack_config(world, name, **sections)
+        # A fresh state per test: an earlier run of the same test may have left a window there.
+        shutil.rmtree(Path(config).parent / "state", ignore_errors=True)
         socket = Path(config).parent / "gpuswapd.sock"
         daemon = RunningDaemon(world, config, socket, env)
         started.append(daemon)

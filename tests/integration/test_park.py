@@ -161,7 +161,7 @@ def test_keep_expiry_removes_the_parked_engine_and_leaves_the_resident_alone(gpu
 
 
 def test_a_parked_engine_that_dies_is_removed_and_the_resident_left_alone(gpuswapd: Start, probe: Probe) -> None:
-    daemon = parking(gpuswapd, window={"watch_interval": "200ms"})
+    daemon = parking(gpuswapd, env={"ENGINE_DEATH_EXIT_DELAY": "0.5"}, window={"watch_interval": "200ms"})
     cycle(daemon)
     resident_since = probe.entered_active_us("strata.service")
     req = urllib.request.Request(f"http://127.0.0.1:{ENGINE_PORT}/sim/die", data=b"{}", method="POST")
