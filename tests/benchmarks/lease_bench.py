@@ -134,6 +134,9 @@ def flooded_status(socket: str, connections: int, samples: int = 50) -> list[flo
     pid = os.fork()
     if pid == 0:  # nobody: open them, say so, hold them until the parent is done
         try:
+            # Only the parent may hold the write end: its close is the child's EOF.
+            os.close(done_w)
+            os.close(ready_r)
             resource.setrlimit(resource.RLIMIT_NOFILE, (connections + 64, connections + 64))
             os.setgroups([])
             os.setgid(NOBODY.pw_gid)
@@ -147,14 +150,16 @@ def flooded_status(socket: str, connections: int, samples: int = 50) -> list[flo
             os.read(done_r, 1)
         finally:
             os._exit(0)
+    os.close(ready_w)  # a child that fails before it is ready gives an EOF, not a hang
+    os.close(done_r)
     try:
-        os.read(ready_r, 1)
+        if os.read(ready_r, 1) != b"x":
+            raise RuntimeError(f"the flood of {connections} connections could not be opened")
         return asyncio.run(_status_samples(socket, samples))
     finally:
         os.close(done_w)
         os.waitpid(pid, 0)
-        for fd in (ready_r, ready_w, done_r):
-            os.close(fd)
+        os.close(ready_r)
 
 
 async def _status_samples(socket: str, samples: int) -> list[float]:
