@@ -43,6 +43,7 @@ BACKLOG = 1024
 # wait a little (never spin), and let the caps bring the count down.
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_BACKOFF_S = (0.05, 1.0)
+ACCEPT_BATCH = 64  # connections taken per turn of the event loop: a burst costs few turns, a flood no more
 
 if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
     from gpuswapd.adapters.systemd import Systemd
@@ -100,21 +101,26 @@ class Server:
                 delay = min(delay * 2, ACCEPT_BACKOFF_S[1])
                 continue
             delay = ACCEPT_BACKOFF_S[0]
+            for accepted in [conn, *_pending(sock, ACCEPT_BATCH - 1)]:
+                self._admit(accepted)
             # sock_accept does not yield while connections are pending: let the clients already
             # admitted run, or a flood of new ones would starve them (and the window).
             await asyncio.sleep(0)
-            try:
-                peer = credentials(conn)
-            except OSError:
-                conn.close()
-                continue
-            refusal = self.admission.admit(peer)
-            if refusal is not None:
-                _refuse(conn, refusal)
-                continue
-            task = spawn(self._handle(conn, peer), "client")
-            self._clients.add(task)
-            task.add_done_callback(self._clients.discard)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve an accepted connection, or refuse it over the caps."""
+        try:
+            peer = credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        refusal = self.admission.admit(peer)
+        if refusal is not None:
+            _refuse(conn, refusal)
+            return
+        task = spawn(self._handle(conn, peer), "client")
+        self._clients.add(task)
+        task.add_done_callback(self._clients.discard)
 
     async def _handle(self, conn: socket.socket, peer: Peer) -> None:
         writer: asyncio.StreamWriter | None = None
@@ -288,6 +294,18 @@ class Server:
                 await asyncio.shield(self.window.release(lease.id))
             raise
         return None
+
+
+def _pending(sock: socket.socket, most: int) -> list[socket.socket]:
+    """Take connections that are already waiting, without blocking (an error: leave it to sock_accept)."""
+    out: list[socket.socket] = []
+    while len(out) < most:
+        try:
+            conn, _ = sock.accept()
+        except OSError:  # none waiting (EAGAIN), or out of descriptors: the loop's accept handles it
+            break
+        out.append(conn)
+    return out
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:
