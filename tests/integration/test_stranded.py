@@ -203,7 +203,7 @@ def _freeze(world: Stack, sig: int) -> None:
 def test_a_restart_while_docker_is_away_still_ends_the_window_when_its_lease_does(
         gpuswapd: Start, probe: Probe, world: Stack, docker: str) -> None:
     daemon = gpuswapd(daemon={"call_timeout": "1s"}, window={"watch_interval": "300ms"})
-    lease = daemon.ctl_json("acquire", "--for", "25s", "--holder", "short")["lease"]
+    lease = daemon.ctl_json("acquire", "--for", "15s", "--holder", "short")["lease"]
     daemon.kill()
     if docker == "frozen":
         _freeze(world, signal.SIGSTOP)
