@@ -166,8 +166,9 @@ def run(cycles: int) -> dict[str, Any]:
             direct = DirectWarm(stack, config, int(parked["residual_bytes"]))
             try:
                 for n in range(cycles):
-                    # Warm windows are fast: keep the resident under systemd's default start limit
-                    # (5 starts in 10 s), or its start fails with start-limit-hit.
+                    # Warm windows are fast: without a pause between them the hand-run close once
+                    # failed to start strata (llama-swap's job ended 'dependency'); spacing the
+                    # resident's restarts avoided it (systemd's start limit is suspected).
                     spaced(stack)
                     g = gpuswapd_cycle(warm)
                     if status(warm.socket)["last"]["start"] != "warm":
