@@ -259,10 +259,14 @@ class ContainerEngine:
         try:
             state = await self._docker("state", self.docker.state, self.name)
         except GpuswapError as err:
-            return f"Docker could not say whether it still runs: {err.message}"
-        if state is None or not state.running:
-            return f"container {self.name} is {'gone' if state is None else state.status}"
-        if not self._ours(state.labels) or state.labels.get(WINDOW_LABEL) != record.get("window"):
+            # Docker being away is no failure of the engine: its own answer decides (as in adopt).
+            log.warning("parked_engine_without_docker", container=self.name, error=err.message)
+            state = None
+        else:
+            if state is None or not state.running:
+                return f"container {self.name} is {'gone' if state is None else state.status}"
+        if state is not None and (not self._ours(state.labels)
+                                  or state.labels.get(WINDOW_LABEL) != record.get("window")):
             return f"container {self.name} is not the engine that was parked"
         http = self.outside.http
         try:

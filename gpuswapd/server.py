@@ -43,7 +43,7 @@ BACKLOG = 1024
 # wait a little (never spin), and let the caps bring the count down.
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_BACKOFF_S = (0.05, 1.0)
-ACCEPT_BATCH = 64  # connections taken per turn of the event loop: a burst costs few turns, a flood no more
+ACCEPT_BATCH = 16  # connections taken per turn of the event loop: a burst costs few turns; more makes turns long
 
 if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
     from gpuswapd.adapters.systemd import Systemd

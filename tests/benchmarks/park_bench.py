@@ -41,7 +41,7 @@ from tests.benchmarks.swap_bench import (
 )
 from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import RunningDaemon
-from tests.stack.world import ENGINE_PORT, PROXY_PORT, RESIDENT_PORT, Stack, StackError
+from tests.stack.world import ENGINE_PORT, PROXY_PORT, Stack, StackError
 
 SLEEPY = {**ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
 START_SPACING_S = 2.5
@@ -76,17 +76,8 @@ class DirectWarm(Direct):
 
     def open_warm(self) -> dict[str, float]:
         steps: dict[str, float] = {}
-        cfg, gpu = self.config, self.stack.paths.gpu
-        self._timed(steps, "drain", lambda: _wait("an idle resident", lambda: _status(RESIDENT_PORT, "/slots") == 200))
-
-        def pause() -> None:
-            self.timers = sorted(t for p in cfg.timers.pause for t in self.bus.active(p))
-            self.bus.jobs("StopUnit", self.timers)
-
-        self._timed(steps, "pause_timers", pause)
-        self._timed(steps, "stop_resident", lambda: self.bus.jobs("StopUnit", ["strata.service"]))
-        need = cfg.gpu.window_needs - self.residual
-        self._timed(steps, "wait_vram", lambda: _wait("VRAM", lambda: free_bytes(gpu) >= need))
+        cfg = self.config
+        self.clear_resident(steps, cfg.gpu.window_needs - self.residual)
 
         def wake() -> None:
             if _post("/wake_up")[0] != 200:
@@ -123,11 +114,6 @@ class DirectWarm(Direct):
         self._timed(steps, "restore", restore)
         self._timed(steps, "resume_timers", lambda: self.bus.jobs("StartUnit", self.timers))
         return steps
-
-
-def _status(port: int, path: str) -> int:
-    from tests.benchmarks.swap_bench import http_status
-    return http_status(port, path)
 
 
 def spaced(stack: Stack) -> None:

@@ -168,10 +168,10 @@ class Direct:
         action()
         steps[name] = time.monotonic() - started
 
-    def open(self) -> dict[str, float]:
-        """Open a window; return each step's seconds."""
-        steps: dict[str, float] = {}
+    def clear_resident(self, steps: dict[str, float], need: int) -> None:
+        """Drain, stop the timers and the resident, and wait until ``need`` bytes are free."""
         cfg, gpu = self.config, self.stack.paths.gpu
+
         def drain() -> None:
             _wait("an idle resident", lambda: http_status(RESIDENT_PORT, "/slots") == 200)
 
@@ -184,7 +184,13 @@ class Direct:
         self._timed(steps, "pause_timers", pause)
         # One job: stopping strata stops llama-swap (Requires=) in the same transaction.
         self._timed(steps, "stop_resident", lambda: self.bus.jobs("StopUnit", ["strata.service"]))
-        self._timed(steps, "wait_vram", lambda: _wait("VRAM", lambda: free_bytes(gpu) >= cfg.gpu.window_needs))
+        self._timed(steps, "wait_vram", lambda: _wait("VRAM", lambda: free_bytes(gpu) >= need))
+
+    def open(self) -> dict[str, float]:
+        """Open a window; return each step's seconds."""
+        steps: dict[str, float] = {}
+        cfg = self.config
+        self.clear_resident(steps, cfg.gpu.window_needs)
 
         def boot() -> None:
             c = cfg.window.container
