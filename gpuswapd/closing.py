@@ -4,6 +4,10 @@ Closing never gives up on the resident: a step that fails is retried with backof
 waits in DEGRADED meanwhile), and a state document that cannot be written does not stop it,
 since the record in memory says what to undo. A record left in a closing phase by an earlier
 gpuswapd continues from that phase.
+
+A direct switch: when the engine is down and the first queued request wants another profile,
+the window ends there and the next one takes the card over, with the timers still paused and
+the resident still down; the resident comes back when the queue is empty.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gpuswapd import parking
+from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -33,11 +38,28 @@ def engine_left(rec: WindowRecord) -> bool:
     return rec.container is not None and not rec.container.get("removed") and not rec.container.get("parked")
 
 
+def switch_target(w: Window, rec: WindowRecord) -> str | None:
+    """Name the profile a closing window should switch to directly, if any.
+
+    Only a window that served to the end switches, and only to the profile the first queued
+    request wants, when that is another profile; gpuswapd stopping gives the card back instead.
+    """
+    if w.stopping.is_set() or rec.error is not None or rec.baseline is not None or rec.degraded:
+        return None
+    queued = w.queue.queued()
+    if not queued or queued[0].profile == rec.profile:
+        return None
+    return queued[0].profile
+
+
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
     await w.persist(required=False)
-    if engine_left(rec) and not await parking.try_park(w, rec):
+    nxt = switch_target(w, rec)
+    # Parked only if what comes next fits beside it: the resident, or the next window.
+    need = None if nxt is None else w.config.profile(nxt).needs
+    if engine_left(rec) and not await parking.try_park(w, rec, need):
         await _retry_take_down(w, rec, time.monotonic() + w.backoffs.take_down_for)
 
 
@@ -88,9 +110,22 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
     try:
         await w.vram.wait_free(gpu.resident_needs, gpu.release_timeout)
     except GpuswapError as err:
+        if rec.kind == "bare":  # the holders' processes: _restore waits in DEGRADED until they let go
+            log.error("vram_held_after_bare_window", error=err.message)
+            return
         # Starting the resident is still the best move: if the memory is really gone it
         # fails, and the restore retries with backoff.
         log.warning("vram_not_free_restoring_anyway", error=err.message)
+
+
+async def _bare_memory_gone(w: Window) -> None:
+    """Refuse to start the resident while a bare window's processes still hold its memory."""
+    need = w.config.gpu.resident_needs
+    reading = await w.vram.read(processes=True)
+    if reading is not None and reading.free_bytes < need:
+        held = await w.vram.describe_shortfall(reading, need, w.config.gpu.release_timeout)
+        raise Degraded(f"the bare window's memory has not come free, so the resident is not started into an "
+                       f"out-of-memory: {held}; stop those processes (gpuswapd retries)")
 
 
 async def _restore(w: Window, rec: WindowRecord) -> None:
@@ -106,6 +141,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
+            if rec.kind == "bare":
+                await _bare_memory_gone(w)
             await w.resident.start(rec.units)
             await w.resident.verify()
             rec.degraded = None
@@ -184,6 +221,9 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
             await step(w, rec)
             if engine_left(rec) and remover is None:
                 remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
+            if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
+                w.switch(rec, nxt)
+                return
         if remover is not None and not remover.done():
             rec.degraded = (f"the resident is back, but the engine {(rec.container or {}).get('name')} could not be "
                             f"removed yet: {(rec.error or {}).get('message', 'see the log')}; gpuswapd keeps trying")
@@ -255,7 +295,7 @@ async def _sweep(w: Window) -> None:
     while not w.stopping.is_set():
         attempt += 1
         try:
-            await w.engine.remove_orphans(w.engines_kept())
+            await w.engine_of(DEFAULT_PROFILE).remove_orphans(w.engines_kept())
             return
         except GpuswapError as err:
             first, cap = w.backoffs.restore

@@ -181,6 +181,8 @@ class DaemonConfig:
     max_clients: int = _key(_int(1, 65536), 512)
     max_clients_per_uid: int = _key(_int(1, 65536), 32)
     reserved_clients: int = _key(_int(0, 65536), 32)
+    max_queue: int = _key(_int(1, 65536), 64)
+    fair_after: float = _key(_span(0.0), 300.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +291,31 @@ class WindowConfig:
     park: ParkConfig
 
 
+PROFILE_KINDS = ("engine", "bare")
+DEFAULT_PROFILE = "default"
+_PROFILE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """What one kind of window brings up: ``[window]`` (the profile "default") or a ``[profiles.NAME]``.
+
+    An engine profile has the same keys as ``[window]``; a bare one has no engine: the resident
+    is cleared and the card handed to the caller once ``needs`` is free.
+    """
+
+    name: str
+    kind: str
+    needs: int
+    window: WindowConfig | None  # None for a bare profile
+
+    @property
+    def engine(self) -> WindowConfig:
+        """Return the engine's configuration (only an engine profile has one)."""
+        assert self.window is not None, f"profile {self.name} is bare: it has no engine"
+        return self.window
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration."""
@@ -298,14 +325,30 @@ class Config:
     resident: ResidentConfig
     timers: TimersConfig
     window: WindowConfig
+    profiles: dict[str, Profile] = field(default_factory=dict, compare=False)  # [profiles.NAME]; not "default"
     source: str = field(default="<defaults>", compare=False)
+
+    def profile(self, name: str) -> Profile:
+        """Return a profile by name ("default" is ``[window]``); KeyError if there is none."""
+        if name == DEFAULT_PROFILE:
+            return Profile(name=DEFAULT_PROFILE, kind="engine", needs=self.gpu.window_needs, window=self.window)
+        return self.profiles[name]
+
+    def all_profiles(self) -> list[Profile]:
+        """List every profile, "default" first."""
+        return [self.profile(DEFAULT_PROFILE), *(self.profiles[n] for n in sorted(self.profiles))]
+
+    def engine_profiles(self) -> list[Profile]:
+        """List the profiles that bring up an engine, "default" first."""
+        return [p for p in self.all_profiles() if p.kind == "engine"]
 
 
 def _build(cls: type[T], table: Any, path: str) -> T:
     """Build a section dataclass from a TOML table, naming the key of any error."""
     if not isinstance(table, dict):
         raise _fail(path or "config", f"expected a table, got {type(table).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+              if f.name not in ("source", "profiles")}
     for key in table:
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -339,11 +382,41 @@ def parse_config(text: str, source: str = "<string>") -> Config:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
     try:
+        tables = data.pop("profiles", {})
         config = _build(Config, data, "")
+        config = dataclasses.replace(config, profiles=_profiles(config, tables))
     except ConfigError as err:
         raise ConfigError(f"{source}: {err.message}") from None
     _check(config, source)
     return dataclasses.replace(config, source=source)
+
+
+def _profiles(config: Config, tables: Any) -> dict[str, Profile]:
+    """Build ``[profiles.NAME]`` ("default" is ``[window]``, not among them)."""
+    if not isinstance(tables, dict):
+        raise _fail("profiles", f"expected tables such as [profiles.bare], got {type(tables).__name__}")
+    out: dict[str, Profile] = {}
+    for name, table in tables.items():
+        path = f"profiles.{name}"
+        if name == DEFAULT_PROFILE:
+            raise _fail(path, "the name \"default\" is reserved for [window]")
+        if not _PROFILE_NAME.match(name):
+            raise _fail(path, "a profile name is lowercase letters, digits and '-', starting with a letter or digit")
+        if not isinstance(table, dict):
+            raise _fail(path, f"expected a table, got {type(table).__name__}")
+        rest = dict(table)
+        if "kind" not in rest:
+            raise _fail(f"{path}.kind", "missing: \"engine\" (a container, the same keys as [window]) or \"bare\"")
+        kind = _choice(*PROFILE_KINDS)(rest.pop("kind"), f"{path}.kind")
+        needs = _size(rest.pop("needs"), f"{path}.needs") if "needs" in rest else config.gpu.window_needs
+        window = None
+        if kind == "engine":
+            window = _build(WindowConfig, rest, path)
+        elif rest:
+            key = sorted(rest)[0]
+            raise _fail(f"{path}.{key}", "unknown key (a bare profile knows only: kind, needs)")
+        out[name] = Profile(name=name, kind=kind, needs=needs, window=window)
+    return out
 
 
 def _check(config: Config, source: str) -> None:
@@ -357,22 +430,38 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
     if d.max_clients_per_uid > d.max_clients:
         raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
-    if config.window.park.mode == "sleep" and config.gpu.probe == "none":
-        raise ConfigError(f"{source}: window.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a reading "
-                          "of free VRAM proves the resident fits beside a sleeping engine")
+    containers: dict[str, str] = {}
+    for p in config.all_profiles():
+        where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
+        if p.kind == "bare":
+            if config.gpu.probe == "none":
+                raise ConfigError(f"{source}: {where}: a bare profile needs a GPU probe (gpu.probe): only a reading "
+                                  "of free VRAM proves the card is clear before the lease is granted")
+            continue
+        name = p.engine.container.name
+        if name in containers:
+            raise ConfigError(f"{source}: {where}.container.name: {name!r} is also the container of "
+                              f"{containers[name]}: each engine profile needs its own container")
+        containers[name] = where
+        if p.engine.park.mode == "sleep" and config.gpu.probe == "none":
+            raise ConfigError(f"{source}: {where}.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a "
+                              "reading of free VRAM proves the resident fits beside a sleeping engine")
 
 
 def warnings(config: Config) -> list[str]:
     """Say what is valid but probably not what was meant (``--check-config`` prints these)."""
     out = []
-    c, park = config.window.container, config.window.park
-    if park.mode == "sleep":
+    for p in config.engine_profiles():
+        where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
+        c, park = p.engine.container, p.engine.park
+        if park.mode != "sleep":
+            continue
         if "--enable-sleep-mode" not in c.command:
-            out.append("window.park.mode = \"sleep\", but window.container.command has no --enable-sleep-mode: "
+            out.append(f"{where}.park.mode = \"sleep\", but {where}.container.command has no --enable-sleep-mode: "
                        "vLLM offers sleep only when started with it (an env_file or the image may still set it)")
         if c.env.get("VLLM_SERVER_DEV_MODE") != "1":
-            out.append("window.park.mode = \"sleep\", but window.container.env has no VLLM_SERVER_DEV_MODE = \"1\": "
-                       "vLLM serves /sleep and /wake_up only with it (an env_file or the image may still set it)")
+            out.append(f"{where}.park.mode = \"sleep\", but {where}.container.env has no VLLM_SERVER_DEV_MODE = "
+                       "\"1\": vLLM serves /sleep and /wake_up only with it (an env_file or the image may still set it)")
     return out
 
 

@@ -419,6 +419,71 @@ class ContainerEngine:
         await self._docker("remove", self.docker.remove, name)
 
 
+class BareEngine:
+    """No engine at all: a bare window hands the cleared card to its lease holders.
+
+    The window never boots, wakes or parks it; watching it waits for ever (the holders' own
+    processes are theirs to watch), and there is nothing to take down.
+    """
+
+    async def preflight(self) -> None:
+        """Nothing to check: no container, no port."""
+
+    async def bring_up(self, window_id: str) -> dict[str, Any]:
+        raise AssertionError("a bare window brings no engine up")
+
+    async def wait_serving(self, timeout: float) -> float:
+        raise AssertionError("a bare window has no engine to wait for")
+
+    async def warm(self) -> None:
+        raise AssertionError("a bare window has no engine to warm")
+
+    async def healthy(self) -> bool:
+        """Tell that nothing failed: there is nothing to fail."""
+        return True
+
+    def exit_reason(self) -> str | None:
+        """Say nothing: there is no engine to stop."""
+        return None
+
+    async def adopt(self, record: dict[str, Any]) -> bool:
+        """Take over a bare window: its holders still hold the card."""
+        return True
+
+    async def watch(self, interval: float) -> str:
+        """Wait for ever: a bare window's holders run their own processes."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def take_down(self, record: dict[str, Any] | None) -> None:
+        """Nothing to take down."""
+
+    async def remove_orphans(self, keep: set[str]) -> list[str]:
+        """Nothing of a bare window's is left in Docker."""
+        return []
+
+    async def offers_sleep(self) -> bool:
+        """Tell that nothing here sleeps."""
+        return False
+
+    async def sleep(self, level: int) -> None:
+        raise AssertionError("a bare window has no engine to park")
+
+    async def wake(self) -> None:
+        raise AssertionError("a bare window has no engine to wake")
+
+    async def canary(self) -> str:
+        raise AssertionError("a bare window has no engine to ask")
+
+    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+        """Say why nothing of a bare window is ever parked."""
+        return "a bare window has no engine"
+
+    def spec(self) -> str:
+        """Return no spec: there is no container."""
+        return ""
+
+
 def _in_daemon_thread(func: Callable[..., R], *args: Any) -> asyncio.Future[R]:
     """Run a long blocking wait on a daemon thread of its own.
 

@@ -108,6 +108,18 @@ class NotReady(RequestError):
     code = "not_ready"
 
 
+class UnknownProfile(RequestError):
+    """The request names a profile the configuration does not have."""
+
+    code = "unknown_profile"
+
+
+class QueueFull(RequestError):
+    """``daemon.max_queue`` requests wait already."""
+
+    code = "queue_full"
+
+
 class WindowError(GpuswapError):
     """The window could not be opened or kept: the GPU was not obtained."""
 
@@ -154,6 +166,12 @@ class WindowCancelled(WindowError):
     """The window was abandoned: its last waiter went away or gpuswapd is stopping."""
 
     code = "window_cancelled"
+
+
+class Stopping(WindowCancelled):
+    """gpuswapd is stopping: waiting requests are not kept across a restart."""
+
+    code = "stopping"
 
 
 class Degraded(WindowError):

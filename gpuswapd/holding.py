@@ -13,6 +13,8 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.tasks import reap, retrieve
 
+WATCH_BARE_S = 10.0  # a bare window has no engine to watch; leases and the queue still wake it
+
 if TYPE_CHECKING:
     from gpuswapd.window import Window
 
@@ -23,7 +25,7 @@ async def hold_then_close(w: Window, rec: WindowRecord) -> None:
         await closing.close(w, rec, "closed")
         return
     assert rec.error is not None
-    w.fail_waiters(GpuswapError.from_dict(rec.error))
+    w.fail_waiters(GpuswapError.from_dict(rec.error), rec.id)
     await closing.close(w, rec, "engine_failed")
 
 
@@ -33,7 +35,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
     A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
     to ``max_restarts`` times per window.
     """
-    interval = w.config.window.watch_interval
+    interval = w.profile.window.watch_interval if w.profile.window is not None else WATCH_BARE_S
     linger = w.config.daemon.linger
     linger_from: float | None = None
     watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
@@ -56,8 +58,8 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                 linger_from = None
             else:
                 linger_from = now if linger_from is None else linger_from
-                if now - linger_from >= linger:
-                    return True
+                if now - linger_from >= linger or w.queue.wants_other(rec.profile):
+                    return True  # a request for another profile waits: no lingering for nobody
             wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger)
                           if t is not None)
             w.wake.clear()
@@ -75,20 +77,20 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
 
 async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
     """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
-    cfg = w.config
-    log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.window.max_restarts)
+    cfg = w.profile.engine
+    log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.max_restarts)
     await w.enter(rec, Phase.RECOVERING, required=False)
-    while rec.restarts < cfg.window.max_restarts:
+    while rec.restarts < cfg.max_restarts:
         rec.restarts += 1
         await w.persist(required=False)
         try:
             await w.engine.take_down(rec.container)
             # A GPU frees memory some time after the process died: restarting at once would
             # fail with out of memory.
-            await w.vram.wait_free(cfg.gpu.window_needs, cfg.gpu.release_timeout)
+            await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
             rec.container = await w.engine.bring_up(rec.id)
             await w.persist(required=False)
-            await w.engine.wait_serving(cfg.window.boot_timeout)
+            await w.engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)
             await w.engine.warm()
             await opening.learn_canary(w, rec)
@@ -102,7 +104,7 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
         await w.ready(rec)
         return True
     rec.fail(EngineFailed(f"the engine failed and {rec.restarts} restart(s) did not bring it back "
-                          f"(window.max_restarts = {cfg.window.max_restarts}): {reason}; "
+                          f"(window.max_restarts = {cfg.max_restarts}): {reason}; "
                           "the GPU went back to the resident", phase=str(Phase.RECOVERING)))
     await w.persist(required=False)
     return False

@@ -1,7 +1,9 @@
 """Opening the window, one step per phase: check, drain, pause, stop, wait for VRAM, boot, warm.
 
 With a parked engine the last two are one: WAKING wakes it and checks the canary; an engine that
-does not wake, or answers the canary differently, is removed and booted cold instead.
+does not wake, or answers the canary differently, is removed and booted cold instead. A bare
+window has no engine: it is READY once its memory is free. A window switched to directly from
+the last one finds the timers paused and the resident stopped already, and skips those steps.
 
 Each step runs after its phase is on disk, and records what it is about to change before it
 changes it; a failure anywhere rolls the window back through closing. Everything that can be
@@ -43,14 +45,17 @@ class Opening:
     def needs(self) -> int:
         """The VRAM to wait for: a parked engine already holds its residual."""
         held = self.parked.residual_bytes if self.parked is not None else 0
-        return max(0, self.window.config.gpu.window_needs - held)
+        return max(0, self.window.profile.needs - held)
 
 
 async def _check_and_drain(op: Opening) -> None:
     """Check everything that could fail before anything changes, at once; then let work finish."""
     w, cfg = op.window, op.window.config
-    op.parked = await _usable_parked(w)
+    op.parked = await _usable_parked(w, op.rec)
     preflight = w.engine.preflight() if op.parked is None else _nothing()
+    if op.rec.switched_from:  # the timers are paused and the resident is down already
+        await together(preflight, check_fit(w, op.needs))
+        return
     _, _, op.timers = await together(preflight, check_fit(w, op.needs), w.resident.timers())
     await together(w.resident.wait_jobs(op.timers, time.monotonic() + cfg.timers.wait_for_jobs),
                    w.resident.drain())
@@ -60,12 +65,22 @@ async def _nothing() -> None:
     return None
 
 
-async def _usable_parked(w: Window) -> parking.Parked | None:
-    """Return the parked engine if it can be woken; remove it (resident untouched) if not."""
+async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
+    """Return the parked engine if this window can wake it; remove it (resident untouched) if not.
+
+    An engine of another profile stays parked only if this window fits beside it.
+    """
     parked = w.parked
     if parked is None:
         return None
-    why = await w.engine.why_not_parked(parked.container)
+    if parked.profile != rec.profile:
+        try:
+            await check_fit(w, w.profile.needs)
+            return None
+        except WontFit as err:
+            why = f"the window of profile {rec.profile!r} does not fit beside it ({err.message})"
+    else:
+        why = await w.engine.why_not_parked(parked.container)
     if why is None:
         return parked
     if not await parking.remove(w, f"it cannot be woken: {why}"):
@@ -76,7 +91,7 @@ async def _usable_parked(w: Window) -> parking.Parked | None:
 
 async def check_fit(w: Window, need: int | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free."""
-    need = w.config.gpu.window_needs if need is None else need
+    need = w.profile.needs if need is None else need
     # With the resident up the card is mostly taken, so the process list is nearly always needed:
     # read it in the same go (this read is also the check that the probe answers at all).
     reading, units = await together(w.vram.read(processes=True), w.resident.closure())
@@ -110,7 +125,7 @@ async def _wait_vram(op: Opening) -> None:
 
 async def _boot(op: Opening) -> None:
     w, rec = op.window, op.rec
-    c = w.config.window.container
+    c = w.profile.engine.container
     rec.container = {"name": c.name, "created": c.create}
     await w.persist(required=True)
     free = w.vram.last.free_bytes if w.vram.last is not None else None
@@ -118,7 +133,7 @@ async def _boot(op: Opening) -> None:
     if free is not None:
         rec.container["free_before_boot"] = free  # what the sleeping engine keeps is measured against it
     await w.persist(required=True)
-    await w.engine.wait_serving(w.config.window.boot_timeout)
+    await w.engine.wait_serving(w.profile.engine.boot_timeout)
 
 
 async def _warm(op: Opening) -> None:
@@ -128,7 +143,7 @@ async def _warm(op: Opening) -> None:
 
 async def learn_canary(w: Window, rec: WindowRecord) -> None:
     """With park mode "sleep", learn whether the cold engine can sleep, and its canary's answer."""
-    if w.config.window.park.mode != "sleep" or rec.container is None:
+    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or rec.container is None:
         return
     sleeps = await w.engine.offers_sleep()
     canary = None
@@ -159,7 +174,7 @@ async def _wake(op: Opening) -> bool:
                                f"{snip(parked.canary)!r}")
     except GpuswapError as err:
         rec.restarts += 1
-        max_restarts = w.config.window.max_restarts
+        max_restarts = w.profile.engine.max_restarts
         log.error("engine_wake_failed", error=err.message, restarts=rec.restarts, max_restarts=max_restarts)
         if rec.restarts > max_restarts:
             raise EngineFailed(f"{err.message}; no restart left for a cold boot (window.max_restarts = "
@@ -189,8 +204,12 @@ async def open_window(window: Window, rec: WindowRecord) -> None:
     """Take a new window from DRAINING to the edge of READY; raise on any failure."""
     op = Opening(window, rec)
     for phase, step in BEFORE_ENGINE:
+        if rec.switched_from and phase in (Phase.PAUSING_TIMERS, Phase.STOPPING_RESIDENT):
+            continue
         await window.enter(rec, phase, required=True)
         await step(op)
+    if rec.kind == "bare":
+        return  # the card is clear: the holders bring their own processes
     if op.parked is not None:
         if await _wake(op):
             return

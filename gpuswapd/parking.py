@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.record import WindowRecord, _Fields
@@ -41,11 +42,12 @@ class Parked:
     level: int
     residual_bytes: int
     canary: str
+    profile: str = DEFAULT_PROFILE
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize for the state document."""
         return {"container": self.container, "since": self.since, "level": self.level,
-                "residual_bytes": self.residual_bytes, "canary": self.canary}
+                "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
 
     @classmethod
     def from_dict(cls, data: Any) -> Parked:
@@ -58,11 +60,13 @@ class Parked:
         if level not in (1, 2):
             raise ValueError("parked.level: expected 1 or 2")
         return cls(container=container, since=d.number("since"), level=level,
-                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"))
+                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
+                   profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
 
     def status(self, keep: float) -> dict[str, Any]:
         """Describe it for ``status``."""
-        return {"container": self.container.get("name"), "since": self.since, "level": self.level,
+        return {"container": self.container.get("name"), "profile": self.profile, "since": self.since,
+                "level": self.level,
                 "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
                 "expires_at": self.since + keep, "next_open": "warm"}
 
@@ -81,7 +85,7 @@ def host_ram_available() -> int | None:
 
 def _level(w: Window) -> int:
     """Pick the sleep level: level 1 holds the weights in host RAM, so it needs room there."""
-    park = w.config.window.park
+    park = w.profile.engine.park
     if park.level == 1 and park.host_ram_needs:
         available = host_ram_available()
         if available is None or available < park.host_ram_needs:
@@ -92,13 +96,17 @@ def _level(w: Window) -> int:
     return park.level
 
 
-async def try_park(w: Window, rec: WindowRecord) -> bool:
-    """Put the window's engine to sleep and park it, if it may be and the resident then fits.
+async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> bool:
+    """Put the window's engine to sleep and park it, if it may be and ``need`` is then free.
 
-    False means it was not parked (the caller removes it); the log says why, with the numbers.
+    ``need`` is what comes next: the resident (``gpu.resident_needs``), or the next window of a
+    direct switch. False means it was not parked (the caller removes it); the log says why.
     """
     c = rec.container or {}
-    if w.config.window.park.mode != "sleep" or w.stopping.is_set():
+    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
+        return False
+    if w.parked is not None:
+        log.info("engine_not_parked", reason=f"the engine of profile {w.parked.profile!r} is parked already")
         return False
     if rec.error is not None or rec.baseline is not None:
         return False  # only a window that served to the end parks its engine
@@ -112,11 +120,11 @@ async def try_park(w: Window, rec: WindowRecord) -> bool:
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False
-    need = w.config.gpu.resident_needs
+    need = w.config.gpu.resident_needs if need is None else need
     if reading is None or reading.free_bytes < need:
         free = "unknown" if reading is None else format_size(reading.free_bytes)
-        log.warning("engine_not_parked", reason="the resident would not fit beside the sleeping engine",
-                    free=free, resident_needs=format_size(need), level=level)
+        log.warning("engine_not_parked", reason="what comes next would not fit beside the sleeping engine",
+                    free=free, need=format_size(need), level=level)
         return False
     before = c.get("free_before_boot")
     if isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
@@ -125,11 +133,11 @@ async def try_park(w: Window, rec: WindowRecord) -> bool:
         residual = int(c.get("residual_bytes") or 0)
     record = {k: v for k, v in c.items() if k not in _WINDOW_ONLY}
     w.parked = Parked(container=record, since=time.time(), level=level, residual_bytes=residual,
-                      canary=str(c["canary"]))
+                      canary=str(c["canary"]), profile=rec.profile)
     rec.container = {**c, "parked": True}
     await w.persist(required=False)  # one document: the window lets go of it, parked takes it
     log.info("engine_parked", container=record.get("name"), level=level, residual=format_size(residual),
-             free=format_size(reading.free_bytes), resident_needs=format_size(need))
+             free=format_size(reading.free_bytes), need=format_size(need))
     return True
 
 
@@ -139,7 +147,7 @@ async def remove(w: Window, why: str) -> bool:
     if parked is None:
         return True
     try:
-        await w.engine.take_down(parked.container)
+        await w.engine_of(parked.profile).take_down(parked.container)
     except GpuswapError as err:
         log.error("parked_engine_not_removed", reason=why, error=err.message)
         return False
@@ -163,20 +171,29 @@ async def stop_watching(w: Window) -> None:
         await reap(task)
 
 
+def _park_config(w: Window, parked: Parked) -> tuple[ParkConfig, float] | None:
+    """Return the parked engine's park settings and watch interval (None: its profile is gone)."""
+    try:
+        window = w.config.profile(parked.profile).window
+    except KeyError:
+        return None
+    return (window.park, window.watch_interval) if window is not None else None
+
+
 async def _watch(w: Window) -> None:
-    keep = w.config.window.park.keep
-    interval = w.config.window.watch_interval
     failures = 0
     while w.parked is not None and not w.stopping.is_set():
         parked = w.parked
-        left = parked.since + keep - time.time()
+        settings = _park_config(w, parked)
         why: str | None
-        if left <= 0:
-            why = f"unused for window.park.keep = {keep:g}s"
+        if settings is None:
+            why = f"its profile {parked.profile!r} is no longer configured"
+        elif (left := parked.since + settings[0].keep - time.time()) <= 0:
+            why = f"unused for park.keep = {settings[0].keep:g}s"
         else:
-            if await sleep_unless(w.stopping, min(interval, left)) or w.parked is not parked:
+            if await sleep_unless(w.stopping, min(settings[1], left)) or w.parked is not parked:
                 continue
-            why = await w.engine.why_not_parked(parked.container)
+            why = await w.engine_of(parked.profile).why_not_parked(parked.container)
             if why is not None:
                 why = f"the parked engine failed: {why}"
         if why is None:
@@ -192,9 +209,12 @@ async def check_at_start(w: Window) -> None:
     parked = w.parked
     if parked is None:
         return
-    why = await w.engine.why_not_parked(parked.container)
-    if why is None and time.time() >= parked.since + w.config.window.park.keep:
-        why = f"unused for window.park.keep = {w.config.window.park.keep:g}s"
+    settings = _park_config(w, parked)
+    why = await w.engine_of(parked.profile).why_not_parked(parked.container)
+    if settings is None:
+        why = f"its profile {parked.profile!r} is no longer configured"
+    elif why is None and time.time() >= parked.since + settings[0].keep:
+        why = f"unused for park.keep = {settings[0].keep:g}s"
     if why is None:
         log.info("parked_engine_adopted", container=parked.container.get("name"), since=parked.since)
         watch(w)

@@ -51,11 +51,23 @@ class WindowRecord:
     # Set when no state could be read and this record was made from the configuration.
     baseline: dict[str, Any] | None = None
     start: str = "cold"  # "warm": the engine was woken from park
+    profile: str = "default"
+    kind: str = "engine"  # "bare": no engine, the card is handed to the lease holders
+    # A direct switch: the window this one took the card from (the resident stayed down), and the
+    # resident's restore (start and verify) that the switch saved, as last measured.
+    switched_from: str | None = None
+    switched_to: str | None = None
+    saved: dict[str, Any] | None = None
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
         """Start the record of a new window."""
         return cls(id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), opened_at=now or time.time())
+
+    @property
+    def pending_switch(self) -> bool:
+        """Tell whether this is a switched window that has not begun opening yet."""
+        return self.switched_from is not None and not self.timings
 
     @property
     def closing(self) -> bool:
@@ -95,7 +107,8 @@ class WindowRecord:
             "timers": self.timers, "units": self.units, "container": self.container,
             "leases": [lease.to_dict(now) for lease in self.leases.all()], "restarts": self.restarts,
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
-            "start": self.start,
+            "start": self.start, "profile": self.profile, "kind": self.kind,
+            "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
         }
 
     @classmethod
@@ -115,6 +128,9 @@ class WindowRecord:
             leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)), error=d.table("error"),
             outcome=d.text("outcome", optional=True), degraded=d.text("degraded", optional=True),
             baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
+            profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
+            switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
+            saved=d.table("saved"),
         )
 
 
@@ -175,6 +191,12 @@ def _start(value: str) -> str:
     if value not in ("cold", "warm"):
         raise ValueError(f"window.start: expected 'cold' or 'warm', got {value!r}")
     return value
+
+
+def _kind(value: str | None) -> str:
+    if value not in (None, "engine", "bare"):
+        raise ValueError(f"window.kind: expected 'engine' or 'bare', got {value!r}")
+    return value or "engine"
 
 
 def _timing(data: Any, where: str) -> PhaseTiming:

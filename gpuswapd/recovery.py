@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpuswapd import closing, holding, parking
+from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -51,6 +52,13 @@ async def recover_at_start(window: Window) -> None:
         window.restore_baseline(f"no copy of the state could be read ({problem})")
         return  # the baseline takes the configured engine down itself
     record = document.window if document is not None else None
+    if document is not None and document.queue:
+        # Waiting requests are not kept across a restart: their clients saw the connection drop.
+        log.warning("queue_dropped", waiting=len(document.queue),
+                    holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20],
+                    reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
+        window.writer.request()
+    await _learn_history(window)
     if document is not None and document.parked is not None:
         try:
             window.parked = parking.Parked.from_dict(document.parked)
@@ -60,7 +68,7 @@ async def recover_at_start(window: Window) -> None:
         window.recover(record)
     # Reconcile before serving: nobody sees an engine no record knows about.
     try:
-        await window.engine.remove_orphans(window.engines_kept())
+        await window.engine_of(DEFAULT_PROFILE).remove_orphans(window.engines_kept())
     except (GpuswapError, asyncio.CancelledError) as err:
         log.warning("orphan_check_failed", error=_why(err, window), retry="in the background")
         closing.sweep_orphans(window)
@@ -70,9 +78,15 @@ async def recover_at_start(window: Window) -> None:
 async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
-    if rec.phase is Phase.IDLE:  # it had finished; only the cleared document was not written
+    if rec.phase is Phase.IDLE and not rec.pending_switch:  # it had finished; the cleared document was not written
         w.record = None
         await w.persist(required=False)
+        return
+    if rec.phase in (Phase.IDLE, Phase.DRAINING) and rec.switched_from:
+        # A direct switch that had not got further: the timers and units it took over come back.
+        if rec.phase is Phase.IDLE:
+            rec.enter(Phase.DRAINING)
+        await closing.close(w, rec, "recovered")
         return
     if rec.phase is Phase.DRAINING:  # nothing was changed yet
         w.finish(rec, "recovered")
@@ -84,6 +98,16 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         await holding.hold_then_close(w, rec)
         return
     await closing.close(w, rec, "recovered")
+
+
+async def _learn_history(w: Window) -> None:
+    """Learn open and restore times from the history (queue ETAs, what a switch saves)."""
+    try:
+        for record in await w.outside.state.call("read_history", w.store.history, 200):
+            w.times.learn(record)
+    except (GpuswapError, OSError, asyncio.CancelledError) as err:  # an interruption at start: noted only
+        log.warning("history_unreadable", error=_why(err, w),
+                    consequence="queue ETAs are unknown until windows have opened")
 
 
 def baseline_record(w: Window) -> WindowRecord:

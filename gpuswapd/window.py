@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gpuswapd import closing, holding, opening, parking, recovery
-from gpuswapd.config import Config
-from gpuswapd.engine import Engine
+from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
+from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
     Degraded,
     DockerError,
@@ -29,7 +29,10 @@ from gpuswapd.errors import (
     NotFound,
     NotReady,
     PermissionDenied,
+    QueueFull,
     StateError,
+    Stopping,
+    UnknownProfile,
     WindowCancelled,
 )
 from gpuswapd.failpoints import failpoint
@@ -38,6 +41,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
 from gpuswapd.state import Document, StateStore
@@ -45,7 +49,6 @@ from gpuswapd.tasks import spawn, uncancel
 from gpuswapd.vram import Vram
 from gpuswapd.writer import StateWriter
 
-Listener = Callable[[dict[str, Any]], None]
 Owner = Callable[[Lease], bool]
 
 
@@ -60,25 +63,19 @@ class Backoffs:
     writer: tuple[float, float] = (0.2, 30.0)       # writing the state document
 
 
-@dataclass(eq=False)
-class Waiter:
-    """An acquire waiting for the window to be READY."""
-
-    holder: str
-    duration: float
-    unit: str | None
-    uid: int | None
-    future: asyncio.Future[Lease] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
 class Window:
     """Opens, holds and closes the GPU window for the lease holders."""
 
     def __init__(self, config: Config, resident: Resident, engine: Engine, vram: Vram, store: StateStore,
-                 notifier: Notifier, outside: Outside, backoffs: Backoffs | None = None) -> None:
+                 notifier: Notifier, outside: Outside, backoffs: Backoffs | None = None,
+                 engines: dict[str, Engine] | None = None) -> None:
         self.config = config
         self.resident = resident
-        self.engine = engine
+        # One engine per profile: "default" is [window]'s; a bare profile has none to speak of.
+        self.engines: dict[str, Engine] = {DEFAULT_PROFILE: engine, **(engines or {})}
+        for name, profile in config.profiles.items():
+            if profile.kind == "bare":
+                self.engines.setdefault(name, BareEngine())
         self.vram = vram
         self.store = store
         self.notifier = notifier
@@ -89,7 +86,8 @@ class Window:
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
         self.baseline_restore: dict[str, Any] | None = None
-        self._waiters: list[Waiter] = []
+        self.queue = Queue(config.daemon.fair_after)
+        self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
         self._listeners: set[Listener] = set()
         self._driver: asyncio.Task[None] | None = None
         self._opening: asyncio.Task[None] | None = None
@@ -105,7 +103,22 @@ class Window:
         """Return the state document as it stands in memory (the writer's snapshot)."""
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
-                        parked=self.parked.to_dict() if self.parked is not None else None)
+                        parked=self.parked.to_dict() if self.parked is not None else None,
+                        queue=[w.to_dict() for w in self.queue.queued()])
+
+    @property
+    def profile(self) -> Profile:
+        """Return the profile of the window open now ("default" when none is)."""
+        return self.config.profile(self.record.profile if self.record is not None else DEFAULT_PROFILE)
+
+    @property
+    def engine(self) -> Engine:
+        """Return the engine of the window open now (the default engine when none is)."""
+        return self.engines[self.profile.name]
+
+    def engine_of(self, profile: str) -> Engine:
+        """Return the engine of a profile (a parked engine's, say)."""
+        return self.engines.get(profile) or self.engines[DEFAULT_PROFILE]
 
     def engines_kept(self) -> set[str]:
         """Name the windows whose containers are still wanted: the open window's and the parked one's."""
@@ -125,29 +138,50 @@ class Window:
         return self.record.phase if self.record else Phase.IDLE
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
-                      wait: bool = True, listener: Listener | None = None) -> Lease:
-        """Get a lease: at once if READY, else after opening the window (or joining its opening)."""
+                      wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE) -> Lease:
+        """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
+
+        A request for the open window's profile joins it, unless a queued request for another
+        profile has waited ``daemon.fair_after``; every other request queues for a later window.
+        """
         if self.stopping.is_set():
-            raise WindowCancelled("gpuswapd is stopping")
-        rec = self.record
-        waiter = Waiter(holder, duration, unit, uid)
-        if rec is not None and rec.phase is Phase.READY:
+            raise Stopping("gpuswapd is stopping")
+        if profile not in self.engines:
+            raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
+                                 "([window] is \"default\", the others are [profiles.NAME])")
+        rec, now = self.record, time.time()
+        joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
+                 and self.queue.blocked(profile, now) is None)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener)
+        if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         if rec is not None and rec.degraded:
             raise Degraded(f"the last window could not be closed yet, so no window opens: {rec.degraded}; "
                            "gpuswapd keeps retrying (gpuswapctl status)", phase=str(rec.phase))
         if not wait:
-            raise NotReady(f"the window is not open (phase {self.phase}); acquire without --no-wait opens it")
-        self._waiters.append(waiter)
+            raise NotReady(f"no window of profile {profile!r} is open (phase {self.phase}"
+                           f"{f', profile {rec.profile!r}' if rec is not None else ''}); "
+                           "acquire without --no-wait opens one")
+        if not joins and len(self.queue.queued()) >= self.config.daemon.max_queue:
+            raise QueueFull(f"the queue is full: {self.config.daemon.max_queue} requests wait already "
+                            "(daemon.max_queue); try again later")
+        waiter.window = rec.id if joins and rec is not None else None
+        self.queue.waiters.append(waiter)
         if listener is not None:
             self._listeners.add(listener)
             if rec is not None and rec.closing:
                 listener({"event": "waiting", "reason": "restoring the previous window", "phase": str(rec.phase),
                           "window": rec.id})
+        if waiter.window is None and rec is not None:
+            log.info("request_queued", holder=holder, profile=profile, position=len(self.queue.queued()))
+            self.writer.request()
+            self.wake.set()  # the open window must not linger for nobody
+            self.tell_queue()
         if self._driver is None:
             self._drive()
         try:
-            return await asyncio.shield(waiter.future)
+            lease: Lease = await asyncio.shield(waiter.future)
+            return lease
         except asyncio.CancelledError:
             # The client went away (or its timeout passed): a lease granted meanwhile is nobody's.
             fut = waiter.future
@@ -161,15 +195,36 @@ class Window:
 
     def _withdraw(self, waiter: Waiter) -> None:
         """Forget a waiter that went away; abandon an opening window nobody waits for."""
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
+        queued = waiter.window is None and waiter in self.queue.waiters
+        self.queue.remove(waiter)
+        if queued:
+            self.writer.request()
+            self.tell_queue()
         if waiter.future.done():
             return
         waiter.future.cancel()
         rec = self.record
-        if not self._waiters and self._opening is not None and rec is not None and not len(rec.leases):
+        if (rec is not None and waiter.window == rec.id and not self.queue.joined(rec.id)
+                and self._opening is not None and not len(rec.leases)):
             log.info("window_abandoned", reason="the last waiting client went away")
             self._opening.cancel()
+
+    def queue_status(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
+        now = time.time() if now is None else now
+        rec, ahead = self.record, 0.0
+        if rec is not None and not rec.closing:
+            ends = [lease.expires_at for lease in rec.leases.all()]
+            ahead = max(0.0, max(ends, default=now) - now) + self.config.daemon.linger
+        return self.queue.describe(self.times, ahead, now)
+
+    def tell_queue(self) -> None:
+        """Tell every queued client its position and ETA."""
+        for entry, waiter in zip(self.queue_status(), self.queue.queued(), strict=True):
+            if waiter.listener is not None:
+                waiter.listener({"event": "queued", **entry,
+                                 "open": {"window": self.record.id, "profile": self.record.profile,
+                                          "phase": str(self.record.phase)} if self.record is not None else None})
 
     async def release(self, lease_id: str | None = None, match: Owner | None = None,
                       allowed: Owner | None = None) -> list[Lease]:
@@ -224,13 +279,14 @@ class Window:
         return {
             "phase": str(self.phase),
             "window": self.record.to_dict(now) if self.record else None,
-            "waiting": len(self._waiters),
+            "waiting": len(self.queue),
+            "queue": self.queue_status(now),
             "last": self.last.to_dict() if self.last else None,
             "state_writable": self.writer.writable,
             "state_error": self.writer.error,
             "baseline_restore": self.baseline_restore,
             "hung": self.outside.status(),
-            "parked": self.parked.status(self.config.window.park.keep) if self.parked is not None else None,
+            "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
         }
 
@@ -250,7 +306,10 @@ class Window:
                                   "log (journalctl -u gpuswapd); gpuswapd keeps trying")
         finally:
             parking.watch(self)
-        return parked.status(self.config.window.park.keep)
+        return parked.status(self._keep(parked))
+
+    def _keep(self, parked: parking.Parked) -> float:
+        return self.config.profile(parked.profile).engine.park.keep
 
     def closed_because(self) -> str:
         """Say why no window is open, when the last one ended badly (for lease errors)."""
@@ -329,8 +388,10 @@ class Window:
         self.notifier.send(status=line)
 
     def grant_waiters(self, rec: WindowRecord) -> list[tuple[Waiter, Lease]]:
-        """Give every waiting acquire its lease (the window is READY)."""
-        waiters, self._waiters = self._waiters, []
+        """Give every acquire that joined this window its lease (the window is READY)."""
+        waiters = self.queue.joined(rec.id)
+        for w in waiters:
+            self.queue.remove(w)
         return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)) for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
@@ -345,24 +406,46 @@ class Window:
             else:
                 waiter.future.set_result(lease)
 
-    def fail_waiters(self, err: GpuswapError) -> None:
-        """Fail every waiting acquire with ``err``."""
-        for waiter in self._waiters:
+    def fail_waiters(self, err: GpuswapError, window: str | None = None) -> None:
+        """Fail the acquires that joined ``window`` with ``err`` (None: every waiting acquire)."""
+        for waiter in list(self.queue.waiters):
+            if window is not None and waiter.window != window:
+                continue
+            self.queue.remove(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
-        self._waiters.clear()
+        self.writer.request()
 
-    def finish(self, rec: WindowRecord, outcome: str) -> None:
-        """End the window: history and the cleared document go to the writer; the next may open."""
+    def finish(self, rec: WindowRecord, outcome: str, switch_to: WindowRecord | None = None) -> None:
+        """End the window: history and the next document go to the writer; the next may open.
+
+        With ``switch_to``, that window takes the card over at once (a direct switch): it carries
+        the paused timers and stopped units, and the resident stays down.
+        """
         rec.outcome = outcome
+        rec.switched_to = switch_to.id if switch_to is not None else None
         rec.enter(Phase.IDLE)
-        self.last, self.record = rec, None
-        self.writer.add_history(rec.to_dict())
+        self.last, self.record = rec, switch_to
+        record = rec.to_dict()
+        self.writer.add_history(record)
+        self.times.learn(record)
         self.notify_status()
-        log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start,
-                 took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3))
+        log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
+                 took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3), switched_to=rec.switched_to)
         structlog.contextvars.unbind_contextvars("window_id", "phase")
-        parking.watch(self)
+        if switch_to is None:
+            parking.watch(self)
+        else:
+            self.writer.request()
+
+    def switch(self, rec: WindowRecord, profile: str) -> None:
+        """Close ``rec`` straight into a window of ``profile``, keeping the resident down."""
+        nxt = WindowRecord.new()
+        nxt.profile, nxt.kind = profile, self.config.profile(profile).kind
+        nxt.timers, nxt.units = list(rec.timers), list(rec.units)
+        nxt.switched_from, nxt.saved = rec.id, self.times.saved()
+        log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
+        self.finish(rec, "closed", switch_to=nxt)
 
     # -- the driver ------------------------------------------------------------------------
 
@@ -388,7 +471,7 @@ class Window:
     def _driver_died(self, err: BaseException) -> None:
         # The supervisor itself failed (a bug in it): start again from the record in memory.
         self._driver = None
-        if not self.stopping.is_set() and (self.record is not None or self._waiters):
+        if not self.stopping.is_set() and (self.record is not None or len(self.queue)):
             self._drive(self._rescue(self.record) if self.record else None)
 
     async def _supervise(self, first: Any) -> None:
@@ -397,9 +480,12 @@ class Window:
         try:
             while True:
                 if step is None:
-                    if not self._waiters or self.stopping.is_set():
+                    if self.record is not None and self.record.pending_switch:
+                        step = self._run_window()  # a direct switch: the next window takes the card over
+                    elif not self.queue.queued() or self.stopping.is_set():
                         return
-                    step = self._run_window()
+                    else:
+                        step = self._run_window()
                 try:
                     await step
                     failures = 0
@@ -439,17 +525,30 @@ class Window:
         """Close a window whose driver failed, from wherever it stands."""
         if self.record is not rec:
             return
-        if rec.phase is Phase.DRAINING:
+        if rec.phase is Phase.DRAINING and not rec.switched_from:
             self.finish(rec, "refused")
             return
+        if rec.phase is Phase.IDLE:  # a switch that had not begun: it changed nothing but what it took over
+            rec.enter(Phase.DRAINING)
         await closing.close(self, rec, "rolled_back")
 
     async def _run_window(self) -> None:
-        assert self.record is None, "a new window while the last one is not finished"
-        await parking.stop_watching(self)  # the window takes the parked engine over, or removes it
-        rec = self.record = WindowRecord.new()
+        rec = self.record
+        assert rec is None or rec.pending_switch, "a new window while the last one is not finished"
+        if rec is None:
+            rec = self.record = WindowRecord.new()
         self.hung_mark = closing.hung_mark(self)
         structlog.contextvars.bind_contextvars(window_id=rec.id)
+        queued = self.queue.queued()
+        if not queued:  # a switch whose clients all went away: give the card back
+            rec.enter(Phase.DRAINING)
+            await closing.close(self, rec, "abandoned")
+            return
+        rec.profile = queued[0].profile
+        rec.kind = self.config.profile(rec.profile).kind
+        self.queue.take(rec.id, rec.profile, time.time())
+        self.tell_queue()
+        await parking.stop_watching(self)  # the window takes the parked engine over, or removes it
         self._opening = asyncio.create_task(opening.open_window(self, rec), name="window-open")
         failure: GpuswapError | None = None
         try:
@@ -477,9 +576,9 @@ class Window:
 
     async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:
         rec.fail(err)
-        log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase)
-        self.fail_waiters(err)
-        if rec.phase is Phase.DRAINING:  # nothing was changed yet
+        log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase, profile=rec.profile)
+        self.fail_waiters(err, rec.id)
+        if rec.phase is Phase.DRAINING and not rec.switched_from:  # nothing was changed yet
             self.finish(rec, "refused")
         else:
             await closing.close(self, rec, "rolled_back")
@@ -489,7 +588,8 @@ class Window:
     async def shutdown(self, restore: bool) -> None:
         """Stop serving the window; with ``restore``, close it and give the GPU back first."""
         self.stopping.set()
-        self.fail_waiters(WindowCancelled("gpuswapd is stopping"))
+        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
+                                   "acquire again once it is back"))
         driver = self._driver
         await parking.stop_watching(self)
         if not restore:

@@ -1,0 +1,142 @@
+"""The requests waiting for a window: who joins the open one, who queues for a later one, and when.
+
+One window is open at a time. A request for the open window's profile joins it; a request for
+another profile queues, first come first served. Fairness: once a queued request for another
+profile has waited ``daemon.fair_after``, new requests for the open profile queue behind it
+instead of joining, so the open window closes when its current leases end.
+
+Waiting requests live only in memory (and in the state document's ``queue``, for the record):
+they do not survive a restart of gpuswapd, whose clients then see their connection drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.phases import Phase
+
+Listener = Callable[[dict[str, Any]], None]
+TIMES_KEPT = 20  # windows per profile whose open times estimate the next
+
+
+@dataclass(eq=False)
+class Waiter:
+    """An acquire waiting for a window to be READY."""
+
+    holder: str
+    duration: float
+    unit: str | None
+    uid: int | None
+    profile: str = DEFAULT_PROFILE
+    listener: Listener | None = None
+    since: float = field(default_factory=time.time)
+    window: str | None = None  # the window it joined; None while it queues for a later one
+    future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Describe it for the state document."""
+        return {"holder": self.holder, "profile": self.profile, "since": self.since, "unit": self.unit,
+                "uid": self.uid}
+
+
+class Times:
+    """What history says windows take: the open time of each profile, and the resident's restore."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, deque[float]] = {}
+        self._restore: deque[float] = deque(maxlen=TIMES_KEPT)
+
+    def learn(self, record: dict[str, Any]) -> None:
+        """Take the timings of one finished window (a history record)."""
+        timings = [t for t in record.get("timings") or [] if isinstance(t, dict)]
+        ready = next((t for t in timings if t.get("phase") == str(Phase.READY)), None)
+        opened = record.get("opened_at")
+        if ready is not None and isinstance(opened, (int, float)) and isinstance(ready.get("started_at"), (int, float)):
+            profile = str(record.get("profile") or DEFAULT_PROFILE)
+            self._open.setdefault(profile, deque(maxlen=TIMES_KEPT)).append(ready["started_at"] - opened)
+        restored = [t.get("took_s") for t in timings if t.get("phase") == str(Phase.RESTORING)
+                    and t.get("stage") == "close" and isinstance(t.get("took_s"), (int, float))]
+        if restored and record.get("outcome") == "closed" and not record.get("degraded"):
+            self._restore.append(float(sum(restored)))
+
+    def open_time(self, profile: str) -> float | None:
+        """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""
+        seen = self._open.get(profile)
+        return float(statistics.median(seen)) if seen else None
+
+    def saved(self) -> dict[str, Any] | None:
+        """Say what a direct switch saves: the resident's start and verify, as last measured."""
+        if not self._restore:
+            return None
+        return {"resident_restore_s": round(float(statistics.median(self._restore)), 3),
+                "measured_windows": len(self._restore)}
+
+
+class Queue:
+    """The waiting acquires, in arrival order."""
+
+    def __init__(self, fair_after: float) -> None:
+        self.fair_after = fair_after
+        self.waiters: list[Waiter] = []
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def queued(self) -> list[Waiter]:
+        """List the requests waiting for a later window, first come first."""
+        return [w for w in self.waiters if w.window is None]
+
+    def joined(self, window: str) -> list[Waiter]:
+        """List the requests waiting for ``window`` to be READY."""
+        return [w for w in self.waiters if w.window == window]
+
+    def blocked(self, profile: str, now: float) -> Waiter | None:
+        """Return a queued request for another profile that has waited ``fair_after``, if any."""
+        for w in self.queued():
+            if w.profile != profile and now - w.since >= self.fair_after:
+                return w
+        return None
+
+    def wants_other(self, profile: str) -> bool:
+        """Tell whether anybody queues for a window of another profile (the open one should not linger)."""
+        return any(w.profile != profile for w in self.queued())
+
+    def take(self, window: str, profile: str, now: float) -> list[Waiter]:
+        """Let the queued requests for ``profile`` join ``window``, except those behind a fair claim."""
+        taken, behind = [], False
+        for w in self.queued():
+            if w.profile != profile:
+                behind = behind or now - w.since >= self.fair_after
+            elif not behind:
+                w.window = window
+                taken.append(w)
+        return taken
+
+    def remove(self, waiter: Waiter) -> None:
+        """Forget a request (granted, failed, or gone)."""
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+
+    def describe(self, times: Times, ahead_s: float, now: float) -> list[dict[str, Any]]:
+        """Describe the queue for ``status``: holder, profile, position, waited and an ETA.
+
+        The ETA is ``ahead_s`` (the open window's remaining lease time plus linger) plus the
+        median open time of each window to open before and with this request's; null when history
+        has no open time for one of them yet.
+        """
+        out, windows = [], []
+        for position, w in enumerate(self.queued(), start=1):
+            if not windows or windows[-1] != w.profile:
+                windows.append(w.profile)
+            opens = [times.open_time(p) for p in windows]
+            eta = None if any(t is None for t in opens) else round(ahead_s + sum(t or 0.0 for t in opens), 1)
+            out.append({"holder": w.holder, "profile": w.profile, "position": position,
+                        "waited_s": round(now - w.since, 1), "eta_s": eta})
+        return out
