@@ -461,7 +461,8 @@ def warnings(config: Config) -> list[str]:
                        "vLLM offers sleep only when started with it (an env_file or the image may still set it)")
         if c.env.get("VLLM_SERVER_DEV_MODE") != "1":
             out.append(f"{where}.park.mode = \"sleep\", but {where}.container.env has no VLLM_SERVER_DEV_MODE = "
-                       "\"1\": vLLM serves /sleep and /wake_up only with it (an env_file or the image may still set it)")
+                       "\"1\": vLLM serves /sleep and /wake_up only with it "
+                       "(an env_file or the image may still set it)")
     return out
 
 

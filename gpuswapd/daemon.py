@@ -15,9 +15,9 @@ from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd
-from gpuswapd.config import DEFAULT_PATH, Config, load_config
+from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
-from gpuswapd.engine import ContainerEngine
+from gpuswapd.engine import ContainerEngine, Engine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
 from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
@@ -54,14 +54,19 @@ class Daemon:
         self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)
         self.resident = Resident(config, self.systemd, self.http, self.outside)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside)
-        self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier, self.outside)
+        # One engine per engine profile, each with its own container; a bare profile has none.
+        engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside)
+                                      for p in config.engine_profiles() if p.name != DEFAULT_PROFILE}
+        self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier, self.outside,
+                             engines=engines)
         self.server = Server(
             config,
             self.window,
             self.store,
             self.systemd,
             self.outside,
-            lambda: make_plan(config, self.resident, self.engine, self.vram, self.window.parked),
+            lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
+                                      self.window.parked, config.profile(profile)),
         )
         self._stop = asyncio.Event()
         self._signals = 0
@@ -114,18 +119,17 @@ class Daemon:
 
     async def _check_image(self) -> None:
         """Refuse to start on a configured image that Docker does not have; Docker may be down."""
-        c = self.config.window.container
         try:
             await self.outside.docker.call("ping", self.docker.ping)
-            present = not c.create or await self.outside.docker.call("image_present", self.docker.image_present,
-                                                                     c.image)
+            for p in self.config.engine_profiles():
+                c = p.engine.container
+                if c.create and not await self.outside.docker.call("image_present", self.docker.image_present,
+                                                                   c.image):
+                    where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
+                    raise ConfigError(f"{where}.container.image: {c.image!r} is not in Docker "
+                                      f"(`docker pull {c.image}` or `docker load` it)")
         except DockerUnavailable as err:
             log.warning("docker_unavailable_at_start", error=err.message)
-            return
-        if not present:
-            raise ConfigError(
-                f"window.container.image: {c.image!r} is not in Docker (`docker pull {c.image}` or `docker load` it)"
-            )
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1

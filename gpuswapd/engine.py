@@ -430,12 +430,15 @@ class BareEngine:
         """Nothing to check: no container, no port."""
 
     async def bring_up(self, window_id: str) -> dict[str, Any]:
+        """Never called: a bare window brings no engine up."""
         raise AssertionError("a bare window brings no engine up")
 
     async def wait_serving(self, timeout: float) -> float:
+        """Never called: there is no engine to wait for."""
         raise AssertionError("a bare window has no engine to wait for")
 
     async def warm(self) -> None:
+        """Never called: there is no engine to warm."""
         raise AssertionError("a bare window has no engine to warm")
 
     async def healthy(self) -> bool:
@@ -467,12 +470,15 @@ class BareEngine:
         return False
 
     async def sleep(self, level: int) -> None:
+        """Never called: a bare window parks nothing."""
         raise AssertionError("a bare window has no engine to park")
 
     async def wake(self) -> None:
+        """Never called: a bare window wakes nothing."""
         raise AssertionError("a bare window has no engine to wake")
 
     async def canary(self) -> str:
+        """Never called: there is no engine to ask."""
         raise AssertionError("a bare window has no engine to ask")
 
     async def why_not_parked(self, record: dict[str, Any]) -> str | None:

@@ -73,6 +73,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     parked = w.parked
     if parked is None:
         return None
+    why: str | None
     if parked.profile != rec.profile:
         try:
             await check_fit(w, w.profile.needs)

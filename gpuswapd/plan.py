@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuswapd.config import Config
+from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
 from gpuswapd.parking import Parked
@@ -14,11 +14,15 @@ from gpuswapd.vram import Vram, predict_fit
 
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,
-                    parked: Parked | None = None) -> dict[str, Any]:
-    """Describe the units, timers, container and VRAM a window would touch, and any blocker."""
+                    parked: Parked | None = None, profile: Profile | None = None) -> dict[str, Any]:
+    """Describe the units, timers, container and VRAM a window of ``profile`` would touch, and any blocker."""
+    profile = profile or config.profile(DEFAULT_PROFILE)
     problems: list[str] = []
-    start, need, parked_note = "cold", config.gpu.window_needs, None
-    if parked is not None:
+    start, need, parked_note = "cold", profile.needs, None
+    if parked is not None and parked.profile != profile.name:
+        parked_note = (f"{parked.container.get('name')} of profile {parked.profile!r} asleep: it stays parked if "
+                       "this window fits beside it, else the window removes it first")
+    elif parked is not None:
         why = await engine.why_not_parked(parked.container)
         if why is None:
             start, need = "warm", max(0, need - parked.residual_bytes)
@@ -37,18 +41,20 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     timers = await attempt("timers", resident.timers()) or []
     idle = resident.outside.http.run("idle", resident.http.idle(config.resident.idle))
     busy = await attempt("resident idle probe", idle)
-    if parked is None:
+    if start == "cold":
         await attempt("engine", engine.preflight())
     reading = await attempt("gpu", vram.read())
-    c = config.window.container
     plan: dict[str, Any] = {
+        "profile": profile.name,
+        "kind": profile.kind,
         "units": units or [],
         "configured_units": config.resident.units,
         "timers": [t.name for t in timers if t.active_state == "active"],
         "jobs_running": [t.service for t in timers if t.job_running],
         "resident_busy": busy.detail if busy is not None and busy.busy else None,
-        "container": {"name": c.name, "image": c.image, "create": c.create,
-                      "health_url": config.window.health_url},
+        "container": None if profile.window is None else {
+            "name": profile.window.container.name, "image": profile.window.container.image,
+            "create": profile.window.container.create, "health_url": profile.window.health_url},
         "vram": None,
         "next_open": start,
         "parked": parked_note,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +19,14 @@ from gpuswapd.timespan import SpanError, parse_span
 MAX_LINE = 64 * 1024
 MAX_SPAN_S = 10 * 365 * 86400.0
 MAX_NESTING = 32
+_PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 OPS = ("acquire", "release", "renew", "status", "plan", "history", "park")
 _FIELDS: dict[str, set[str]] = {
-    "acquire": {"for", "holder", "wait", "timeout"},
+    "acquire": {"for", "holder", "wait", "timeout", "profile"},
     "release": {"lease", "holder"},
     "renew": {"lease", "holder", "for"},
     "status": set(),
-    "plan": set(),
+    "plan": {"profile"},
     "history": {"limit"},
     "park": {"remove"},
 }
@@ -42,6 +44,7 @@ class Request:
     timeout: float | None = None
     limit: int = 20
     remove: bool = False
+    profile: str = "default"
 
 
 def _span(value: Any, key: str) -> float:
@@ -104,7 +107,14 @@ def parse_request(line: bytes) -> Request:
         timeout=_span(data["timeout"], "timeout") if "timeout" in data else None,
         limit=limit,
         remove=remove,
+        profile=_profile(data["profile"]) if "profile" in data else "default",
     )
+
+
+def _profile(value: Any) -> str:
+    if not isinstance(value, str) or not _PROFILE.match(value):
+        raise RequestError("'profile' must be a profile name: lowercase letters, digits and '-' (e.g. \"bare\")")
+    return value
 
 
 def _depth(line: bytes) -> int:

@@ -61,10 +61,10 @@ class Times:
         if ready is not None and isinstance(opened, (int, float)) and isinstance(ready.get("started_at"), (int, float)):
             profile = str(record.get("profile") or DEFAULT_PROFILE)
             self._open.setdefault(profile, deque(maxlen=TIMES_KEPT)).append(ready["started_at"] - opened)
-        restored = [t.get("took_s") for t in timings if t.get("phase") == str(Phase.RESTORING)
+        restored = [float(t["took_s"]) for t in timings if t.get("phase") == str(Phase.RESTORING)
                     and t.get("stage") == "close" and isinstance(t.get("took_s"), (int, float))]
         if restored and record.get("outcome") == "closed" and not record.get("degraded"):
-            self._restore.append(float(sum(restored)))
+            self._restore.append(sum(restored))
 
     def open_time(self, profile: str) -> float | None:
         """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""
@@ -131,7 +131,8 @@ class Queue:
         median open time of each window to open before and with this request's; null when history
         has no open time for one of them yet.
         """
-        out, windows = [], []
+        out: list[dict[str, Any]] = []
+        windows: list[str] = []
         for position, w in enumerate(self.queued(), start=1):
             if not windows or windows[-1] != w.profile:
                 windows.append(w.profile)

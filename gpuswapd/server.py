@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuswapd import __version__
 from gpuswapd.admission import Admission
-from gpuswapd.config import Config
+from gpuswapd.config import Config, Profile
 from gpuswapd.errors import (
     AcquireTimeout,
     GpuswapError,
@@ -24,12 +24,14 @@ from gpuswapd.errors import (
     PermissionDenied,
     RequestError,
     TooManyClients,
+    UnknownProfile,
 )
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.peers import Peer, credentials, identify
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
+from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.window import Window
@@ -53,7 +55,7 @@ class Server:
     """Serves the socket protocol for one window."""
 
     def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd, outside: Outside,
-                 planner: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+                 planner: Callable[[str], Awaitable[dict[str, Any]]]) -> None:
         self.config = config
         self.window = window
         self.store = store
@@ -216,7 +218,8 @@ class Server:
         if req.op == "status":
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
-                    "endpoint": {"url": verify.url, "model": verify.model}, **self.window.status()}
+                    "endpoint": {"url": verify.url, "model": verify.model}, "profiles": self._profiles(),
+                    **self.window.status()}
         if req.op == "park":
             if req.remove:
                 return {"ok": True, "removed": await self.window.remove_parked()}
@@ -224,7 +227,28 @@ class Server:
         if req.op == "history":
             history = await self.outside.state.call("read_history", self.store.history, req.limit)
             return {"ok": True, "windows": history}
-        return {"ok": True, "plan": await self.planner()}
+        self._profile(req.profile)
+        return {"ok": True, "plan": await self.planner(req.profile)}
+
+    def _profile(self, name: str) -> Profile:
+        try:
+            return self.config.profile(name)
+        except KeyError:
+            known = ", ".join(p.name for p in self.config.all_profiles())
+            raise UnknownProfile(f"no profile {name!r}: this gpuswapd has {known} ([window] is \"default\", "
+                                 "the others are [profiles.NAME] in its configuration)") from None
+
+    def _profiles(self) -> dict[str, Any]:
+        """Describe each profile for ``status``: its kind, what it needs, where its engine answers."""
+        out = {}
+        for p in self.config.all_profiles():
+            endpoint = None
+            if p.window is not None:
+                endpoint = {"url": p.window.verify.url, "model": p.window.verify.model,
+                            "health_url": p.window.health_url, "container": p.window.container.name}
+            out[p.name] = {"kind": p.kind, "needs_bytes": p.needs, "needs": format_size(p.needs),
+                           "endpoint": endpoint, "gpu_index": self.config.gpu.index}
+        return out
 
     def _mine(self, peer: Peer, holder: str | None) -> Callable[[Lease], bool]:
         """Match the caller's leases (of ``holder``, if named); refuse if it names another's."""
@@ -253,6 +277,7 @@ class Server:
     async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease)
+        profile = self._profile(req.profile)
         started = time.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
@@ -261,7 +286,7 @@ class Server:
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress))
+            wait=req.wait, listener=progress, profile=profile.name))
         retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
@@ -287,7 +312,8 @@ class Server:
                 # The unit died while it waited: its watcher may have fired before the lease existed.
                 await self.window.unit_gone(lease.unit)
             await self._send(writer, {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
-                                      "waited_s": round(time.monotonic() - started, 3)})
+                                      "waited_s": round(time.monotonic() - started, 3), "profile": profile.name,
+                                      "kind": profile.kind, "gpu_index": self.config.gpu.index})
         except BaseException:
             # Its client never heard of the lease (it hung up, or this failed): nobody holds it.
             with contextlib.suppress(GpuswapError):

@@ -171,11 +171,21 @@ def select_prompts(spec: str) -> list[Prompt]:
 
 
 def endpoint(args: argparse.Namespace, socket: str) -> tuple[str, str]:
-    """Return the chat completions URL and model: the flags, else the daemon's ``[window.verify]``."""
-    if args.url and args.model:
+    """Return the chat completions URL and model: the flags, else the profile's ``verify`` (from ``status``).
+
+    A bare profile has no engine to measure: that is a usage error.
+    """
+    profile = getattr(args, "profile", "default")
+    if args.url and args.model and profile == "default":
         return args.url, args.model
     with Client(socket) as client:
-        verify = client.request({"op": "status"})["endpoint"]
+        reply = client.request({"op": "status"})
+    profiles = reply.get("profiles") or {"default": {"kind": "engine", "endpoint": reply["endpoint"]}}
+    if profile not in profiles:
+        raise BenchUsageError(f"no profile {profile!r}: gpuswapd has {', '.join(profiles)}")
+    if profiles[profile]["kind"] == "bare":
+        raise BenchUsageError(f"profile {profile!r} is bare: it has no engine to measure (bench an engine profile)")
+    verify = profiles[profile]["endpoint"]
     return args.url or verify["url"], args.model or verify["model"]
 
 
@@ -312,6 +322,8 @@ def run_bench(args: argparse.Namespace, socket: str) -> int:
         results = asyncio.run(run_requests(url, model, prompts, args.max_tokens, args.repeat))
     else:
         acquire: dict[str, Any] = {"op": "acquire", **({"for": args.duration} if args.duration else {})}
+        if args.profile != "default":
+            acquire["profile"] = args.profile
         with held_lease(socket, acquire, quiet=args.json) as lease:
             results = asyncio.run(run_requests(url, model, prompts, args.max_tokens, args.repeat))
     summary = summarize([r for r in results if r.error is None])

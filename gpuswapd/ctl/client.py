@@ -82,12 +82,18 @@ class Client:
             raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
 
     def _reply(self, on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+        waited = False
         while True:
             line = self._file.readline()
             if not line:
+                if waited:
+                    raise Unreachable(f"gpuswapd closed the connection on {self.path} while this request waited "
+                                      "(it stopped, restarted or was killed): waiting requests are not kept across "
+                                      "a restart; acquire again once it is back (systemctl status gpuswapd)")
                 raise Unreachable(f"gpuswapd closed the connection on {self.path} without a reply")
             data = json.loads(line)
             if "event" in data:
+                waited = True
                 if on_event is not None:
                     on_event(data)
                 continue

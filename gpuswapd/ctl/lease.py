@@ -19,9 +19,11 @@ def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False) -> Ite
     try:
         with Client(socket) as client:
             # No read timeout: the window may take minutes to open; gpuswapd bounds it.
-            lease: dict[str, Any] = client.request(acquire, on_event=progress.event, timeout=None)["lease"]
+            reply = client.request(acquire, on_event=progress.event, timeout=None)
     finally:
         progress.close()
+    lease: dict[str, Any] = {**reply["lease"], "kind": reply.get("kind", "engine"),
+                             "gpu_index": reply.get("gpu_index", 0), "profile": reply.get("profile", "default")}
     duration = max(1.0, lease["expires_at"] - lease["granted_at"])
     stop = threading.Event()
 

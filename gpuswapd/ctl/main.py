@@ -4,9 +4,9 @@ Exit codes (also in gpuswapctl(1)):
   0  done: the lease is held (acquire, run: CMD's own code), or the request succeeded
   1  the GPU was not obtained: the window failed to open or was closed
   2  usage error: bad arguments
-  3  gpuswapd cannot be reached
-  4  refused: a bad request, permission denied, or no such lease
-  5  not ready: --no-wait and no window is open
+  3  gpuswapd cannot be reached (or it stopped while the request waited: waiting requests are not kept)
+  4  refused: a bad request, permission denied, no such lease or profile, or the queue is full
+  5  not ready: --no-wait and no window of the profile is open
   6  timed out: --timeout passed before the window was ready
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -21,9 +22,10 @@ from typing import Any
 from gpuswapd.ctl.client import Client, Unreachable, socket_path
 from gpuswapd.ctl.render import Progress, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
-from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, WindowError
+from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, Stopping, WindowError
 from gpuswapd.timespan import SpanError, format_span, parse_span
 
+_PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_NOT_READY, EXIT_TIMEOUT = range(7)
 
 
@@ -45,6 +47,17 @@ def _limit(text: str) -> int:
     if not 1 <= value <= 1000:
         raise argparse.ArgumentTypeError(f"{value} is out of range (1..1000)")
     return value
+
+
+def _profile(text: str) -> str:
+    if not _PROFILE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a profile name (lowercase letters, digits and '-')")
+    return text
+
+
+def _add_profile(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--profile", type=_profile, default="default", metavar="NAME",
+                        help=f"{what} ([profiles.NAME] in gpuswapd's configuration; default: [window])")
 
 
 def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -85,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     acquire.add_argument("--no-wait", action="store_true", help="fail at once (exit 5) unless a window is already open")
     acquire.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
+    _add_profile(acquire, "the kind of window to hold")
 
     renew = sub.add_parser("renew", parents=[common], help="extend a lease")
     renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
@@ -101,17 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         help="hold a lease while a command runs",
-        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] -- COMMAND [ARG...]",
+        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] -- COMMAND [ARG...]",
     )
     run.add_argument(
         "--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs"
     )
     run.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
     run.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
+    _add_profile(run, "the kind of window to run under (a bare one sets CUDA_VISIBLE_DEVICES)")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
 
     sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
-    sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
+    plan = sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
+    _add_profile(plan, "the kind of window to plan")
     park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
     park.add_argument("--remove", action="store_true", help="remove the parked engine now (root and members)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
@@ -143,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lease duration, renewed while it runs (default: the daemon's default_lease)",
     )
     bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
+    _add_profile(bench, "the engine profile to measure (not a bare one)")
     return parser
 
 
@@ -178,6 +195,8 @@ def exit_code(err: GpuswapError) -> int:
     """Map an error from gpuswapd to the documented exit code."""
     if isinstance(err, AcquireTimeout):
         return EXIT_TIMEOUT
+    if isinstance(err, Stopping):
+        return EXIT_UNREACHABLE
     if isinstance(err, NotReady):
         return EXIT_NOT_READY
     if isinstance(err, RequestError):
@@ -209,7 +228,7 @@ def _run(args: argparse.Namespace, client: Client) -> int:
         reply = client.request({"op": "status"})
         print(json.dumps(reply, indent=2)) if args.json else print_status(reply)
     elif args.command == "plan":
-        reply = client.request({"op": "plan"})
+        reply = client.request({"op": "plan", "profile": args.profile})
         print(json.dumps(reply, indent=2)) if args.json else print_plan(reply["plan"])
         return EXIT_OK if reply["plan"]["ok"] else EXIT_FAILED
     elif args.command == "park":
@@ -239,6 +258,8 @@ def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
         req["holder"] = args.holder
     if args.timeout:
         req["timeout"] = args.timeout
+    if args.profile != "default":
+        req["profile"] = args.profile
     return req
 
 

@@ -25,6 +25,11 @@ class Progress:
 
     def event(self, event: dict[str, Any]) -> None:
         """Take one event from gpuswapd."""
+        if self.enabled and event.get("event") == "queued":
+            with self._lock:
+                self.stream.write(f"gpuswapctl: {queued_line(event)}\n")
+                self.stream.flush()
+            return
         if self.enabled and event.get("event") == "waiting":
             with self._lock:
                 self.stream.write(f"gpuswapctl: waiting: {event.get('reason')} (window {event.get('window')} in "
@@ -65,6 +70,17 @@ class Progress:
                 self._line(final=True)
 
 
+def queued_line(entry: dict[str, Any]) -> str:
+    """Say where a queued request stands: position, profile, waited, ETA."""
+    eta = entry.get("eta_s")
+    eta_text = (f"ETA {format_span(round(eta))}" if isinstance(eta, (int, float))
+                else "ETA unknown (no window of it yet)")
+    opened = entry.get("open")
+    behind = f", behind window {opened['window']} ({opened['profile']}, {opened['phase']})" if opened else ""
+    return (f"queued for profile {entry.get('profile')}: position {entry.get('position')}, waited "
+            f"{format_span(round(entry.get('waited_s') or 0))}, {eta_text}{behind}")
+
+
 def _ago(ts: float | None) -> str:
     return "-" if ts is None else f"{format_span(round(max(0.0, time.time() - ts)))} ago"
 
@@ -86,7 +102,10 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         for call in lane.get("hung", []):
             out.write(f"hung: {system} {call['call']} for {call['for_s']:.0f}s\n")
     if window:
-        out.write(f"window: {window['id']} opened {_ago(window['opened_at'])}\n")
+        kind = f", {window['kind']}" if window.get("kind", "engine") != "engine" else ""
+        switched = f", switched from {window['switched_from']}" if window.get("switched_from") else ""
+        out.write(f"window: {window['id']} (profile {window.get('profile', 'default')}{kind}{switched}) opened "
+                  f"{_ago(window['opened_at'])}\n")
         if window.get("degraded"):
             out.write(f"DEGRADED: {window['degraded']}\n")
         if window.get("error"):
@@ -95,6 +114,15 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
             out.write(f"  lease {lease['id']}  {lease['holder']:<30} {format_span(round(lease['remaining_s']))} left\n")
     if reply.get("waiting"):
         out.write(f"waiting: {reply['waiting']} acquire(s)\n")
+    for entry in reply.get("queue") or []:
+        eta = entry.get("eta_s")
+        out.write(f"  queued {entry['position']}: {entry['holder']:<30} profile {entry['profile']}, waited "
+                  f"{format_span(round(entry['waited_s']))}, ETA "
+                  f"{format_span(round(eta)) if isinstance(eta, (int, float)) else 'unknown'}\n")
+    for name, profile in (reply.get("profiles") or {}).items():
+        endpoint = profile.get("endpoint")
+        where = endpoint["url"] if endpoint else f"the bare card (CUDA_VISIBLE_DEVICES={profile.get('gpu_index')})"
+        out.write(f"profile {name}: {profile['kind']}, needs {profile['needs']}, {where}\n")
     out.write(f"parked: {parked_line(reply.get('parked'))}\n")
     last = reply.get("last")
     if last:
@@ -121,8 +149,13 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
         out.write(f"jobs running:  {', '.join(plan['jobs_running'])} (the window waits for them)\n")
     if plan["resident_busy"]:
         out.write(f"resident busy: {plan['resident_busy']}\n")
+    out.write(f"profile:       {plan.get('profile', 'default')} ({plan.get('kind', 'engine')})\n")
     c = plan["container"]
-    out.write(f"container:     {c['name']} from {c['image']} ({'created per window' if c['create'] else 'existing'})\n")
+    if c is None:
+        out.write("container:     none (a bare window: the card is handed over once it is free)\n")
+    else:
+        out.write(f"container:     {c['name']} from {c['image']} "
+                  f"({'created per window' if c['create'] else 'existing'})\n")
     start = plan.get("next_open", "cold")
     out.write(f"next open:     {start}" + (f" ({plan['parked']})" if plan.get("parked") else "") + "\n")
     vram = plan.get("vram")

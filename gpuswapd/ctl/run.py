@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,9 +16,12 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def run_under_lease(socket: str, command: list[str], acquire: dict[str, Any], quiet: bool = False) -> int:
     """Acquire, run ``command`` while the lease is renewed, release when it ends; return its status."""
-    with held_lease(socket, acquire, quiet):
+    with held_lease(socket, acquire, quiet) as lease:
+        env = None
+        if lease.get("kind") == "bare":  # the card is cleared for this command: point CUDA at it
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(lease.get("gpu_index", 0))}
         try:
-            proc = subprocess.Popen(command)
+            proc = subprocess.Popen(command, env=env)
         except OSError as err:
             print(f"gpuswapctl: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
             return 127 if isinstance(err, FileNotFoundError) else 126

@@ -62,7 +62,7 @@ def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Se
         socket_group=grp.getgrgid(os.getgid()).gr_name))
     window = world.window()
     server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
-                    planner=lambda: asyncio.sleep(0, {}))
+                    planner=lambda profile: asyncio.sleep(0, {}))
     return server, path
 
 
