@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpuswapd.adapters.docker import ContainerState
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
@@ -47,6 +48,8 @@ from gpuswapd.window import Backoffs, Window
 GiB = 1 << 30
 RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"
 ENGINE_URL = "http://engine.test:18020/v1/chat/completions"
+EVAL_URL = "http://eval.test:18021/v1/chat/completions"  # a second engine profile's
+ENGINES = {"engine.test": "hyperqwen", "eval.test": "qwen-eval"}  # host -> container
 AGENTS = ("triage", "review", "digest")
 RESIDENT_BYTES = 21 * GiB
 ENGINE_BYTES = int(19.5 * GiB)
@@ -101,6 +104,28 @@ PARK_CONFIG = parse_config(CONFIG + """
 [window.park]
 mode = "sleep"
 """, "<fake, park = sleep>")
+PROFILES = f"""
+[profiles.eval]
+kind = "engine"
+health_url = "http://eval.test:18021/health"
+boot_timeout = "300ms"
+watch_interval = "50ms"
+max_restarts = 1
+[profiles.eval.container]
+name = "qwen-eval"
+image = "engine:latest"
+stop_timeout = "0"
+[profiles.eval.warmup]
+requests = 1
+[profiles.eval.verify]
+url = "{EVAL_URL}"
+model = "qwen-eval"
+timeout = "300ms"
+[profiles.bare]
+kind = "bare"
+needs = "20GiB"
+"""
+PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
 DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
                     writer=(0.005, 0.02))
@@ -460,16 +485,17 @@ class FakeHttp:
         self.garble_wakes = 0  # the next wakes answer differently
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
 
-    def _engine(self) -> FakeContainer | None:
-        c = self.docker.containers.get("hyperqwen")
+    def _engine(self, url: str | None = None) -> FakeContainer | None:
+        host = urlsplit(url.split()[-1]).hostname if url else "engine.test"
+        c = self.docker.containers.get(ENGINES.get(host or "", "hyperqwen"))
         return c if c is not None and c.status == "running" else None
 
-    def _engine_up(self) -> bool:
-        c = self._engine()
+    def _engine_up(self, url: str | None = None) -> bool:
+        c = self._engine(url)
         return c is not None and c.sleeping is None
 
     def _sleep_endpoint(self, url: str) -> FakeContainer:
-        c = self._engine()
+        c = self._engine(url)
         if c is None:
             raise EndpointUnreachable(f"{url}: connection refused")
         return c
@@ -503,12 +529,12 @@ class FakeHttp:
     async def health(self, url: str, timeout: float = 2.0) -> int:
         """Answer the engine's health."""
         await asyncio.sleep(0)
-        return 200 if self._engine_up() else 0
+        return 200 if self._engine_up(url) else 0
 
     async def wait_healthy(self, url: str, timeout: float, interval: float = 0.2, abort: Any = None) -> float:
         """Poll health until 200."""
         started = time.monotonic()
-        while not self._engine_up():
+        while not self._engine_up(url):
             if abort is not None and (why := abort()) is not None:
                 raise EndpointUnreachable(why)
             if time.monotonic() - started > timeout:
@@ -520,11 +546,12 @@ class FakeHttp:
                    sampling: dict[str, Any] | None = None) -> Completion:
         """Answer a completion if the server behind ``url`` is up (a sleeping engine crashes)."""
         await asyncio.sleep(0)
-        c = self._engine() if url == ENGINE_URL else None
+        engine = url in (ENGINE_URL, EVAL_URL)
+        c = self._engine(url) if engine else None
         if c is not None and c.sleeping is not None:
             self.docker.die(c.name)  # a request to a sleeping vLLM can crash it
             raise BadResponse(f"POST {url}: HTTP 500: the engine is sleeping")
-        up = self._engine_up() if url == ENGINE_URL else self._resident_up()
+        up = self._engine_up(url) if engine else self._resident_up()
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
         self.completions.append(url)
@@ -625,8 +652,10 @@ class FakeWorld:
         vram = Vram(self.gpu, self.systemd, outside)  # type: ignore[arg-type]
         resident = Resident(self.config, self.systemd, self.http, outside)  # type: ignore[arg-type]
         engine = ContainerEngine(self.config.window, self.docker, self.http, outside)  # type: ignore[arg-type]
+        engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
+                   for p in self.config.engine_profiles() if p.name != "default"}
         return Window(self.config, resident, engine, vram, self.store, Notifier(""), outside,  # type: ignore[arg-type]
-                      BACKOFFS)
+                      BACKOFFS, engines=engines)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, Any]:
         """Read the world's state: units, timers, containers, VRAM."""

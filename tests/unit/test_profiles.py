@@ -1,0 +1,266 @@
+"""Window profiles, the bare window, the fair queue and direct switches, on in-process fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+from gpuswapd.config import parse_config
+from gpuswapd.errors import ConfigError, NotReady, QueueFull, UnknownProfile
+from gpuswapd.phases import Phase
+from gpuswapd.recovery import recover_at_start
+from gpuswapd.state import Document
+from tests.fakes import BASELINE, CONFIG, GiB, PROFILE_CONFIG, PROFILES, FakeWorld, running, settle
+
+HOLDER_PID = 7777  # a process of the bare window's holder, outside every unit
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def world(**daemon: str) -> FakeWorld:
+    keys = "".join(f'{k} = "{v}"\n' if isinstance(v, str) else f"{k} = {v}\n" for k, v in daemon.items())
+    text = CONFIG.replace("[daemon]\n", f"[daemon]\n{keys}", 1) + PROFILES
+    return FakeWorld(config=parse_config(text, "<profiles>") if daemon else PROFILE_CONFIG)
+
+
+def resident_back(w: FakeWorld) -> bool:
+    snap = w.snapshot()
+    return snap["units"] == BASELINE["units"] and snap["timers"] == BASELINE["timers"]
+
+
+async def until(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.002)
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("patch", "says"), [
+    ('[profiles.x]\nkind = "vm"\n', "profiles.x.kind"),
+    ('[profiles.x]\nneeds = "1GiB"\n', "profiles.x.kind: missing"),
+    ('[profiles.default]\nkind = "bare"\n', "reserved"),
+    ('[profiles.Big]\nkind = "bare"\n', "profiles.Big: a profile name"),
+    ('[profiles.x]\nkind = "bare"\nimage = "y"\n', "profiles.x.image: unknown key"),
+    ('[profiles.x]\nkind = "bare"\nneeds = "lots"\n', "profiles.x.needs"),
+    ('[profiles.x]\nkind = "engine"\n', "profiles.x.health_url: missing"),
+])
+def test_bad_profiles_name_the_key(patch: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        parse_config(CONFIG + patch)
+
+
+def test_a_bare_profile_needs_a_gpu_probe() -> None:
+    text = CONFIG.replace('probe = "nvidia-smi"', 'probe = "none"') + '[profiles.b]\nkind = "bare"\n'
+    with pytest.raises(ConfigError, match="profiles.b: a bare profile needs a GPU probe"):
+        parse_config(text)
+
+
+def test_two_engine_profiles_may_not_share_a_container() -> None:
+    text = CONFIG + PROFILES.replace('name = "qwen-eval"', 'name = "hyperqwen"')
+    with pytest.raises(ConfigError, match="profiles.eval.container.name: 'hyperqwen' is also the container of window"):
+        parse_config(text)
+
+
+def test_profiles_parse_with_their_own_keys() -> None:
+    config = PROFILE_CONFIG
+    assert [p.name for p in config.all_profiles()] == ["default", "bare", "eval"]
+    assert config.profile("bare").kind == "bare" and config.profile("bare").needs == 20 * GiB
+    assert config.profile("eval").engine.container.name == "qwen-eval"
+    assert config.profile("eval").needs == config.gpu.window_needs  # none inherited: the default
+    assert config.profile("default").engine is config.window
+    assert config.daemon.max_queue == 64 and config.daemon.fair_after == 300
+
+
+# -- a bare window --------------------------------------------------------------------------------
+
+
+def test_a_bare_window_hands_over_the_card_and_restores_when_the_memory_is_free() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            lease = await w.acquire("train", 60, profile="bare")
+            assert w.record is not None and w.record.kind == "bare" and w.phase is Phase.READY
+            assert fw.docker.containers == {} and fw.gpu.read().free_bytes >= 20 * GiB
+            assert [t.phase for t in w.record.timings][-2:] == [Phase.WAITING_VRAM, Phase.READY]
+            assert fw.gpu.claim("holder:train", HOLDER_PID, 20 * GiB)
+            await w.release(lease.id)
+            # The holder keeps its memory: the close waits, names it, and goes DEGRADED, no OOM.
+            await until(lambda: w.phase is Phase.DEGRADED)
+            assert w.record is not None and f"pid {HOLDER_PID}" in (w.record.degraded or "")
+            assert fw.systemd.units["strata.service"].active_state != "active"
+            fw.gpu.free("holder:train")
+            await settle(w)
+            assert resident_back(fw) and w.last is not None and w.last.profile == "bare"
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+# -- the queue and the direct switch --------------------------------------------------------------
+
+
+def test_another_profile_waits_then_switches_directly_without_the_resident() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            first = await w.acquire("chat", 60)
+            events: list[dict[str, Any]] = []
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval", listener=events.append))
+            await until(lambda: len(w.queue.queued()) == 1)
+            assert w.status()["queue"][0]["position"] == 1 and w.status()["queue"][0]["profile"] == "eval"
+            assert events and events[0]["event"] == "queued"
+            starts = len(fw.systemd.started)
+            await w.release(first.id)
+            second = await waiting
+            assert w.record is not None and w.record.profile == "eval" and w.record.switched_from is not None
+            assert len(fw.systemd.started) == starts  # the resident was not started in between
+            assert "hyperqwen" not in fw.docker.containers and "qwen-eval" in fw.docker.containers
+            phases = [t.phase for t in w.record.timings]
+            assert Phase.PAUSING_TIMERS not in phases and Phase.STOPPING_RESIDENT not in phases
+            assert w.last is not None and w.last.switched_to == w.record.id
+            await w.release(second.id)
+            await settle(w)
+            assert resident_back(fw) and fw.docker.containers == {}
+            history = fw.store.history(10)
+            assert [h["profile"] for h in history] == ["default", "eval"]
+            assert history[1]["switched_from"] == history[0]["id"]
+            assert history[1]["units"] == history[0]["units"]
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+def test_a_stream_of_joins_cannot_keep_a_waiting_profile_out() -> None:
+    fw = world(fair_after="50ms")
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            held = [await w.acquire("chat-0", 60)]
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            held.append(await w.acquire("chat-1", 60))  # before fair_after: it joins
+            await asyncio.sleep(0.06)
+            late = asyncio.create_task(w.acquire("chat-2", 60))  # after: it queues behind eval
+            await until(lambda: len(w.queue.queued()) == 2)
+            assert [q["holder"] for q in w.status()["queue"]] == ["eval", "chat-2"]
+            for lease in held:
+                await w.release(lease.id)
+            eval_lease = await waiting
+            assert w.record is not None and w.record.profile == "eval"
+            assert not late.done()
+            await w.release(eval_lease.id)
+            chat = await late
+            assert w.record is not None and w.record.profile == "default"
+            await w.release(chat.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+
+
+def test_queue_limits_and_refusals() -> None:
+    fw = world(max_queue=1)
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            lease = await w.acquire("chat", 60)
+            with pytest.raises(UnknownProfile):
+                await w.acquire("x", 60, profile="nope")
+            with pytest.raises(NotReady):
+                await w.acquire("x", 60, profile="eval", wait=False)
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            with pytest.raises(QueueFull):
+                await w.acquire("bare", 60, profile="bare")
+            waiting.cancel()
+            await until(lambda: not w.queue.queued())
+            await w.release(lease.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+
+
+def test_eta_comes_from_history_and_is_null_before() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            lease = await w.acquire("chat", 60)
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            assert w.status()["queue"][0]["eta_s"] is None  # no eval window in history yet
+            await w.release(lease.id)
+            await w.release((await waiting).id)
+            await settle(w)
+            lease = await w.acquire("chat", 60)
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            eta = w.status()["queue"][0]["eta_s"]
+            assert eta is not None and 55 <= eta <= 61  # the lease's minute, plus a fake open time
+            await w.release(lease.id)
+            await w.release((await waiting).id)
+            await settle(w)
+
+    run(main())
+
+
+def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            first = await w.acquire("chat", 60)
+            waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            assert fw.store.document is not None and len(fw.store.document.queue) == 1
+            await w.release(first.id)
+            await waiting
+            rec = w.record
+            assert rec is not None
+            await w.shutdown(restore=False)  # as SIGKILL leaves it: the switched window READY
+        # The document of a switch not yet begun (phase IDLE, carrying the units and timers).
+        pending = dataclasses.replace(rec, phase=Phase.IDLE, timings=[], container=None)
+        pending.leases.clear()
+        fw.docker.containers.clear()
+        fw.gpu.free("engine:qwen-eval")
+        fw.store.document = Document(window=pending, queue=[{"holder": "gone", "profile": "bare", "since": 0}])
+        async with running(fw.window()) as w2:
+            await recover_at_start(w2)
+            await settle(w2)
+            assert resident_back(fw)
+            assert fw.store.document is not None and fw.store.document.queue == []
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+@pytest.mark.parametrize(("needs", "stays"), [("21GiB", True), ("23.5GiB", False)])
+def test_a_parked_engine_of_another_profile_stays_only_if_the_next_window_fits(needs: str, stays: bool) -> None:
+    profiles = PROFILES.replace('kind = "engine"\n', f'kind = "engine"\nneeds = "{needs}"\n', 1)
+    fw = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\n' + profiles, "<park+profiles>"))
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            await w.release((await w.acquire("chat", 60)).id)
+            await settle(w)
+            assert w.parked is not None and w.parked.profile == "default"
+            await w.release((await w.acquire("eval", 60, profile="eval")).id)
+            await settle(w)
+            assert (w.parked is not None) is stays
+            assert ("hyperqwen" in fw.docker.containers) is stays
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
