@@ -19,6 +19,27 @@ ENGINE_ENV = {
 }
 
 
+EVAL_PORT = ENGINE_PORT + 1  # a second engine profile's server
+
+
+def profile_sections(stack: Stack, bare_needs: str = "20GiB") -> dict[str, dict[str, Any]]:
+    """Sections for ``stack_config`` that add two profiles: "eval" (a second engine) and "bare"."""
+    p = stack.paths
+    return {
+        "profiles__eval": {"kind": "engine", "health_url": f"http://127.0.0.1:{EVAL_PORT}/health",
+                           "boot_timeout": "60s", "watch_interval": "1s", "max_restarts": 2},
+        "profiles__eval__container": {
+            "name": "qwen-eval", "image": ENGINE_IMAGE, "create": True, "env_file": "",
+            "env": {**ENGINE_ENV, "PORT": str(EVAL_PORT), "ENGINE_NAME": "qwen-eval", "ENGINE_MODEL": "qwen-eval"},
+            "ports": {}, "network_mode": "host", "gpus": [], "volumes": {"/usr": "/usr:ro", str(p.gpu): "/gpu"},
+            "shm_size": "", "command": [], "stop_timeout": "10s"},
+        "profiles__eval__warmup": {"requests": 1, "max_tokens": 16},
+        "profiles__eval__verify": {"url": f"http://127.0.0.1:{EVAL_PORT}/v1/chat/completions", "model": "qwen-eval",
+                                   "max_tokens": 16, "timeout": "30s"},
+        "profiles__bare": {"kind": "bare", "needs": bare_needs},
+    }
+
+
 def _toml(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + " }"

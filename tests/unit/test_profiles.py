@@ -14,7 +14,7 @@ from gpuswapd.errors import ConfigError, NotReady, QueueFull, UnknownProfile
 from gpuswapd.phases import Phase
 from gpuswapd.recovery import recover_at_start
 from gpuswapd.state import Document
-from tests.fakes import BASELINE, CONFIG, GiB, PROFILE_CONFIG, PROFILES, FakeWorld, running, settle
+from tests.fakes import BASELINE, CONFIG, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
 
 HOLDER_PID = 7777  # a process of the bare window's holder, outside every unit
 
