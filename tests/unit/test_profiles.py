@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -60,13 +61,14 @@ def test_bad_profiles_name_the_key(patch: str, says: str) -> None:
 
 def test_a_bare_profile_needs_a_gpu_probe() -> None:
     text = CONFIG.replace('probe = "nvidia-smi"', 'probe = "none"') + '[profiles.b]\nkind = "bare"\n'
-    with pytest.raises(ConfigError, match="profiles.b: a bare profile needs a GPU probe"):
+    with pytest.raises(ConfigError, match=re.escape("profiles.b: a bare profile needs a GPU probe")):
         parse_config(text)
 
 
 def test_two_engine_profiles_may_not_share_a_container() -> None:
     text = CONFIG + PROFILES.replace('name = "qwen-eval"', 'name = "hyperqwen"')
-    with pytest.raises(ConfigError, match="profiles.eval.container.name: 'hyperqwen' is also the container of window"):
+    with pytest.raises(ConfigError, match=re.escape("profiles.eval.container.name: 'hyperqwen' is also the "
+                                                    "container of window")):
         parse_config(text)
 
 
