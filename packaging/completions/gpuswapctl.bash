@@ -8,15 +8,15 @@ _gpuswapctl() {
     local commands="acquire renew release run status plan park history bench"
     local common="--socket --json -h --help"
     local -A options=(
-        [acquire]="--for --holder --no-wait --timeout"
+        [acquire]="--for --holder --no-wait --timeout --profile"
         [renew]="--for --holder"
         [release]="--holder"
-        [run]="--for --holder --timeout --"
+        [run]="--for --holder --timeout --profile --"
         [status]=""
-        [plan]=""
+        [plan]="--profile"
         [park]="--remove"
         [history]="--limit"
-        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease"
+        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile"
     )
     local spans="90s 5m 15m 30m 1h 4h"
 
@@ -25,7 +25,7 @@ _gpuswapctl() {
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
             --socket | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
-                --max-tokens | --repeat) ((i++)) ;;
+                --max-tokens | --repeat | --profile) ((i++)) ;;
             --)
                 if [[ $command == run ]]; then
                     _command_offset $((i + 1))
@@ -52,6 +52,10 @@ _gpuswapctl() {
             return
             ;;
         --holder | --limit | --url | --model | --max-tokens | --repeat)
+            return
+            ;;
+        --profile)
+            COMPREPLY=($(compgen -W "default" -- "$cur"))
             return
             ;;
     esac

@@ -40,6 +40,8 @@ complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l for -x -a "$s
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l holder -x -d 'Who holds the lease'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l no-wait -d 'Fail at once unless a window is open'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l timeout -x -a "$spans" -d 'Give up if not ready within SPAN'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire plan bench' -l profile -x -a default -d 'The kind of window ([profiles.NAME])'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l profile -x -a default -d 'The kind of window (bare: CUDA_VISIBLE_DEVICES)'
 
 # renew [LEASE]
 complete -c gpuswapctl -n '__fish_seen_subcommand_from renew' -l for -x -a "$spans" -d 'New duration from now'

@@ -73,6 +73,11 @@ MEANINGS: dict[str, str] = {
     "daemon.max_clients_per_uid": "How many connections one non-root user may hold open at once.",
     "daemon.reserved_clients": "Of max_clients, how many only root and members of socket_group may use: a flood "
                                "from other users leaves the operator's gpuswapctl an answer.",
+    "daemon.max_queue": "How many requests may wait in the queue for a window of another profile (or behind a "
+                        "fair claim). One more is refused at once: gpuswapctl exits 4, \"queue full\".",
+    "daemon.fair_after": "Fairness: once a queued request for another profile has waited this long, new requests "
+                         "for the open window's profile queue behind it instead of joining, so the open window "
+                         "closes when its current leases end and the waiting profile gets the card.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -168,7 +173,7 @@ def all_keys(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[tuple
     """Yield every key's dotted name and field, in the order of the dataclasses."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name == "source":
+        if f.name in ("source", "profiles"):
             continue
         if "parse" in f.metadata:
             yield prefix + f.name, f
@@ -180,7 +185,7 @@ def sections(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[str]:
     """Yield the dotted name of every TOML table, in order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name != "source" and "parse" not in f.metadata:
+        if f.name not in ("source", "profiles") and "parse" not in f.metadata:
             yield prefix + f.name
             yield from sections(hints[f.name], f"{prefix}{f.name}.")
 
