@@ -108,13 +108,17 @@ class Window:
 
     @property
     def profile(self) -> Profile:
-        """Return the profile of the window open now ("default" when none is)."""
-        return self.config.profile(self.record.profile if self.record is not None else DEFAULT_PROFILE)
+        """Return the profile of the window open now ("default" when none is, or its profile is gone)."""
+        name = self.record.profile if self.record is not None else DEFAULT_PROFILE
+        try:
+            return self.config.profile(name)
+        except KeyError:  # a window an earlier configuration opened: closed with what there is
+            return self.config.profile(DEFAULT_PROFILE)
 
     @property
     def engine(self) -> Engine:
         """Return the engine of the window open now (the default engine when none is)."""
-        return self.engines[self.profile.name]
+        return self.engine_of(self.profile.name)
 
     def engine_of(self, profile: str) -> Engine:
         """Return the engine of a profile (a parked engine's, say)."""

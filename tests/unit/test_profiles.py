@@ -266,3 +266,22 @@ def test_a_parked_engine_of_another_profile_stays_only_if_the_next_window_fits(n
 
     run(main())
     assert not fw.gpu.ooms
+
+
+def test_a_bare_window_left_ready_is_adopted_after_a_restart() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            await w.acquire("train", 60, profile="bare")
+            await w.shutdown(restore=False)  # as SIGKILL leaves it
+        assert fw.store.document is not None and fw.store.document.window is not None
+        async with running(fw.window()) as w2:
+            await recover_at_start(w2)
+            assert w2.phase is Phase.READY and w2.record is not None and w2.record.kind == "bare"
+            assert [lease.holder for lease in w2.leases()] == ["train"]
+            await w2.release(w2.leases()[0].id)
+            await settle(w2)
+            assert resident_back(fw)
+
+    run(main())
