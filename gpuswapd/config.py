@@ -125,6 +125,14 @@ def _units(value: Any, path: str) -> list[str]:
     return names
 
 
+def _unit_patterns(value: Any, path: str) -> list[str]:
+    patterns = _strings(value, path)
+    for i, pattern in enumerate(patterns):
+        if not _UNIT_NAME.match(pattern.replace("*", "x").replace("?", "x")):
+            raise _fail(f"{path}[{i}]", f"not a unit name or glob: {pattern!r} (e.g. 'gpuswapd@*.service')")
+    return patterns
+
+
 def _timer_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
@@ -183,6 +191,11 @@ class DaemonConfig:
     reserved_clients: int = _key(_int(0, 65536), 32)
     max_queue: int = _key(_int(1, 65536), 64)
     fair_after: float = _key(_span(0.0), 300.0)
+    priority_max_nonroot: int = _key(_int(-1000, 1000), 0)
+    aging: float = _key(_span(0.0), 600.0)
+    preempt_grace: float = _key(_span(0.0), 30.0)
+    never_stop: list[str] = _key(_unit_patterns, ["gpuswapd.service", "gpuswapd.socket", "gpuswapd@*.service",
+                                                  "gpuswapd@*.socket"])
 
 
 @dataclass(frozen=True, kw_only=True)
