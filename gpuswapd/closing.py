@@ -35,7 +35,7 @@ def engine_left(rec: WindowRecord) -> bool:
 
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
-        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
+        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="closed")
     await w.persist(required=False)
     if engine_left(rec) and not await parking.try_park(w, rec):
         await _retry_take_down(w, rec, time.monotonic() + w.backoffs.take_down_for)
@@ -108,6 +108,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
             await w.resident.start(rec.units)
             await w.resident.verify()
+            if attempt > 1:  # it was DEGRADED
+                log.info("recovered", attempts=attempt)
             rec.degraded = None
             return
         except GpuswapError as err:
@@ -120,6 +122,8 @@ async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: in
     delay = min(cap, first * 2 ** (attempt - 1))
     rec.degraded = err.message
     log.error("restore_failed", error=err.message, retry_in_s=delay)
+    if attempt == 1:
+        log.error("degraded", reason=err.message)
     await w.enter(rec, Phase.DEGRADED, required=False)
     w.fail_waiters(Degraded(f"the resident could not be restored yet: {err.message}", phase=str(Phase.DEGRADED)))
     await _pause(w, delay)

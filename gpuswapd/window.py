@@ -38,6 +38,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.progress import progress
 from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
 from gpuswapd.state import Document, StateStore
@@ -68,6 +69,7 @@ class Waiter:
     duration: float
     unit: str | None
     uid: int | None
+    since: float = field(default_factory=time.monotonic)
     future: asyncio.Future[Lease] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -91,6 +93,7 @@ class Window:
         self.baseline_restore: dict[str, Any] | None = None
         self._waiters: list[Waiter] = []
         self._listeners: set[Listener] = set()
+        self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
         self._driver: asyncio.Task[None] | None = None
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
@@ -192,7 +195,7 @@ class Window:
             return []
         gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(lambda x: x.unit == unit)]
         for lease in gone:
-            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason=f"{unit} is no longer active")
+            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="unit_gone", unit=unit)
         if gone:
             await self._leases_changed()
         return gone
@@ -265,7 +268,8 @@ class Window:
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
         lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
-        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration)
+        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
+                 waited_s=round(time.monotonic() - w.since, 3))
         try:
             await self._leases_changed()
         except asyncio.CancelledError:
@@ -319,7 +323,7 @@ class Window:
     def notify_status(self) -> None:
         """Tell systemd where the window stands (the STATUS= line), with whatever is amiss."""
         rec = self.record
-        line = f"{rec.phase} (window {rec.id})" if rec else "IDLE"
+        line = f"{rec.phase}{progress(self, rec)} (window {rec.id})" if rec else "IDLE"
         if rec is not None and rec.degraded:
             line += f": {rec.degraded}"
         if self.baseline_restore is not None and rec is not None and rec.baseline is not None:
@@ -339,7 +343,8 @@ class Window:
         granted = self.grant_waiters(rec)
         await self._leases_changed()
         for waiter, lease in granted:
-            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration)
+            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
+                     waited_s=round(time.monotonic() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -357,7 +362,10 @@ class Window:
         rec.outcome = outcome
         rec.enter(Phase.IDLE)
         self.last, self.record = rec, None
-        self.writer.add_history(rec.to_dict())
+        history = rec.to_dict()
+        self.writer.add_history(history)
+        for listener in self.finished:
+            listener(history)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start,
                  took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3))
