@@ -19,9 +19,11 @@ from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
 from gpuswapd.engine import ContainerEngine, Engine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
+from gpuswapd.events import EventBus
 from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
+from gpuswapd.observers import Observers
 from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.plan import make_plan
 from gpuswapd.recovery import recover_at_start
@@ -39,7 +41,7 @@ SHUTDOWN_BOUND_S = 600.0
 class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, bus: EventBus | None = None) -> None:
         self.config = config
         self.notifier = Notifier()
         d = config.daemon
@@ -68,6 +70,7 @@ class Daemon:
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
                                       self.window.parked, config.profile(profile)),
         )
+        self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
         self._signals = 0
         self._own_socket: str | None = None
@@ -109,6 +112,7 @@ class Daemon:
         await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.observers.start()
         sock = activation_socket()
         if sock is None:
             d = self.config.daemon
@@ -168,6 +172,7 @@ class Daemon:
         except TimeoutError:
             log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
         await self.window.writer.stop(timeout=10.0)
+        await self.observers.close()
         await self.http.aclose()
         self.systemd.close()
         if self._own_socket is not None:
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"gpuswapd {__version__}")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    bus = EventBus()
+    setup_logging(args.log_level, tap=bus.tap)
     try:
         config = load_config(args.config)
     except ConfigError as err:
@@ -197,4 +203,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
         print(f"{args.config}: ok")
         return 0
-    return asyncio.run(Daemon(config).run())
+    return asyncio.run(Daemon(config, bus).run())

@@ -89,6 +89,7 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             # fail with out of memory.
             await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
             rec.container = await w.engine.bring_up(rec.id)
+            log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)
             await w.engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)

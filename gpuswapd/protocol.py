@@ -2,7 +2,8 @@
 
 A request is ``{"op": ..., ...}``. The daemon answers with zero or more events
 (``{"event": "phase", ...}``) and then exactly one reply: ``{"ok": true, ...}`` or
-``{"ok": false, "error": {"code", "message", "phase"?}}``.
+``{"ok": false, "error": {"code", "message", "phase"?}}``. ``watch`` is answered with events
+only (``{"event": "subscribed"}`` first), until the client hangs up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ MAX_SPAN_S = 10 * 365 * 86400.0
 MAX_NESTING = 32
 MAX_PRIORITY = 1000
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-OPS = ("acquire", "release", "renew", "status", "plan", "history", "park")
+OPS = ("acquire", "release", "renew", "status", "plan", "history", "park", "watch")
 _FIELDS: dict[str, set[str]] = {
     "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold"},
     "release": {"lease", "holder"},
@@ -30,6 +31,7 @@ _FIELDS: dict[str, set[str]] = {
     "plan": {"profile"},
     "history": {"limit"},
     "park": {"remove"},
+    "watch": set(),
 }
 
 

@@ -34,12 +34,13 @@ from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_requ
 from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
+from gpuswapd.watch import Watchers
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
 IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
-READ_ONLY = frozenset({"status", "history"})
+READ_ONLY = frozenset({"status", "history", "watch"})
 BACKLOG = 1024
 # accept() fails with these when the process or the system is out of descriptors or memory:
 # wait a little (never spin), and let the caps bring the count down.
@@ -68,6 +69,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[Any]] = set()
+        self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
 
     def _in_group(self, peer: Peer) -> bool:
         group = self.config.daemon.socket_group
@@ -224,6 +226,11 @@ class Server:
             if req.remove:
                 return {"ok": True, "removed": await self.window.remove_parked()}
             return {"ok": True, "parked": self.window.status()["parked"]}
+        if req.op == "watch":
+            if self.watchers is None:
+                raise RequestError("this gpuswapd has no events to watch")
+            await self.watchers.serve(peer.holder, reader, writer)
+            return None  # it ends when the client hangs up or falls behind
         if req.op == "history":
             history = await self.outside.state.call("read_history", self.store.history, req.limit)
             return {"ok": True, "windows": history}

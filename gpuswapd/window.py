@@ -41,6 +41,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.progress import progress
 from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
@@ -89,6 +90,7 @@ class Window:
         self.queue = Queue(config.daemon.fair_after)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
         self._listeners: set[Listener] = set()
+        self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
         self._driver: asyncio.Task[None] | None = None
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
@@ -251,7 +253,7 @@ class Window:
             return []
         gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(lambda x: x.unit == unit)]
         for lease in gone:
-            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason=f"{unit} is no longer active")
+            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="unit_gone", unit=unit)
         if gone:
             await self._leases_changed()
         return gone
@@ -328,7 +330,8 @@ class Window:
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
         lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
-        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration)
+        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
+                 waited_s=round(time.time() - w.since, 3))
         try:
             await self._leases_changed()
         except asyncio.CancelledError:
@@ -382,7 +385,7 @@ class Window:
     def notify_status(self) -> None:
         """Tell systemd where the window stands (the STATUS= line), with whatever is amiss."""
         rec = self.record
-        line = f"{rec.phase} (window {rec.id})" if rec else "IDLE"
+        line = f"{rec.phase}{progress(self, rec)} (window {rec.id})" if rec else "IDLE"
         if rec is not None and rec.degraded:
             line += f": {rec.degraded}"
         if self.baseline_restore is not None and rec is not None and rec.baseline is not None:
@@ -404,7 +407,8 @@ class Window:
         granted = self.grant_waiters(rec)
         await self._leases_changed()
         for waiter, lease in granted:
-            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration)
+            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
+                     waited_s=round(time.time() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -433,6 +437,8 @@ class Window:
         record = rec.to_dict()
         self.writer.add_history(record)
         self.times.learn(record)
+        for listener in self.finished:
+            listener(record)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
                  took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3), switched_to=rec.switched_to)

@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gpuswapd.errors import GpuswapError
@@ -80,6 +80,21 @@ class Client:
             raise Unreachable(f"gpuswapd did not answer on {self.path} within {timeout:g}s") from None
         except OSError as err:
             raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
+
+    def watch(self) -> Iterator[dict[str, Any]]:
+        """Subscribe to gpuswapd's events and yield them as they come, ``{"event": "subscribed"}`` first."""
+        self._sock.settimeout(None)
+        try:
+            self._sock.sendall(json.dumps({"op": "watch"}).encode() + b"\n")
+            while line := self._file.readline():
+                data = json.loads(line)
+                if "event" not in data:  # a refusal (not allowed, too many connections)
+                    raise GpuswapError.from_dict(data.get("error") or {"message": "no reason given"})
+                yield data
+        except OSError as err:
+            raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
+        raise Unreachable(f"gpuswapd closed the connection on {self.path} (it stopped, or this watcher fell "
+                          "behind and was dropped)")
 
     def _reply(self, on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         waited = False

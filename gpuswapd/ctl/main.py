@@ -8,19 +8,22 @@ Exit codes (also in gpuswapctl(1)):
   4  refused: a bad request, permission denied, no such lease or profile, or the queue is full
   5  not ready: --no-wait and no window of the profile is open
   6  timed out: --timeout passed before the window was ready
+
+watch runs until interrupted (exit 0), or exits 3 when gpuswapd closes the connection.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
 from typing import Any
 
 from gpuswapd.ctl.client import Client, Unreachable, socket_path
-from gpuswapd.ctl.render import Progress, parked_line, print_plan, print_status
+from gpuswapd.ctl.render import Progress, event_line, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
 from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, Stopping, WindowError
 from gpuswapd.timespan import SpanError, format_span, parse_span
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(plan, "the kind of window to plan")
     park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
     park.add_argument("--remove", action="store_true", help="remove the parked engine now (root and members)")
+    sub.add_parser("watch", parents=[common], help="follow the window's events as they happen (until Ctrl-C)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
     history.add_argument("--limit", type=_limit, default=10, help="how many windows, 1 to 1000 (default 10)")
 
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args, socket_path(args.socket))
         with Client(socket_path(args.socket)) as client:
+            if args.command == "watch":
+                return _watch(args, client)
             return _run(args, client)
     except Unreachable as err:
         print(f"gpuswapctl: {err}", file=sys.stderr)
@@ -240,6 +246,18 @@ def _run(args: argparse.Namespace, client: Client) -> int:
     elif args.command == "history":
         reply = client.request({"op": "history", "limit": args.limit})
         _emit(args, reply, "\n".join(_history_line(w) for w in reply["windows"]) or "no windows yet")
+    return EXIT_OK
+
+
+def _watch(args: argparse.Namespace, client: Client) -> int:
+    try:
+        for event in client.watch():
+            print(json.dumps(event) if args.json else event_line(event), flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how a watch ends
+    except BrokenPipeError:  # | head: the reader has what it wanted; nothing more to flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     return EXIT_OK
 
 

@@ -5,7 +5,7 @@ _gpuswapctl() {
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="acquire renew release run status plan park history bench"
+    local commands="acquire renew release run status plan park history watch bench"
     local common="--socket --json -h --help"
     local -A options=(
         [acquire]="--for --holder --no-wait --timeout --profile"
@@ -16,6 +16,7 @@ _gpuswapctl() {
         [plan]="--profile"
         [park]="--remove"
         [history]="--limit"
+        [watch]=""
         [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile"
     )
     local spans="90s 5m 15m 30m 1h 4h"

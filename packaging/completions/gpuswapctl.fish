@@ -1,7 +1,7 @@
 # fish completion for gpuswapctl(1).
 # Installed as /usr/share/fish/vendor_completions.d/gpuswapctl.fish.
 
-set -l commands acquire renew release run status plan park history bench
+set -l commands acquire renew release run status plan park history watch bench
 set -l spans 90s 5m 15m 30m 1h 4h
 
 # True while completing COMMAND (or its arguments) after "gpuswapctl run ... --".
@@ -33,6 +33,7 @@ complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a status 
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a plan -d 'What a window would do now (changes nothing)'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a park -d 'The engine parked asleep between windows'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a history -d 'Past windows with their phase timings'
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a watch -d "Follow the window's events as they happen"
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a bench -d "Measure the window's engine under a lease"
 
 # acquire

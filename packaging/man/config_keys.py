@@ -148,6 +148,27 @@ MEANINGS: dict[str, str] = {
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
     **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
                                   if k == "url" else "") for k, v in _VERIFY.items()},
+    "metrics.listen": "host:port on which gpuswapd serves GET /metrics (Prometheus's text format) from its own "
+                      "event loop, within the socket's connection caps and timeouts, e.g. \"127.0.0.1:9477\". "
+                      "Port 0 is refused; a port that cannot be had stops the start (exit 78). Empty: off.",
+    "metrics.textfile": "An absolute path ending in .prom: gpuswapd writes the metrics there for node_exporter's "
+                        "textfile collector, through a temporary name in the same directory that does not end in "
+                        ".prom, renamed over the file, mode 0644, at most once a second. The directory must exist and "
+                        "be writable by gpuswapd (exit 78 otherwise): under ProtectSystem=strict that takes a "
+                        "ReadWritePaths= drop-in (/usr/share/doc/gpuswapd/examples/metrics-textfile.conf), and root "
+                        "without CAP_DAC_OVERRIDE must be allowed to write there by the directory's mode. Empty: off.",
+    "hooks.command": "A command (argument list, no shell; the first an absolute path to an executable file, checked "
+                     "at start) run once for each event named in events, with the event's JSON on standard input. "
+                     "At most four run at once (beyond that an event is dropped and counted in "
+                     "gpuswapd_hook_events_dropped_total); a hook never holds up the window. It runs inside "
+                     "gpuswapd.service's sandbox. /usr/share/doc/gpuswapd/examples/gpuswap-notify posts to an "
+                     "ntfy-style URL. Empty: no hooks.",
+    "hooks.events": "The events that run the hook, by their log names (see gpuswapd(8), EVENTS, METRICS AND HOOKS): "
+                    "e.g. window_failed, degraded, recovered, engine_restarted, engine_failed, phase_entered, "
+                    "lease_expired, window_finished. A name gpuswapd does not know stops the start (exit 78); "
+                    "preempted is accepted for the window queue to come.",
+    "hooks.timeout": "A hook still running after this long is killed with its process group; that is logged "
+                     "(hook_timed_out), and nothing else happens.",
 }
 
 _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -166,6 +187,10 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_ports": lambda c: "table of port numbers",
     "_gpus": lambda c: "\"all\" or a list of integers",
     "_docker_size": lambda c: "string, a Docker size",
+    "_listen": lambda c: "host:port, or empty",
+    "_abs_path": lambda c: "absolute path, or empty",
+    "_command": lambda c: "list of strings, the first an absolute path",
+    "_event_names": lambda c: "list of event names",
 }
 
 
