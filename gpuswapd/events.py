@@ -47,6 +47,7 @@ KNOWN_EVENTS = frozenset({
     "orphan_engine_removed", "orphan_sweep_failed", "outside_call_hung", "outside_call_returned",
     "park_level_lowered", "parked_engine_adopted", "parked_engine_dropped", "parked_engine_not_removed",
     "parked_engine_removed", "parked_engine_without_docker", "parked_state_unreadable", "phase_entered", "preempted",
+    "preempted_unit_not_stopped", "preempting", "preemption_abandoned",
     "queue_dropped", "recovered", "request_crashed", "request_queued", "resident_busy_proceeding",
     "resident_idle_probe_unanswered", "resident_verified", "restore_failed", "shutdown_bound_reached",
     "state_migrated", "state_not_saved_at_exit", "state_not_saved_carrying_on", "state_not_set_aside",
@@ -57,7 +58,7 @@ KNOWN_EVENTS = frozenset({
     "window_adopted", "window_driver_failed", "window_driver_interrupted", "window_failed", "window_finished",
     "window_left_for_next_start", "window_open_crashed", "window_recovering", "window_switching",
 })
-PLANNED = frozenset({"preempted"})  # named by the design, not logged yet (preemption)
+PLANNED: frozenset[str] = frozenset()  # named by the design, not logged yet
 # Logged, but no event for hooks or watchers: a hook's own outcome (a hook for it would loop), the
 # metrics' own housekeeping, and a client that hung up.
 INTERNAL = frozenset({"client_dropped", "hook_dropped", "hook_failed", "hook_ran", "hook_timed_out",

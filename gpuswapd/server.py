@@ -285,6 +285,10 @@ class Server:
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease)
         profile = self._profile(req.profile)
+        most = self.config.daemon.priority_max_nonroot
+        if req.priority > most and peer.uid != 0:
+            raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
+                                   f"root may ask for more (user {peer.user}, uid {peer.uid})")
         started = time.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
@@ -293,7 +297,7 @@ class Server:
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name))
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority))
         retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
@@ -326,7 +330,22 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
+        if req.hold:
+            await self._hold(lease.id, reader, progress)
         return None
+
+    async def _hold(self, lease_id: str, reader: asyncio.StreamReader,
+                    tell: Callable[[dict[str, Any]], None]) -> None:
+        """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
+
+        The lease is not bound to the connection: renew and release come on connections of their own.
+        """
+        self.window.lease_watchers[lease_id] = tell
+        try:
+            while await reader.read(4096):
+                pass  # the client says nothing more; anything it sends is ignored
+        finally:
+            self.window.lease_watchers.pop(lease_id, None)
 
 
 def _pending(sock: socket.socket, most: int) -> list[socket.socket]:

@@ -87,7 +87,8 @@ class Window:
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
         self.baseline_restore: dict[str, Any] | None = None
-        self.queue = Queue(config.daemon.fair_after)
+        self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
+        self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
         self._listeners: set[Listener] = set()
         self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
@@ -144,7 +145,8 @@ class Window:
         return self.record.phase if self.record else Phase.IDLE
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
-                      wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE) -> Lease:
+                      wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE,
+                      priority: int = 0) -> Lease:
         """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
 
         A request for the open window's profile joins it, unless a queued request for another
@@ -156,9 +158,10 @@ class Window:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
         rec, now = self.record, time.time()
+        # A window being preempted takes no new leases: they would only be revoked.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener)
+                 and rec.preempted is None and self.queue.blocked(profile, now) is None)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority)
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         if rec is not None and rec.degraded:
@@ -179,7 +182,8 @@ class Window:
                 listener({"event": "waiting", "reason": "restoring the previous window", "phase": str(rec.phase),
                           "window": rec.id})
         if waiter.window is None and rec is not None:
-            log.info("request_queued", holder=holder, profile=profile, position=len(self.queue.queued()))
+            position = self.queue.queued(now).index(waiter) + 1
+            log.info("request_queued", holder=holder, profile=profile, priority=priority, position=position)
             self.writer.request()
             self.wake.set()  # the open window must not linger for nobody
             self.tell_queue()
@@ -206,6 +210,7 @@ class Window:
         if queued:
             self.writer.request()
             self.tell_queue()
+            self.wake.set()  # a preemption it asked for is abandoned
         if waiter.future.done():
             return
         waiter.future.cancel()
@@ -226,7 +231,8 @@ class Window:
 
     def tell_queue(self) -> None:
         """Tell every queued client its position and ETA."""
-        for entry, waiter in zip(self.queue_status(), self.queue.queued(), strict=True):
+        now = time.time()
+        for entry, waiter in zip(self.queue_status(now), self.queue.queued(now), strict=True):
             if waiter.listener is not None:
                 waiter.listener({"event": "queued", **entry,
                                  "open": {"window": self.record.id, "profile": self.record.profile,
@@ -329,7 +335,7 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
+        lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
                  waited_s=round(time.time() - w.since, 3))
         try:
@@ -377,6 +383,11 @@ class Window:
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
         await failpoint(f"{phase}:closing" if rec.closing and phase is not Phase.CLOSING else str(phase))
 
+    def tell_holders(self, event: dict[str, Any]) -> None:
+        """Send an event to every lease holder whose client still holds its connection open."""
+        for listener in list(self.lease_watchers.values()):
+            listener(event)
+
     def tell(self, event: dict[str, Any]) -> None:
         """Send an event to every client waiting for the window."""
         for listener in list(self._listeners):
@@ -399,7 +410,7 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)) for w in waiters]
+        return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)) for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
         """Enter READY and give every waiting acquire its lease."""

@@ -96,6 +96,16 @@ class Client:
         raise Unreachable(f"gpuswapd closed the connection on {self.path} (it stopped, or this watcher fell "
                           "behind and was dropped)")
 
+    def listen(self, on_event: Callable[[dict[str, Any]], None]) -> None:
+        """Pass the events that come after a reply to ``on_event`` until the connection ends."""
+        try:
+            while line := self._file.readline():
+                data = json.loads(line)
+                if "event" in data:
+                    on_event(data)
+        except (OSError, ValueError):
+            return  # closed under it (the lease ended here), or gpuswapd went away
+
     def _reply(self, on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         waited = False
         while True:

@@ -63,6 +63,22 @@ def _add_profile(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"{what} ([profiles.NAME] in gpuswapd's configuration; default: [window])")
 
 
+def _priority(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -1000 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (-1000..1000)")
+    return value
+
+
+def _add_priority(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--priority", type=_priority, default=0, metavar="N",
+                        help="queue priority (default 0; above daemon.priority_max_nonroot only root); a higher one "
+                             "preempts a window whose leases all have lower ones, after a grace period")
+
+
 def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--socket",
@@ -102,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     acquire.add_argument("--no-wait", action="store_true", help="fail at once (exit 5) unless a window is already open")
     acquire.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
     _add_profile(acquire, "the kind of window to hold")
+    _add_priority(acquire)
 
     renew = sub.add_parser("renew", parents=[common], help="extend a lease")
     renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
@@ -118,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         help="hold a lease while a command runs",
-        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] -- COMMAND [ARG...]",
+        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] [--priority N] "
+              "-- COMMAND [ARG...]",
     )
     run.add_argument(
         "--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs"
@@ -126,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
     run.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
     _add_profile(run, "the kind of window to run under (a bare one sets CUDA_VISIBLE_DEVICES)")
+    _add_priority(run)
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
 
     sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
@@ -164,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
     _add_profile(bench, "the engine profile to measure (not a bare one)")
+    _add_priority(bench)
     return parser
 
 
@@ -278,6 +298,8 @@ def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
         req["timeout"] = args.timeout
     if args.profile != "default":
         req["profile"] = args.profile
+    if args.priority:
+        req["priority"] = args.priority
     return req
 
 
