@@ -128,7 +128,9 @@ class Client:
             return reply
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (waking a thread that still reads from it first)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._file.close()
         self._sock.close()
 

@@ -8,16 +8,16 @@ _gpuswapctl() {
     local commands="acquire renew release run status plan park history watch bench"
     local common="--socket --json -h --help"
     local -A options=(
-        [acquire]="--for --holder --no-wait --timeout --profile"
+        [acquire]="--for --holder --no-wait --timeout --profile --priority"
         [renew]="--for --holder"
         [release]="--holder"
-        [run]="--for --holder --timeout --profile --"
+        [run]="--for --holder --timeout --profile --priority --"
         [status]=""
         [plan]="--profile"
         [park]="--remove"
         [history]="--limit"
         [watch]=""
-        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile"
+        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile --priority"
     )
     local spans="90s 5m 15m 30m 1h 4h"
 
@@ -26,7 +26,7 @@ _gpuswapctl() {
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
             --socket | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
-                --max-tokens | --repeat | --profile) ((i++)) ;;
+                --max-tokens | --repeat | --profile | --priority) ((i++)) ;;
             --)
                 if [[ $command == run ]]; then
                     _command_offset $((i + 1))
@@ -52,7 +52,7 @@ _gpuswapctl() {
             COMPREPLY=($(compgen -W "$spans" -- "$cur"))
             return
             ;;
-        --holder | --limit | --url | --model | --max-tokens | --repeat)
+        --holder | --limit | --url | --model | --max-tokens | --repeat | --priority)
             return
             ;;
         --profile)

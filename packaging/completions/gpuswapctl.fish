@@ -42,6 +42,8 @@ complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l holder -x -d 
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l no-wait -d 'Fail at once unless a window is open'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l timeout -x -a "$spans" -d 'Give up if not ready within SPAN'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire plan bench' -l profile -x -a default -d 'The kind of window ([profiles.NAME])'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire bench' -l priority -x -d 'Queue priority (a higher one preempts)'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l priority -x -d 'Queue priority (a higher one preempts)'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l profile -x -a default -d 'The kind of window (bare: CUDA_VISIBLE_DEVICES)'
 
 # renew [LEASE]

@@ -78,6 +78,15 @@ MEANINGS: dict[str, str] = {
     "daemon.fair_after": "Fairness: once a queued request for another profile has waited this long, new requests "
                          "for the open window's profile queue behind it instead of joining, so the open window "
                          "closes when its current leases end and the waiting profile gets the card.",
+    "daemon.priority_max_nonroot": "The highest --priority a caller other than root may ask for; above it the "
+                                   "request is refused (gpuswapctl exits 4) and the message says the limit.",
+    "daemon.aging": "A queued request gains one level of effective priority per this much waiting, so none starves "
+                    "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
+    "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
+                            "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
+    "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
+                         "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
+                         "its ExecStopPost= runs as usual.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -183,6 +192,7 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_strings": lambda c: "list of strings",
     "_units": lambda c: "list of unit names, at least one",
     "_timer_patterns": lambda c: "list of glob patterns ending in .timer",
+    "_unit_patterns": lambda c: "list of unit names or glob patterns",
     "_string_map": lambda c: "table of strings",
     "_ports": lambda c: "table of port numbers",
     "_gpus": lambda c: "\"all\" or a list of integers",

@@ -68,17 +68,17 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
 
 
 def test_aging_orders_the_queue_but_never_preempts(gpuswapd: Start, probe: Probe) -> None:
-    daemon = with_profiles(gpuswapd, probe, daemon={"aging": "1s", "preempt_grace": "1s"})
+    daemon = with_profiles(gpuswapd, probe, daemon={"aging": "500ms", "preempt_grace": "1s"})
     assert daemon.ctl("acquire", "--holder", "chat", "--priority", "1", "--for", "2m").returncode == 0
     old = _acquire_in_background(daemon, "--profile", "eval", "--holder", "old", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "the old request to queue")
-    time.sleep(2.2)  # two levels gained: effective 2
+    time.sleep(1.1)  # two levels gained: effective 2
     new = _acquire_in_background(daemon, "--profile", "bare", "--priority", "1", "--holder", "new", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 2, "the new request to queue")
     queue = daemon.status()["queue"]
     assert [(q["holder"], q["priority"]) for q in queue] == [("old", 0), ("new", 1)]
     assert queue[0]["effective_priority"] >= 2
-    time.sleep(1.5)
+    time.sleep(1.0)
     assert daemon.status()["window"]["preempted"] is None  # neither preempts a priority-1 window
     for proc in (old, new):
         proc.terminate()  # the requests withdraw
