@@ -24,7 +24,8 @@ def progress(window: Window, rec: WindowRecord) -> str:
         return f" {reading.free_bytes / GiB:.1f}/{_vram_needed(window, rec) / GiB:.1f} GiB free"
     if rec.phase is Phase.BOOTING and rec.timings:
         took = time.time() - rec.timings[-1].started_at
-        return f" {took:.0f}s of {window.config.window.boot_timeout:.0f}s"
+        engine = window.profile.window or window.config.window
+        return f" {took:.0f}s of {engine.boot_timeout:.0f}s"
     if rec.phase is Phase.READY:
         held = len(rec.leases)
         return f", {held} lease{'' if held == 1 else 's'}"
@@ -32,9 +33,9 @@ def progress(window: Window, rec: WindowRecord) -> str:
 
 
 def _vram_needed(window: Window, rec: WindowRecord) -> int:
-    """Return what this WAITING_VRAM waits for: the engine's needs less a parked residual, or the resident's."""
-    gpu = window.config.gpu
+    """Return what this WAITING_VRAM waits for: the profile's needs less its parked residual, or the resident's."""
     if rec.closing:
-        return gpu.resident_needs
-    held = window.parked.residual_bytes if window.parked is not None else 0
-    return max(0, gpu.window_needs - held)
+        return window.config.gpu.resident_needs
+    parked = window.parked
+    held = parked.residual_bytes if parked is not None and parked.profile == rec.profile else 0
+    return max(0, window.profile.needs - held)
