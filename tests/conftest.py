@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.stack.config import ENGINE_ENV, stack_config
-
-# The simulated engine's boot in tests: short, since every cold window waits for it (the
-# benchmarks and the demo keep the world's 1.0 s, so their figures stay comparable).
-TEST_BOOT_DELAY = "0.4"
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import Probe
 from tests.stack.users import User, ensure_users, remove
 from tests.stack.world import Stack
+
+# The simulated engine's boot in tests: short, since every cold window waits for it (the
+# benchmarks and the demo keep the world's 1.0 s, so their figures stay comparable).
+TEST_BOOT_DELAY = "0.4"
 
 # Property tests check behaviour, not speed: on a loaded 2-core machine (or inside makepkg's
 # check()) generating inputs may be slow, and that is no failure.

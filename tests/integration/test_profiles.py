@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import TEST_BOOT_DELAY
 from tests.integration.test_faults import _acquire_in_background, _wait_persisted
 from tests.integration.test_window import assert_resident_back
-from tests.conftest import TEST_BOOT_DELAY
 from tests.stack.config import profile_sections
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
