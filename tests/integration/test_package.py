@@ -32,6 +32,8 @@ EXPECTED = {
     "usr/bin/gpuswapctl": None,
     "usr/lib/systemd/system/gpuswapd.service": "units/gpuswapd.service",
     "usr/lib/systemd/system/gpuswapd.socket": "units/gpuswapd.socket",
+    "usr/lib/systemd/system/gpuswapd@.service": "units/gpuswapd@.service",
+    "usr/lib/systemd/system/gpuswapd@.socket": "units/gpuswapd@.socket",
     "usr/lib/sysusers.d/gpuswapd.conf": "units/sysusers.d/gpuswapd.conf",
     "usr/lib/tmpfiles.d/gpuswapd.conf": "units/tmpfiles.d/gpuswapd.conf",
     "etc/gpuswapd/gpuswapd.toml": "units/gpuswapd.toml",
@@ -141,7 +143,8 @@ def test_installed_units_verify_against_the_package_tree(built: Built, tmp_path:
     built.tar.extractall(root, members=[m for m in built.tar.getmembers() if not m.name.startswith(".")],
                          filter="tar")
     proc = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket"],
+        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket", "gpuswapd@0.service",
+         "gpuswapd@0.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(root / "usr/share/man")},
     )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
