@@ -54,7 +54,7 @@ def switch_target(w: Window, rec: WindowRecord) -> str | None:
 
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
-        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="window closing")
+        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="closed")
     await w.persist(required=False)
     nxt = switch_target(w, rec)
     # Parked only if what comes next fits beside it: the resident, or the next window.
@@ -145,6 +145,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
                 await _bare_memory_gone(w)
             await w.resident.start(rec.units)
             await w.resident.verify()
+            if attempt > 1:  # it was DEGRADED
+                log.info("recovered", attempts=attempt)
             rec.degraded = None
             return
         except GpuswapError as err:
@@ -157,6 +159,8 @@ async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: in
     delay = min(cap, first * 2 ** (attempt - 1))
     rec.degraded = err.message
     log.error("restore_failed", error=err.message, retry_in_s=delay)
+    if attempt == 1:
+        log.error("degraded", reason=err.message)
     await w.enter(rec, Phase.DEGRADED, required=False)
     w.fail_waiters(Degraded(f"the resident could not be restored yet: {err.message}", phase=str(Phase.DEGRADED)))
     await _pause(w, delay)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuswapd.errors import ConfigError
+from gpuswapd.events import KNOWN_EVENTS
 from gpuswapd.sizes import SizeError, parse_size
 from gpuswapd.timespan import SpanError, parse_span
 
@@ -125,6 +126,14 @@ def _units(value: Any, path: str) -> list[str]:
     return names
 
 
+def _unit_patterns(value: Any, path: str) -> list[str]:
+    patterns = _strings(value, path)
+    for i, pattern in enumerate(patterns):
+        if not _UNIT_NAME.match(pattern.replace("*", "x").replace("?", "x")):
+            raise _fail(f"{path}[{i}]", f"not a unit name or glob: {pattern!r} (e.g. 'gpuswapd@*.service')")
+    return patterns
+
+
 def _timer_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
@@ -183,6 +192,11 @@ class DaemonConfig:
     reserved_clients: int = _key(_int(0, 65536), 32)
     max_queue: int = _key(_int(1, 65536), 64)
     fair_after: float = _key(_span(0.0), 300.0)
+    priority_max_nonroot: int = _key(_int(-1000, 1000), 0)
+    aging: float = _key(_span(0.0), 600.0)
+    preempt_grace: float = _key(_span(0.0), 30.0)
+    never_stop: list[str] = _key(_unit_patterns, ["gpuswapd.service", "gpuswapd.socket", "gpuswapd@*.service",
+                                                  "gpuswapd@*.socket"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,6 +330,59 @@ class Profile:
         return self.window
 
 
+def _listen(value: Any, path: str) -> str:
+    text = _string(value, path).strip()
+    if not text:
+        return ""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit():
+        raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text!r}")
+    if not 1 <= int(port) <= 65535:
+        raise _fail(path, f"port {port} is out of range (1..65535; 0 would pick a random port)")
+    return text
+
+
+def _abs_path(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if text and not os.path.isabs(text):
+        raise _fail(path, f"must be an absolute path, got {text!r}")
+    return text
+
+
+def _command(value: Any, path: str) -> list[str]:
+    argv = _strings(value, path)
+    if argv and not os.path.isabs(argv[0]):
+        raise _fail(f"{path}[0]", f"must be an absolute path, got {argv[0]!r}")
+    return argv
+
+
+def _event_names(value: Any, path: str) -> list[str]:
+    names = _strings(value, path)
+    for i, name in enumerate(names):
+        if name not in KNOWN_EVENTS:
+            raise _fail(f"{path}[{i}]", f"no event {name!r} (see the event names in gpuswapd.toml(5))")
+    return names
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """``[metrics]``: Prometheus metrics, served over HTTP and/or written for node_exporter."""
+
+    listen: str = _key(_listen, "")
+    textfile: str = _key(_abs_path, "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HooksConfig:
+    """``[hooks]``: a command run for chosen events, never holding up the window."""
+
+    command: list[str] = _key(_command, [])
+    events: list[str] = _key(_event_names, ["window_failed", "degraded", "engine_restarted", "preempted",
+                                            "recovered"])
+    timeout: float = _key(_span(0.1), 10.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration."""
@@ -325,6 +392,8 @@ class Config:
     resident: ResidentConfig
     timers: TimersConfig
     window: WindowConfig
+    metrics: MetricsConfig
+    hooks: HooksConfig
     profiles: dict[str, Profile] = field(default_factory=dict, compare=False)  # [profiles.NAME]; not "default"
     source: str = field(default="<defaults>", compare=False)
 
@@ -446,6 +515,34 @@ def _check(config: Config, source: str) -> None:
         if p.engine.park.mode == "sleep" and config.gpu.probe == "none":
             raise ConfigError(f"{source}: {where}.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a "
                               "reading of free VRAM proves the resident fits beside a sleeping engine")
+    _check_metrics(config.metrics, source)
+    _check_hooks(config.hooks, source)
+
+
+def _check_metrics(metrics: MetricsConfig, source: str) -> None:
+    """Refuse a textfile gpuswapd could not write: its directory must exist and be writable."""
+    if not metrics.textfile:
+        return
+    target = Path(metrics.textfile)
+    if not target.name.endswith(".prom"):
+        raise ConfigError(f"{source}: metrics.textfile: node_exporter reads only files ending in .prom: "
+                          f"{metrics.textfile!r}")
+    if not target.parent.is_dir():
+        raise ConfigError(f"{source}: metrics.textfile: no directory {str(target.parent)!r} (create it, and let "
+                          "gpuswapd write there: ReadWritePaths= in a drop-in, see gpuswapd.toml(5))")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{source}: metrics.textfile: {str(target.parent)!r} is not writable by gpuswapd (read-only "
+                          "under ProtectSystem=strict without ReadWritePaths=, or owned by another user: gpuswapd "
+                          "runs as root without CAP_DAC_OVERRIDE)")
+
+
+def _check_hooks(hooks: HooksConfig, source: str) -> None:
+    """Refuse a hook command that is not an executable file."""
+    if not hooks.command:
+        return
+    program = hooks.command[0]
+    if not os.path.isfile(program) or not os.access(program, os.X_OK):
+        raise ConfigError(f"{source}: hooks.command[0]: {program!r} is not an executable file")
 
 
 def warnings(config: Config) -> list[str]:

@@ -21,10 +21,12 @@ from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
 from gpuswapd.engine import ContainerEngine, Engine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
+from gpuswapd.events import EventBus
 from gpuswapd.instances import DEFAULT_INSTANCE
 from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
+from gpuswapd.observers import Observers
 from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.plan import make_plan
 from gpuswapd.recovery import recover_at_start
@@ -42,7 +44,7 @@ SHUTDOWN_BOUND_S = 600.0
 class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
-    def __init__(self, config: Config, instance: str = DEFAULT_INSTANCE) -> None:
+    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE) -> None:
         self.config = config
         self.instance = instance
         self.notifier = Notifier()
@@ -74,6 +76,7 @@ class Daemon:
                                       self.window.parked, config.profile(profile)),
             instance=instance,
         )
+        self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
         self._signals = 0
         self._own_socket: str | None = None
@@ -115,6 +118,7 @@ class Daemon:
         await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.observers.start()
         sock = activation_socket()
         if sock is None:
             d = self.config.daemon
@@ -174,6 +178,7 @@ class Daemon:
         except TimeoutError:
             log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
         await self.window.writer.stop(timeout=10.0)
+        await self.observers.close()
         await self.http.aclose()
         self.systemd.close()
         if self._own_socket is not None:
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"gpuswapd {__version__}")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    bus = EventBus()
+    setup_logging(args.log_level, tap=bus.tap)
     instance = DEFAULT_INSTANCE
     try:
         if args.instance is None:
@@ -218,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.instance is not None:
         # Every line an instance logs says which one: several share one journal.
         structlog.contextvars.bind_contextvars(instance=instance)
-    return asyncio.run(Daemon(config, instance).run())
+    return asyncio.run(Daemon(config, bus, instance).run())

@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from gpuswapd import closing, opening
+from gpuswapd import closing, opening, preempting
 from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -48,6 +48,8 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                 elif not await _restart_engine(w, rec, watch.result()):
                     return False
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
+            if rec.phase is Phase.READY:
+                await preempting.check(w, rec)
             now = time.time()
             expired = rec.leases.expire(now)
             for lease in expired:
@@ -60,8 +62,8 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                 linger_from = now if linger_from is None else linger_from
                 if now - linger_from >= linger or w.queue.wants_other(rec.profile):
                     return True  # a request for another profile waits: no lingering for nobody
-            wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger)
-                          if t is not None)
+            wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger,
+                                      preempting.deadline(rec)) if t is not None)
             w.wake.clear()
             waker = asyncio.create_task(w.wake.wait())
             retrieve(waker)
@@ -89,6 +91,7 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             # fail with out of memory.
             await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
             rec.container = await w.engine.bring_up(rec.id)
+            log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)
             await w.engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)

@@ -20,6 +20,7 @@ class Lease:
     expires_at: float
     unit: str | None = None
     uid: int | None = None
+    priority: int = 0
 
     def remaining(self, now: float) -> float:
         """Return the seconds left, never negative."""
@@ -28,7 +29,8 @@ class Lease:
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize; with ``now``, include the seconds remaining."""
         out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
-                               "expires_at": self.expires_at, "unit": self.unit, "uid": self.uid}
+                               "expires_at": self.expires_at, "unit": self.unit, "uid": self.uid,
+                               "priority": self.priority}
         if now is not None:
             out["remaining_s"] = round(self.remaining(now), 3)
         return out
@@ -37,7 +39,7 @@ class Lease:
     def from_dict(cls, data: dict[str, Any]) -> Lease:
         """Rebuild a lease from ``to_dict`` output."""
         return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
-                   float(data["expires_at"]), data.get("unit"), data.get("uid"))
+                   float(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0))
 
 
 class LeaseBook:
@@ -54,9 +56,9 @@ class LeaseBook:
         return sorted(self._leases.values(), key=lambda lease: lease.granted_at)
 
     def grant(self, holder: str, duration: float, now: float, unit: str | None = None,
-              uid: int | None = None) -> Lease:
+              uid: int | None = None, priority: int = 0) -> Lease:
         """Grant a new lease of ``duration`` seconds from ``now``."""
-        lease = Lease(secrets.token_hex(6), holder, now, now + duration, unit, uid)
+        lease = Lease(secrets.token_hex(6), holder, now, now + duration, unit, uid, priority)
         self._leases[lease.id] = lease
         return lease
 

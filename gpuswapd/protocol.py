@@ -2,7 +2,8 @@
 
 A request is ``{"op": ..., ...}``. The daemon answers with zero or more events
 (``{"event": "phase", ...}``) and then exactly one reply: ``{"ok": true, ...}`` or
-``{"ok": false, "error": {"code", "message", "phase"?}}``.
+``{"ok": false, "error": {"code", "message", "phase"?}}``. ``watch`` is answered with events
+only (``{"event": "subscribed"}`` first), until the client hangs up.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from gpuswapd.timespan import SpanError, parse_span
 MAX_LINE = 64 * 1024
 MAX_SPAN_S = 10 * 365 * 86400.0
 MAX_NESTING = 32
+MAX_PRIORITY = 1000
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-OPS = ("acquire", "release", "renew", "status", "plan", "history", "park")
+OPS = ("acquire", "release", "renew", "status", "plan", "history", "park", "watch")
 _FIELDS: dict[str, set[str]] = {
-    "acquire": {"for", "holder", "wait", "timeout", "profile"},
+    "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold"},
     "release": {"lease", "holder"},
     "renew": {"lease", "holder", "for"},
     "status": set(),
     "plan": {"profile"},
     "history": {"limit"},
     "park": {"remove"},
+    "watch": set(),
 }
 
 
@@ -45,6 +48,8 @@ class Request:
     limit: int = 20
     remove: bool = False
     profile: str = "default"
+    priority: int = 0
+    hold: bool = False  # keep the connection for the lease's events (preempting, preempted)
 
 
 def _span(value: Any, key: str) -> float:
@@ -108,7 +113,21 @@ def parse_request(line: bytes) -> Request:
         limit=limit,
         remove=remove,
         profile=_profile(data["profile"]) if "profile" in data else "default",
+        priority=_priority(data.get("priority", 0)),
+        hold=_flag(data.get("hold", False), "hold"),
     )
+
+
+def _priority(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise RequestError(f"'priority' must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"{key!r} must be true or false")
+    return value
 
 
 def _profile(value: Any) -> str:

@@ -1,9 +1,11 @@
 """The requests waiting for a window: who joins the open one, who queues for a later one, and when.
 
 One window is open at a time. A request for the open window's profile joins it; a request for
-another profile queues, first come first served. Fairness: once a queued request for another
-profile has waited ``daemon.fair_after``, new requests for the open profile queue behind it
-instead of joining, so the open window closes when its current leases end.
+another profile queues, by priority and first come first served within one. A queued request
+gains one level of effective priority per ``daemon.aging`` it waits, so none starves (aging
+orders the queue; preemption looks at the base priority only). Fairness: once a queued request
+for another profile has waited ``daemon.fair_after``, new requests for the open profile queue
+behind it instead of joining, so the open window closes when its current leases end.
 
 Waiting requests live only in memory (and in the state document's ``queue``, for the record):
 they do not survive a restart of gpuswapd, whose clients then see their connection drop.
@@ -36,6 +38,7 @@ class Waiter:
     uid: int | None
     profile: str = DEFAULT_PROFILE
     listener: Listener | None = None
+    priority: int = 0
     since: float = field(default_factory=time.time)
     window: str | None = None  # the window it joined; None while it queues for a later one
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -43,7 +46,7 @@ class Waiter:
     def to_dict(self) -> dict[str, Any]:
         """Describe it for the state document."""
         return {"holder": self.holder, "profile": self.profile, "since": self.since, "unit": self.unit,
-                "uid": self.uid}
+                "uid": self.uid, "priority": self.priority}
 
 
 class Times:
@@ -82,16 +85,35 @@ class Times:
 class Queue:
     """The waiting acquires, in arrival order."""
 
-    def __init__(self, fair_after: float) -> None:
+    def __init__(self, fair_after: float, aging: float = 0.0) -> None:
         self.fair_after = fair_after
+        self.aging = aging  # seconds of waiting per level of effective priority (0: no aging)
         self.waiters: list[Waiter] = []
 
     def __len__(self) -> int:
         return len(self.waiters)
 
-    def queued(self) -> list[Waiter]:
-        """List the requests waiting for a later window, first come first."""
-        return [w for w in self.waiters if w.window is None]
+    def effective(self, waiter: Waiter, now: float) -> int:
+        """Return a request's priority with what it gained by waiting."""
+        gained = int((now - waiter.since) // self.aging) if self.aging > 0 else 0
+        return waiter.priority + max(0, gained)
+
+    def queued(self, now: float | None = None) -> list[Waiter]:
+        """List the requests waiting for a later window: highest effective priority first, then oldest."""
+        now = time.time() if now is None else now
+        waiting = [w for w in self.waiters if w.window is None]
+        return sorted(waiting, key=lambda w: (-self.effective(w, now), w.since))
+
+    def preemptor(self, profile: str, leases: list[int]) -> Waiter | None:
+        """Return the request that preempts a window of ``profile`` whose leases have these priorities.
+
+        It wants another profile and its base priority is above every lease's; aging never preempts.
+        """
+        if not leases:
+            return None
+        top = max(leases)
+        candidates = [w for w in self.waiters if w.window is None and w.profile != profile and w.priority > top]
+        return max(candidates, key=lambda w: (w.priority, -w.since), default=None)
 
     def joined(self, window: str) -> list[Waiter]:
         """List the requests waiting for ``window`` to be READY."""
@@ -133,11 +155,12 @@ class Queue:
         """
         out: list[dict[str, Any]] = []
         windows: list[str] = []
-        for position, w in enumerate(self.queued(), start=1):
+        for position, w in enumerate(self.queued(now), start=1):
             if not windows or windows[-1] != w.profile:
                 windows.append(w.profile)
             opens = [times.open_time(p) for p in windows]
             eta = None if any(t is None for t in opens) else round(ahead_s + sum(t or 0.0 for t in opens), 1)
-            out.append({"holder": w.holder, "profile": w.profile, "position": position,
-                        "waited_s": round(now - w.since, 1), "eta_s": eta})
+            out.append({"holder": w.holder, "profile": w.profile, "position": position, "priority": w.priority,
+                        "effective_priority": self.effective(w, now), "waited_s": round(now - w.since, 1),
+                        "eta_s": eta})
         return out

@@ -58,6 +58,8 @@ class WindowRecord:
     switched_from: str | None = None
     switched_to: str | None = None
     saved: dict[str, Any] | None = None
+    # A preemption: who asked, at what priority, when the leases are revoked (at ``deadline``).
+    preempted: dict[str, Any] | None = None
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
@@ -109,6 +111,7 @@ class WindowRecord:
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
             "start": self.start, "profile": self.profile, "kind": self.kind,
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
+            "preempted": self.preempted,
         }
 
     @classmethod
@@ -130,7 +133,7 @@ class WindowRecord:
             baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
             profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
-            saved=d.table("saved"),
+            saved=d.table("saved"), preempted=d.table("preempted"),
         )
 
 
@@ -211,4 +214,5 @@ def _lease(data: Any, where: str) -> Lease:
     d = _Fields(data, where)
     uid = d.number("uid", optional=True)
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), d.number("expires_at"),
-                 d.text("unit", optional=True), None if uid is None else int(uid))
+                 d.text("unit", optional=True), None if uid is None else int(uid),
+                 int(d.number("priority", default=0)))

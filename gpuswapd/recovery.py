@@ -92,7 +92,9 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(time.time())
-    if rec.phase is Phase.READY and len(rec.leases) and rec.container and await w.engine.adopt(rec.container):
+    # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
+    if rec.phase is Phase.READY and len(rec.leases) and (
+            rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
         log.info("window_adopted", leases=len(rec.leases))
         w.notify_status()
         await holding.hold_then_close(w, rec)

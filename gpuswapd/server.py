@@ -34,12 +34,13 @@ from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_requ
 from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
+from gpuswapd.watch import Watchers
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
 IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
-READ_ONLY = frozenset({"status", "history"})
+READ_ONLY = frozenset({"status", "history", "watch"})
 BACKLOG = 1024
 # accept() fails with these when the process or the system is out of descriptors or memory:
 # wait a little (never spin), and let the caps bring the count down.
@@ -69,6 +70,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[Any]] = set()
+        self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
 
     def _in_group(self, peer: Peer) -> bool:
         group = self.config.daemon.socket_group
@@ -226,6 +228,11 @@ class Server:
             if req.remove:
                 return {"ok": True, "removed": await self.window.remove_parked()}
             return {"ok": True, "parked": self.window.status()["parked"]}
+        if req.op == "watch":
+            if self.watchers is None:
+                raise RequestError("this gpuswapd has no events to watch")
+            await self.watchers.serve(peer.holder, reader, writer)
+            return None  # it ends when the client hangs up or falls behind
         if req.op == "history":
             history = await self.outside.state.call("read_history", self.store.history, req.limit)
             return {"ok": True, "windows": history}
@@ -280,6 +287,10 @@ class Server:
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease)
         profile = self._profile(req.profile)
+        most = self.config.daemon.priority_max_nonroot
+        if req.priority > most and peer.uid != 0:
+            raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
+                                   f"root may ask for more (user {peer.user}, uid {peer.uid})")
         started = time.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
@@ -288,7 +299,7 @@ class Server:
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name))
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority))
         retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
@@ -321,7 +332,22 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
+        if req.hold:
+            await self._hold(lease.id, reader, progress)
         return None
+
+    async def _hold(self, lease_id: str, reader: asyncio.StreamReader,
+                    tell: Callable[[dict[str, Any]], None]) -> None:
+        """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
+
+        The lease is not bound to the connection: renew and release come on connections of their own.
+        """
+        self.window.lease_watchers[lease_id] = tell
+        try:
+            while await reader.read(4096):
+                pass  # the client says nothing more; anything it sends is ignored
+        finally:
+            self.window.lease_watchers.pop(lease_id, None)
 
 
 def _pending(sock: socket.socket, most: int) -> list[socket.socket]:

@@ -8,6 +8,8 @@ that must react to the failure passes ``on_failure``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -92,3 +94,32 @@ def uncancel() -> None:
     if task is not None:
         while task.cancelling():
             task.uncancel()
+
+
+def in_daemon_thread(func: Callable[..., T], *args: Any, name: str) -> asyncio.Future[T]:
+    """Run a blocking call on a daemon thread of its own, one that never keeps gpuswapd from exiting.
+
+    For a call with no deadline of its own that must neither hold a worker of a shared pool nor
+    block the exit if it hangs (a write to a stuck filesystem).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = func(*args), None
+        except BaseException as err:  # handed to the awaiting side
+            result, error = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

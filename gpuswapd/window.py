@@ -41,6 +41,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.progress import progress
 from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
 from gpuswapd.resident import Resident
@@ -86,9 +87,11 @@ class Window:
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
         self.baseline_restore: dict[str, Any] | None = None
-        self.queue = Queue(config.daemon.fair_after)
+        self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
+        self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
         self._listeners: set[Listener] = set()
+        self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
         self._driver: asyncio.Task[None] | None = None
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
@@ -108,13 +111,17 @@ class Window:
 
     @property
     def profile(self) -> Profile:
-        """Return the profile of the window open now ("default" when none is)."""
-        return self.config.profile(self.record.profile if self.record is not None else DEFAULT_PROFILE)
+        """Return the profile of the window open now ("default" when none is, or its profile is gone)."""
+        name = self.record.profile if self.record is not None else DEFAULT_PROFILE
+        try:
+            return self.config.profile(name)
+        except KeyError:  # a window an earlier configuration opened: closed with what there is
+            return self.config.profile(DEFAULT_PROFILE)
 
     @property
     def engine(self) -> Engine:
         """Return the engine of the window open now (the default engine when none is)."""
-        return self.engines[self.profile.name]
+        return self.engine_of(self.profile.name)
 
     def engine_of(self, profile: str) -> Engine:
         """Return the engine of a profile (a parked engine's, say)."""
@@ -138,7 +145,8 @@ class Window:
         return self.record.phase if self.record else Phase.IDLE
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
-                      wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE) -> Lease:
+                      wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE,
+                      priority: int = 0) -> Lease:
         """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
 
         A request for the open window's profile joins it, unless a queued request for another
@@ -150,9 +158,10 @@ class Window:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
         rec, now = self.record, time.time()
+        # A window being preempted takes no new leases: they would only be revoked.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener)
+                 and rec.preempted is None and self.queue.blocked(profile, now) is None)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority)
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         if rec is not None and rec.degraded:
@@ -173,7 +182,8 @@ class Window:
                 listener({"event": "waiting", "reason": "restoring the previous window", "phase": str(rec.phase),
                           "window": rec.id})
         if waiter.window is None and rec is not None:
-            log.info("request_queued", holder=holder, profile=profile, position=len(self.queue.queued()))
+            position = self.queue.queued(now).index(waiter) + 1
+            log.info("request_queued", holder=holder, profile=profile, priority=priority, position=position)
             self.writer.request()
             self.wake.set()  # the open window must not linger for nobody
             self.tell_queue()
@@ -200,6 +210,7 @@ class Window:
         if queued:
             self.writer.request()
             self.tell_queue()
+            self.wake.set()  # a preemption it asked for is abandoned
         if waiter.future.done():
             return
         waiter.future.cancel()
@@ -220,7 +231,8 @@ class Window:
 
     def tell_queue(self) -> None:
         """Tell every queued client its position and ETA."""
-        for entry, waiter in zip(self.queue_status(), self.queue.queued(), strict=True):
+        now = time.time()
+        for entry, waiter in zip(self.queue_status(now), self.queue.queued(now), strict=True):
             if waiter.listener is not None:
                 waiter.listener({"event": "queued", **entry,
                                  "open": {"window": self.record.id, "profile": self.record.profile,
@@ -247,7 +259,7 @@ class Window:
             return []
         gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(lambda x: x.unit == unit)]
         for lease in gone:
-            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason=f"{unit} is no longer active")
+            log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="unit_gone", unit=unit)
         if gone:
             await self._leases_changed()
         return gone
@@ -323,8 +335,9 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)
-        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration)
+        lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)
+        log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
+                 waited_s=round(time.time() - w.since, 3))
         try:
             await self._leases_changed()
         except asyncio.CancelledError:
@@ -370,6 +383,11 @@ class Window:
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
         await failpoint(f"{phase}:closing" if rec.closing and phase is not Phase.CLOSING else str(phase))
 
+    def tell_holders(self, event: dict[str, Any]) -> None:
+        """Send an event to every lease holder whose client still holds its connection open."""
+        for listener in list(self.lease_watchers.values()):
+            listener(event)
+
     def tell(self, event: dict[str, Any]) -> None:
         """Send an event to every client waiting for the window."""
         for listener in list(self._listeners):
@@ -378,7 +396,7 @@ class Window:
     def notify_status(self) -> None:
         """Tell systemd where the window stands (the STATUS= line), with whatever is amiss."""
         rec = self.record
-        line = f"{rec.phase} (window {rec.id})" if rec else "IDLE"
+        line = f"{rec.phase}{progress(self, rec)} (window {rec.id})" if rec else "IDLE"
         if rec is not None and rec.degraded:
             line += f": {rec.degraded}"
         if self.baseline_restore is not None and rec is not None and rec.baseline is not None:
@@ -392,7 +410,7 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid)) for w in waiters]
+        return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)) for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
         """Enter READY and give every waiting acquire its lease."""
@@ -400,7 +418,8 @@ class Window:
         granted = self.grant_waiters(rec)
         await self._leases_changed()
         for waiter, lease in granted:
-            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration)
+            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
+                     waited_s=round(time.time() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -429,6 +448,8 @@ class Window:
         record = rec.to_dict()
         self.writer.add_history(record)
         self.times.learn(record)
+        for listener in self.finished:
+            listener(record)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
                  took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3), switched_to=rec.switched_to)

@@ -324,6 +324,8 @@ def run_bench(args: argparse.Namespace, socket: str) -> int:
         acquire: dict[str, Any] = {"op": "acquire", **({"for": args.duration} if args.duration else {})}
         if args.profile != "default":
             acquire["profile"] = args.profile
+        if args.priority:
+            acquire["priority"] = args.priority
         with held_lease(socket, acquire, quiet=args.json) as lease:
             results = asyncio.run(run_requests(url, model, prompts, args.max_tokens, args.repeat))
     summary = summarize([r for r in results if r.error is None])

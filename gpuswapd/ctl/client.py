@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gpuswapd.errors import GpuswapError
@@ -99,6 +99,31 @@ class Client:
         except OSError as err:
             raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
 
+    def watch(self) -> Iterator[dict[str, Any]]:
+        """Subscribe to gpuswapd's events and yield them as they come, ``{"event": "subscribed"}`` first."""
+        self._sock.settimeout(None)
+        try:
+            self._sock.sendall(json.dumps({"op": "watch"}).encode() + b"\n")
+            while line := self._file.readline():
+                data = json.loads(line)
+                if "event" not in data:  # a refusal (not allowed, too many connections)
+                    raise GpuswapError.from_dict(data.get("error") or {"message": "no reason given"})
+                yield data
+        except OSError as err:
+            raise Unreachable(f"lost the connection to gpuswapd on {self.path}: {err.strerror or err}") from None
+        raise Unreachable(f"gpuswapd closed the connection on {self.path} (it stopped, or this watcher fell "
+                          "behind and was dropped)")
+
+    def listen(self, on_event: Callable[[dict[str, Any]], None]) -> None:
+        """Pass the events that come after a reply to ``on_event`` until the connection ends."""
+        try:
+            while line := self._file.readline():
+                data = json.loads(line)
+                if "event" in data:
+                    on_event(data)
+        except (OSError, ValueError):
+            return  # closed under it (the lease ended here), or gpuswapd went away
+
     def _reply(self, on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         waited = False
         while True:
@@ -121,7 +146,9 @@ class Client:
             return reply
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (waking a thread that still reads from it first)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._file.close()
         self._sock.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -13,15 +13,38 @@ from gpuswapd.ctl.render import Progress
 
 
 @contextmanager
-def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False) -> Iterator[dict[str, Any]]:
-    """Acquire a lease, renew it in the background at half its duration, release it at the end."""
+def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False,
+               on_event: Callable[[dict[str, Any]], None] | None = None) -> Iterator[dict[str, Any]]:
+    """Acquire a lease, renew it in the background at half its duration, release it at the end.
+
+    The acquire's connection stays open for the whole lease: gpuswapd sends the lease's events on
+    it (a preemption's ``preempting`` notice, then ``preempted``), which go to ``on_event``.
+    """
     progress = Progress(enabled=not quiet)
+    holding = Client(socket)
     try:
-        with Client(socket) as client:
-            # No read timeout: the window may take minutes to open; gpuswapd bounds it.
-            reply = client.request(acquire, on_event=progress.event, timeout=None)
+        # No read timeout: the window may take minutes to open; gpuswapd bounds it.
+        reply = holding.request({**acquire, "hold": True}, on_event=progress.event, timeout=None)
+    except BaseException:
+        holding.close()
+        raise
     finally:
         progress.close()
+
+    revoked = threading.Event()
+
+    def told(event: dict[str, Any]) -> None:
+        if event.get("event") == "preempted":
+            revoked.set()
+        if event.get("event") == "preempting":
+            print(f"gpuswapctl: preempted: {event.get('by')} (profile {event.get('profile')}, priority "
+                  f"{event.get('priority')}) needs the GPU; this lease is revoked in {event.get('grace_s'):g}s",
+                  file=sys.stderr)
+        if on_event is not None:
+            on_event(event)
+
+    listener = threading.Thread(target=holding.listen, args=(told,), name="lease-events", daemon=True)
+    listener.start()
     lease: dict[str, Any] = {**reply["lease"], "kind": reply.get("kind", "engine"),
                              "gpu_index": reply.get("gpu_index", 0), "profile": reply.get("profile", "default")}
     duration = max(1.0, lease["expires_at"] - lease["granted_at"])
@@ -42,8 +65,10 @@ def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False) -> Ite
     finally:
         stop.set()
         renewer.join()
-        try:
-            with Client(socket) as client:
-                client.request({"op": "release", "lease": lease["id"]})
-        except Exception as err:  # the window may already be gone; the work's result still stands
-            print(f"gpuswapctl: could not release lease {lease['id']}: {err}", file=sys.stderr)
+        holding.close()
+        if not revoked.is_set():  # a preemption revoked it already
+            try:
+                with Client(socket) as client:
+                    client.request({"op": "release", "lease": lease["id"]})
+            except Exception as err:  # the window may already be gone; the work's result still stands
+                print(f"gpuswapctl: could not release lease {lease['id']}: {err}", file=sys.stderr)

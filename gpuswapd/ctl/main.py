@@ -9,19 +9,22 @@ Exit codes (also in gpuswapctl(1)):
   4  refused: a bad request, permission denied, no such lease or profile, or the queue is full
   5  not ready: --no-wait and no window of the profile is open
   6  timed out: --timeout passed before the window was ready
+
+watch runs until interrupted (exit 0), or exits 3 when gpuswapd closes the connection.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
 from typing import Any
 
 from gpuswapd.ctl.client import BadInstance, Client, Unreachable, socket_path
-from gpuswapd.ctl.render import Progress, parked_line, print_plan, print_status
+from gpuswapd.ctl.render import Progress, event_line, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
 from gpuswapd.ctl.status_all import status_all
 from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, Stopping, WindowError
@@ -68,6 +71,22 @@ def _instance(text: str) -> str:
 def _add_profile(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--profile", type=_profile, default="default", metavar="NAME",
                         help=f"{what} ([profiles.NAME] in gpuswapd's configuration; default: [window])")
+
+
+def _priority(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -1000 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (-1000..1000)")
+    return value
+
+
+def _add_priority(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--priority", type=_priority, default=0, metavar="N",
+                        help="queue priority (default 0; above daemon.priority_max_nonroot only root); a higher one "
+                             "preempts a window whose leases all have lower ones, after a grace period")
 
 
 def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -117,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     acquire.add_argument("--no-wait", action="store_true", help="fail at once (exit 5) unless a window is already open")
     acquire.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
     _add_profile(acquire, "the kind of window to hold")
+    _add_priority(acquire)
 
     renew = sub.add_parser("renew", parents=[common], help="extend a lease")
     renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
@@ -133,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         help="hold a lease while a command runs",
-        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] -- COMMAND [ARG...]",
+        usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] [--priority N] "
+              "-- COMMAND [ARG...]",
     )
     run.add_argument(
         "--for", dest="duration", type=_span, metavar="SPAN", help="lease duration, renewed while COMMAND runs"
@@ -141,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])")
     run.add_argument("--timeout", type=_span, metavar="SPAN", help="give up (exit 6) if not ready within SPAN")
     _add_profile(run, "the kind of window to run under (a bare one sets CUDA_VISIBLE_DEVICES)")
+    _add_priority(run)
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
 
     status = sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
@@ -151,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(plan, "the kind of window to plan")
     park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
     park.add_argument("--remove", action="store_true", help="remove the parked engine now (root and members)")
+    sub.add_parser("watch", parents=[common], help="follow the window's events as they happen (until Ctrl-C)")
     history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
     history.add_argument("--limit", type=_limit, default=10, help="how many windows, 1 to 1000 (default 10)")
 
@@ -181,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
     _add_profile(bench, "the engine profile to measure (not a bare one)")
+    _add_priority(bench)
     return parser
 
 
@@ -206,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args, path)
         with Client(path) as client:
+            if args.command == "watch":
+                return _watch(args, client)
             return _run(args, client)
     except Unreachable as err:
         print(f"gpuswapctl: {err}", file=sys.stderr)
@@ -273,6 +299,18 @@ def _run(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+def _watch(args: argparse.Namespace, client: Client) -> int:
+    try:
+        for event in client.watch():
+            print(json.dumps(event) if args.json else event_line(event), flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how a watch ends
+    except BrokenPipeError:  # | head: the reader has what it wanted; nothing more to flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    return EXIT_OK
+
+
 def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace, path: str) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
@@ -290,6 +328,8 @@ def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
         req["timeout"] = args.timeout
     if args.profile != "default":
         req["profile"] = args.profile
+    if args.priority:
+        req["priority"] = args.priority
     return req
 
 

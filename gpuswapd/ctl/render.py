@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -165,3 +166,28 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
     for problem in plan["problems"]:
         out.write(f"problem:       {problem}\n")
     out.write("ok: a window can open now\n" if plan["ok"] else "not ok: a window would fail now\n")
+
+
+_SCHEMA = ("event", "window", "phase", "stage", "elapsed_s", "level", "ts")
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """Say one event of ``gpuswapctl watch`` in a line: time, name, window, phase, then its own keys."""
+    at = time.strftime("%H:%M:%S", time.localtime(event.get("ts") or time.time()))
+    if event.get("event") == "subscribed":
+        return f"{at} watching gpuswapd's events (Ctrl-C to stop)"
+    where = ""
+    if event.get("window"):
+        where = f" {event['window']} {event.get('phase') or ''}"
+        if event.get("stage"):
+            where += f"/{event['stage']}"
+        if event.get("elapsed_s") is not None:
+            where += f" +{float(event['elapsed_s']):.1f}s"
+    rest = " ".join(f"{k}={_value(v)}" for k, v in event.items() if k not in _SCHEMA)
+    level = "" if event.get("level") in (None, "info") else f" [{event['level']}]"
+    return f"{at} {event.get('event', '?'):<22}{level}{where}" + (f"  {rest}" if rest else "")
+
+
+def _value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return json.dumps(text) if (" " in text or not text) and isinstance(value, str) else text

@@ -17,18 +17,19 @@ _gpuswapctl() {
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="acquire renew release run status plan park history bench"
+    local commands="acquire renew release run status plan park history watch bench"
     local common="--socket --instance --json -h --help"
     local -A options=(
-        [acquire]="--for --holder --no-wait --timeout --profile"
+        [acquire]="--for --holder --no-wait --timeout --profile --priority"
         [renew]="--for --holder"
         [release]="--holder"
-        [run]="--for --holder --timeout --profile --"
+        [run]="--for --holder --timeout --profile --priority --"
         [status]="--all"
         [plan]="--profile"
         [park]="--remove"
         [history]="--limit"
-        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile"
+        [watch]=""
+        [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile --priority"
     )
     local spans="90s 5m 15m 30m 1h 4h"
 
@@ -37,7 +38,7 @@ _gpuswapctl() {
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
             --socket | --instance | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
-                --max-tokens | --repeat | --profile) ((i++)) ;;
+                --max-tokens | --repeat | --profile | --priority) ((i++)) ;;
             --)
                 if [[ $command == run ]]; then
                     _command_offset $((i + 1))
@@ -67,7 +68,7 @@ _gpuswapctl() {
             COMPREPLY=($(compgen -W "$spans" -- "$cur"))
             return
             ;;
-        --holder | --limit | --url | --model | --max-tokens | --repeat)
+        --holder | --limit | --url | --model | --max-tokens | --repeat | --priority)
             return
             ;;
         --profile)

@@ -1,7 +1,7 @@
 # fish completion for gpuswapctl(1).
 # Installed as /usr/share/fish/vendor_completions.d/gpuswapctl.fish.
 
-set -l commands acquire renew release run status plan park history bench
+set -l commands acquire renew release run status plan park history watch bench
 set -l spans 90s 5m 15m 30m 1h 4h
 
 # True while completing COMMAND (or its arguments) after "gpuswapctl run ... --".
@@ -44,6 +44,7 @@ complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a status 
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a plan -d 'What a window would do now (changes nothing)'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a park -d 'The engine parked asleep between windows'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a history -d 'Past windows with their phase timings'
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a watch -d "Follow the window's events as they happen"
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a bench -d "Measure the window's engine under a lease"
 
 # acquire
@@ -52,6 +53,8 @@ complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l holder -x -d 
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l no-wait -d 'Fail at once unless a window is open'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l timeout -x -a "$spans" -d 'Give up if not ready within SPAN'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire plan bench' -l profile -x -a default -d 'The kind of window ([profiles.NAME])'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire bench' -l priority -x -d 'Queue priority (a higher one preempts)'
+complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l priority -x -d 'Queue priority (a higher one preempts)'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l profile -x -a default -d 'The kind of window (bare: CUDA_VISIBLE_DEVICES)'
 
 # renew [LEASE]

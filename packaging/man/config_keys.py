@@ -78,6 +78,15 @@ MEANINGS: dict[str, str] = {
     "daemon.fair_after": "Fairness: once a queued request for another profile has waited this long, new requests "
                          "for the open window's profile queue behind it instead of joining, so the open window "
                          "closes when its current leases end and the waiting profile gets the card.",
+    "daemon.priority_max_nonroot": "The highest --priority a caller other than root may ask for; above it the "
+                                   "request is refused (gpuswapctl exits 4) and the message says the limit.",
+    "daemon.aging": "A queued request gains one level of effective priority per this much waiting, so none starves "
+                    "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
+    "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
+                            "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
+    "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
+                         "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
+                         "its ExecStopPost= runs as usual.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -148,6 +157,27 @@ MEANINGS: dict[str, str] = {
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
     **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
                                   if k == "url" else "") for k, v in _VERIFY.items()},
+    "metrics.listen": "host:port on which gpuswapd serves GET /metrics (Prometheus's text format) from its own "
+                      "event loop, within the socket's connection caps and timeouts, e.g. \"127.0.0.1:9477\". "
+                      "Port 0 is refused; a port that cannot be had stops the start (exit 78). Empty: off.",
+    "metrics.textfile": "An absolute path ending in .prom: gpuswapd writes the metrics there for node_exporter's "
+                        "textfile collector, through a temporary name in the same directory that does not end in "
+                        ".prom, renamed over the file, mode 0644, at most once a second. The directory must exist and "
+                        "be writable by gpuswapd (exit 78 otherwise): under ProtectSystem=strict that takes a "
+                        "ReadWritePaths= drop-in (/usr/share/doc/gpuswapd/examples/metrics-textfile.conf), and root "
+                        "without CAP_DAC_OVERRIDE must be allowed to write there by the directory's mode. Empty: off.",
+    "hooks.command": "A command (argument list, no shell; the first an absolute path to an executable file, checked "
+                     "at start) run once for each event named in events, with the event's JSON on standard input. "
+                     "At most four run at once (beyond that an event is dropped and counted in "
+                     "gpuswapd_hook_events_dropped_total); a hook never holds up the window. It runs inside "
+                     "gpuswapd.service's sandbox. /usr/share/doc/gpuswapd/examples/gpuswap-notify posts to an "
+                     "ntfy-style URL. Empty: no hooks.",
+    "hooks.events": "The events that run the hook, by their log names (see gpuswapd(8), EVENTS, METRICS AND HOOKS): "
+                    "e.g. window_failed, degraded, recovered, engine_restarted, engine_failed, phase_entered, "
+                    "lease_expired, window_finished. A name gpuswapd does not know stops the start (exit 78); "
+                    "preempted is accepted for the window queue to come.",
+    "hooks.timeout": "A hook still running after this long is killed with its process group; that is logged "
+                     "(hook_timed_out), and nothing else happens.",
 }
 
 _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -162,10 +192,15 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_strings": lambda c: "list of strings",
     "_units": lambda c: "list of unit names, at least one",
     "_timer_patterns": lambda c: "list of glob patterns ending in .timer",
+    "_unit_patterns": lambda c: "list of unit names or glob patterns",
     "_string_map": lambda c: "table of strings",
     "_ports": lambda c: "table of port numbers",
     "_gpus": lambda c: "\"all\" or a list of integers",
     "_docker_size": lambda c: "string, a Docker size",
+    "_listen": lambda c: "host:port, or empty",
+    "_abs_path": lambda c: "absolute path, or empty",
+    "_command": lambda c: "list of strings, the first an absolute path",
+    "_event_names": lambda c: "list of event names",
 }
 
 

@@ -47,6 +47,9 @@ EXPECTED = {
     "usr/share/licenses/gpuswapd/LICENSE": "LICENSE",
     "usr/share/doc/gpuswapd/README.md": "README.md",
     "usr/share/doc/gpuswapd/gpuswap-lease.conf": "units/examples/gpuswap-lease.conf",
+    "usr/share/doc/gpuswapd/examples/metrics-textfile.conf": "packaging/examples/metrics-textfile.conf",
+    "usr/share/doc/gpuswapd/examples/gpuswap-notify": "packaging/examples/gpuswap-notify",
+    "usr/share/gpuswapd/grafana/gpuswapd.json": "packaging/grafana/gpuswapd.json",
 }
 
 
@@ -131,7 +134,7 @@ def test_pkginfo_marks_the_config_as_backup_and_lists_the_dependencies(built: Bu
     assert info["arch"] == ["any"]
     assert info["backup"] == ["etc/gpuswapd/gpuswapd.toml"]
     assert set(info["depend"]) == {"python", "python-gobject", "python-pydbus", "python-httpx", "python-docker",
-                                   "python-structlog", "python-nvidia-ml-py"}
+                                   "python-structlog", "python-nvidia-ml-py", "python-prometheus_client"}
     assert {d.split(":")[0] for d in info["optdepend"]} == {"docker", "nvidia-utils"}
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import TEST_BOOT_DELAY
 from tests.integration.test_faults import _acquire_in_background, _wait_persisted
 from tests.integration.test_window import assert_resident_back
 from tests.stack.config import profile_sections
@@ -21,7 +22,9 @@ GPU_HOLD = Path(__file__).resolve().parents[1] / "stack" / "sim" / "gpu_hold.py"
 
 def with_profiles(gpuswapd: Start, probe: Probe, **sections: dict[str, Any]) -> RunningDaemon:
     daemon_keys = sections.pop("daemon", {})
-    return gpuswapd(**profile_sections(probe.stack), daemon={"linger": "1s", **daemon_keys}, **sections)
+    profiles = profile_sections(probe.stack)
+    profiles["profiles__eval__container"]["env"]["ENGINE_BOOT_DELAY"] = TEST_BOOT_DELAY
+    return gpuswapd(**profiles, daemon={"linger": "1s", **daemon_keys}, **sections)
 
 
 def hold_vram(probe: Probe, name: str, size: str, *command: str) -> list[str]:

@@ -104,8 +104,9 @@ def test_run_without_the_gpu_does_not_run_the_command(gpuswapd: Start, world: St
 def _as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
     """Run gpuswapctl as user nobody (optionally in supplementary groups), from a copy it can read."""
     pkg = world.paths.root / "pkg"
-    if not (pkg / "gpuswapd").exists():
-        shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
+    # A fresh copy each time: one left by an earlier run of the world may be another version's.
+    shutil.rmtree(pkg, ignore_errors=True)
+    shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
     group_args = [f"--groups={groups}"] if groups else ["--clear-groups"]
     return subprocess.run(
         [

@@ -116,7 +116,7 @@ def test_check_config_of_an_instance_warns_about_every_gpu_and_another_index(
 
 def test_the_daemon_labels_its_engines_with_its_instance(dirs: Path, daemon: ModuleType) -> None:
     config = instances.load_instance_config(_write(dirs), "1")
-    d = daemon.Daemon(config, "1")
+    d = daemon.Daemon(config, instance="1")
     assert d.engine.instance == "1"  # type: ignore[attr-defined]
     assert d.server.instance == "1"
 

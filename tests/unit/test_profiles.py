@@ -226,7 +226,8 @@ def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> 
             first = await w.acquire("chat", 60)
             waiting = asyncio.create_task(w.acquire("eval", 60, profile="eval"))
             await until(lambda: len(w.queue.queued()) == 1)
-            assert fw.store.document is not None and len(fw.store.document.queue) == 1
+            # The queue is written in the background: for the record, not for a restart to keep.
+            await until(lambda: fw.store.document is not None and len(fw.store.document.queue) == 1)
             await w.release(first.id)
             await waiting
             rec = w.record
@@ -266,3 +267,100 @@ def test_a_parked_engine_of_another_profile_stays_only_if_the_next_window_fits(n
 
     run(main())
     assert not fw.gpu.ooms
+
+
+def test_a_bare_window_left_ready_is_adopted_after_a_restart() -> None:
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            await w.acquire("train", 60, profile="bare")
+            await w.shutdown(restore=False)  # as SIGKILL leaves it
+        assert fw.store.document is not None and fw.store.document.window is not None
+        async with running(fw.window()) as w2:
+            await recover_at_start(w2)
+            assert w2.phase is Phase.READY and w2.record is not None and w2.record.kind == "bare"
+            assert [lease.holder for lease in w2.leases()] == ["train"]
+            await w2.release(w2.leases()[0].id)
+            await settle(w2)
+            assert resident_back(fw)
+
+    run(main())
+
+
+# -- priorities and preemption ---------------------------------------------------------------------
+
+
+def test_the_queue_runs_by_priority_then_age_and_aging_orders_but_never_preempts() -> None:
+    fw = world(aging="50ms", preempt_grace="20ms")
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            lease = await w.acquire("chat", 60, priority=5)
+            old = asyncio.create_task(w.acquire("old", 60, profile="eval", priority=0))
+            await until(lambda: len(w.queue.queued()) == 1)
+            await asyncio.sleep(0.12)  # aged two levels: effective 2
+            new = asyncio.create_task(w.acquire("new", 60, profile="bare", priority=1))
+            await until(lambda: len(w.queue.queued()) == 2)
+            assert [q["holder"] for q in w.status()["queue"]] == ["old", "new"]
+            await asyncio.sleep(0.1)
+            assert w.record is not None and w.record.preempted is None  # aging never preempts
+            await w.release(lease.id)
+            await w.release((await old).id)
+            await w.release((await new).id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+
+
+def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directly() -> None:
+    fw = world(preempt_grace="100ms")
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            told: list[dict[str, Any]] = []
+            held = await w.acquire("chat", 60)
+            w.lease_watchers[held.id] = told.append
+            equal = asyncio.create_task(w.acquire("equal", 60, profile="eval"))
+            await until(lambda: len(w.queue.queued()) == 1)
+            await asyncio.sleep(0.05)
+            assert w.record is not None and w.record.preempted is None  # equal priority waits its turn
+            starts = len(fw.systemd.started)
+            urgent = asyncio.create_task(w.acquire("urgent", 60, profile="bare", priority=10))
+            await until(lambda: bool(told))
+            assert told[0]["event"] == "preempting" and told[0]["by"] == "urgent" and told[0]["grace_s"] == 0.1
+            assert w.record is not None and w.record.preempted is not None and len(w.record.leases) == 1
+            with pytest.raises(NotReady):  # a window being preempted takes no new leases
+                await w.acquire("late", 60, wait=False)
+            lease = await urgent
+            assert [e["event"] for e in told] == ["preempting", "preempted"]
+            assert w.record is not None and w.record.kind == "bare" and w.record.switched_from
+            assert len(fw.systemd.started) == starts  # the resident was not started in between
+            assert w.last is not None and w.last.preempted is not None and w.last.preempted["revoked_at"]
+            await w.release(lease.id)
+            await w.release((await equal).id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
+    fw = world(preempt_grace="10s")
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            held = await w.acquire("chat", 60)
+            urgent = asyncio.create_task(w.acquire("urgent", 60, profile="eval", priority=3))
+            await until(lambda: w.record is not None and w.record.preempted is not None)
+            urgent.cancel()
+            await until(lambda: w.record is not None and w.record.preempted is not None
+                        and w.record.preempted.get("abandoned_at") is not None)
+            assert [lease.id for lease in w.leases()] == [held.id]  # it runs on
+            await w.release(held.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())

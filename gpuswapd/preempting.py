@@ -1,0 +1,113 @@
+"""Preemption: urgent work gets the card, and the running work gets a notice and a grace period first.
+
+A queued request for another profile preempts the open window when its base priority is above
+that of every lease (aging orders the queue but never preempts). Every holder is told at once:
+the ``preempting`` event goes to each client that kept its connection (``gpuswapctl run``
+forwards SIGTERM to its command then); a plain ``acquire`` has exited, and its holder learns from
+``status``, ``history`` and the log. After ``daemon.preempt_grace`` the leases are revoked: a lease
+bound to a unit has that unit stopped through systemd, so its ``ExecStopPost=`` runs as usual
+(never a unit of ``daemon.never_stop``); any other lease is only revoked. The window then closes,
+and switches directly to the preempting request's profile.
+
+The preemption is in the window's record (``preempted``), written before anyone is told. If
+gpuswapd restarts during the grace, the waiting request is gone with the queue (waiting requests
+are not kept across a restart): the adopted window abandons the preemption, says so in the log
+(``preemption_abandoned``), and its leases run on. Once revoked, the leases stay revoked.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from typing import TYPE_CHECKING, Any
+
+from gpuswapd.errors import GpuswapError
+from gpuswapd.leases import Lease
+from gpuswapd.logs import log
+from gpuswapd.record import WindowRecord
+from gpuswapd.tasks import spawn
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
+
+
+def deadline(rec: WindowRecord) -> float | None:
+    """Return when a pending preemption revokes the leases (None: none is pending)."""
+    p = rec.preempted
+    if p is None or p.get("revoked_at") is not None or p.get("abandoned_at") is not None:
+        return None
+    return float(p["deadline"])
+
+
+async def check(w: Window, rec: WindowRecord) -> None:
+    """Start, abandon or complete a preemption of the READY window ``rec``."""
+    now = time.time()
+    by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
+    pending = deadline(rec)
+    if pending is None:
+        if by is not None and (rec.preempted is None or rec.preempted.get("abandoned_at") is not None):
+            await _notice(w, rec, by.holder, by.profile, by.priority, now)
+        return
+    if by is None:
+        await _abandon(w, rec, "the request that preempted it is no longer waiting", now)
+    elif now >= pending:
+        await _revoke(w, rec, now)
+
+
+async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
+    grace = w.config.daemon.preempt_grace
+    leases = rec.leases.all()
+    rec.preempted = {"by": holder, "profile": profile, "priority": priority, "at": now, "grace_s": grace,
+                     "deadline": now + grace, "revoked_at": None, "abandoned_at": None,
+                     "holders": [{"lease": x.id, "holder": x.holder, "priority": x.priority, "unit": x.unit}
+                                 for x in leases]}
+    await w.persist(required=False)  # in the record before anyone is told
+    log.warning("preempting", by=holder, profile=profile, priority=priority, grace_s=grace,
+                holders=[x.holder for x in leases], window=rec.id)
+    w.tell_holders({"event": "preempting", "window": rec.id, "by": holder, "profile": profile,
+                    "priority": priority, "grace_s": grace, "deadline": now + grace})
+    w.notify_status()
+
+
+async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
+    assert rec.preempted is not None
+    rec.preempted = {**rec.preempted, "abandoned_at": now, "abandoned": why}
+    await w.persist(required=False)
+    log.warning("preemption_abandoned", by=rec.preempted.get("by"), reason=why, window=rec.id)
+    w.tell_holders({"event": "preemption_abandoned", "window": rec.id, "reason": why})
+    w.notify_status()
+
+
+async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
+    assert rec.preempted is not None
+    leases = rec.leases.clear()
+    units = sorted({x.unit for x in leases if x.unit is not None and not never_stop(w, x.unit)})
+    rec.preempted = {**rec.preempted, "revoked_at": now, "stopped_units": units}
+    for lease in leases:
+        log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="preempted")
+    await w.persist(required=False)
+    log.warning("preempted", window=rec.id, by=rec.preempted["by"], profile=rec.preempted["profile"],
+                priority=rec.preempted["priority"], holders=[x.holder for x in leases], stopped_units=units)
+    w.tell_holders({"event": "preempted", "window": rec.id, "by": rec.preempted["by"],
+                    "profile": rec.preempted["profile"], "priority": rec.preempted["priority"],
+                    "leases": [_described(x) for x in leases]})
+    for unit in units:  # the window goes on at once: the next one waits for the VRAM anyway
+        spawn(_stop_unit(w, unit), "preempt-stop")
+    w.wake.set()
+
+
+def never_stop(w: Window, unit: str) -> bool:
+    """Tell whether ``unit`` is one gpuswapd never stops for a preemption."""
+    return any(fnmatch.fnmatchcase(unit, pattern) for pattern in w.config.daemon.never_stop)
+
+
+async def _stop_unit(w: Window, unit: str) -> None:
+    try:
+        await w.resident.stop([unit])
+    except GpuswapError as err:
+        log.error("preempted_unit_not_stopped", unit=unit, error=err.message,
+                  consequence="its lease is revoked; the next window waits for the VRAM it holds")
+
+
+def _described(lease: Lease) -> dict[str, Any]:
+    return {"id": lease.id, "holder": lease.holder, "unit": lease.unit, "priority": lease.priority}
