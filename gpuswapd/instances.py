@@ -21,9 +21,12 @@ import re
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gpuswapd.config import Config, parse_config
 from gpuswapd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gpuswapd.config import Config
 
 if sys.version_info >= (3, 11):  # noqa: UP036 - tomli stays the fallback the package declares
     import tomllib
@@ -91,6 +94,10 @@ def load_instance_config(path: str | os.PathLike[str], name: str) -> Config:
     ``daemon.socket`` and ``daemon.state_dir`` may be left out or set to the instance's own paths;
     anything else is a ConfigError: two instances must never share a socket or a state.
     """
+    # Imported here: gpuswapctl uses this module for names and paths only, and the configuration
+    # brings in the daemon's logging (structlog), which a bare gpuswapctl does not need.
+    from gpuswapd.config import parse_config
+
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

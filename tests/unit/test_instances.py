@@ -257,3 +257,13 @@ def test_status_all_takes_no_socket_or_instance(dirs: Path) -> None:
 def test_runtime_dir_defaults_to_run_gpuswapd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(instances.RUNTIME_DIR_ENV, raising=False)
     assert str(instances.runtime_dir()) == os.path.dirname(DEFAULT_SOCKET)
+
+
+def test_gpuswapctl_does_not_load_the_daemons_configuration_or_logging() -> None:
+    """The packaged gpuswapctl runs on a bare python: instance names must not pull in structlog."""
+    import subprocess
+    import sys
+
+    code = "import sys, gpuswapd.ctl.main; print(sorted({'structlog', 'gpuswapd.config'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr
