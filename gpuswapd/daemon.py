@@ -10,7 +10,9 @@ import signal
 import socket
 import sys
 
-from gpuswapd import __version__
+import structlog
+
+from gpuswapd import __version__, instances
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -20,6 +22,7 @@ from gpuswapd.config import warnings as config_warnings
 from gpuswapd.engine import ContainerEngine, Engine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
 from gpuswapd.events import EventBus
+from gpuswapd.instances import DEFAULT_INSTANCE
 from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
@@ -41,8 +44,9 @@ SHUTDOWN_BOUND_S = 600.0
 class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
-    def __init__(self, config: Config, bus: EventBus | None = None) -> None:
+    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE) -> None:
         self.config = config
+        self.instance = instance
         self.notifier = Notifier()
         d = config.daemon
         # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
@@ -55,9 +59,10 @@ class Daemon:
         self.store = StateStore(config.daemon.state_dir)
         self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)
         self.resident = Resident(config, self.systemd, self.http, self.outside)
-        self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside)
+        self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
-        engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside)
+        engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside,
+                                                              instance)
                                       for p in config.engine_profiles() if p.name != DEFAULT_PROFILE}
         self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier, self.outside,
                              engines=engines)
@@ -69,6 +74,7 @@ class Daemon:
             self.outside,
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
                                       self.window.parked, config.profile(profile)),
+            instance=instance,
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
@@ -90,7 +96,7 @@ class Daemon:
         await self.server.start(sock)
         self.notifier.send(ready="1")
         self.window.notify_status()
-        log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket)
+        log.info("gpuswapd_ready", version=__version__, socket=self.config.daemon.socket, instance=self.instance)
         watchdog = spawn(self._feed_watchdog(), "watchdog")
         await self._stop.wait()
         watchdog.cancel()
@@ -186,21 +192,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="gpuswapd", description="Hand the GPU between a resident model and an engine."
     )
-    parser.add_argument("--config", default=str(DEFAULT_PATH), help=f"configuration file (default {DEFAULT_PATH})")
+    parser.add_argument("--config", help=f"configuration file (default {DEFAULT_PATH}; with --instance NAME, "
+                                         f"{instances.CONFIG_DIR}/NAME.toml)")
+    parser.add_argument("--instance", metavar="NAME",
+                        help="run as instance NAME of gpuswapd@.service: one gpuswapd per GPU, with the socket "
+                             f"{instances.RUNTIME_DIR}/NAME.sock and the state {instances.STATE_ROOT}/NAME")
     parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"gpuswapd {__version__}")
     args = parser.parse_args(argv)
     bus = EventBus()
     setup_logging(args.log_level, tap=bus.tap)
+    instance = DEFAULT_INSTANCE
     try:
-        config = load_config(args.config)
+        if args.instance is None:
+            path = args.config or str(DEFAULT_PATH)
+            config = load_config(path)
+        else:
+            instance = instances.check_name(args.instance)
+            path = args.config or str(instances.config_path(instance))
+            config = instances.load_instance_config(path, instance)
     except ConfigError as err:
         print(f"gpuswapd: {err.message}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
-        for warning in config_warnings(config):
+        found = config_warnings(config) + (instances.warnings(config, instance) if args.instance else [])
+        for warning in found:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
-        print(f"{args.config}: ok")
+        print(f"{path}: ok")
         return 0
-    return asyncio.run(Daemon(config, bus).run())
+    if args.instance is not None:
+        # Every line an instance logs says which one: several share one journal.
+        structlog.contextvars.bind_contextvars(instance=instance)
+    return asyncio.run(Daemon(config, bus, instance).run())

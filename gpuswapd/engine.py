@@ -31,6 +31,7 @@ from gpuswapd.errors import (
     ImageNotFound,
     WindowError,
 )
+from gpuswapd.instances import DEFAULT_INSTANCE
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.tasks import reap, sleep_unless, spawn
@@ -39,7 +40,6 @@ R = TypeVar("R")
 MANAGED_LABEL = "io.gpuswapd.managed"
 INSTANCE_LABEL = "io.gpuswapd.instance"
 WINDOW_LABEL = "io.gpuswapd.window"
-DEFAULT_INSTANCE = "default"
 WATCH_WAIT_S = 300.0
 WATCH_RETRY_S = (1.0, 30.0)
 HEALTH_S = 2.0  # one health probe; a slower answer counts as a miss

@@ -56,8 +56,9 @@ class Server:
     """Serves the socket protocol for one window."""
 
     def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd, outside: Outside,
-                 planner: Callable[[str], Awaitable[dict[str, Any]]]) -> None:
+                 planner: Callable[[str], Awaitable[dict[str, Any]]], instance: str = "default") -> None:
         self.config = config
+        self.instance = instance
         self.window = window
         self.store = store
         self.units = units
@@ -220,6 +221,7 @@ class Server:
         if req.op == "status":
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
+                    "instance": self.instance, "gpu_index": self.config.gpu.index,
                     "endpoint": {"url": verify.url, "model": verify.model}, "profiles": self._profiles(),
                     **self.window.status()}
         if req.op == "park":

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.stack.cards import add_second_card
 from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import Probe
@@ -59,6 +60,14 @@ def world(stack: Stack) -> Stack:
     """The test world, reset to its baseline before the test."""
     stack.reset()
     return stack
+
+
+@pytest.fixture
+def two_cards(world: Stack) -> Stack:
+    """The test world with a second GPU and a resident on it (strata1.service); the next reset removes both."""
+    took = add_second_card(world)
+    print(f"\nsecond card up in {took:.1f}s")
+    return world
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gpuswapd.errors import GpuswapError
+from gpuswapd.instances import DEFAULT_INSTANCE, valid_name
+from gpuswapd.instances import socket_of as instance_socket
 
 DEFAULT_SOCKET = "/run/gpuswapd/gpuswapd.sock"
 REPLY_TIMEOUT_S = 120.0
@@ -22,9 +24,25 @@ class Unreachable(Exception):
     """gpuswapd's socket cannot be reached."""
 
 
-def socket_path(explicit: str | None) -> str:
-    """Pick the socket: --socket, then $GPUSWAPD_SOCKET, then the default."""
-    return explicit or os.environ.get("GPUSWAPD_SOCKET") or DEFAULT_SOCKET
+class BadInstance(ValueError):
+    """$GPUSWAPD_INSTANCE names no instance gpuswapd could run as."""
+
+
+def socket_path(explicit: str | None, instance: str | None = None) -> str:
+    """Pick the socket: --socket, --instance, $GPUSWAPD_SOCKET, $GPUSWAPD_INSTANCE, then the default's."""
+    if explicit:
+        return explicit
+    if instance:
+        return instance_socket(instance)
+    if os.environ.get("GPUSWAPD_SOCKET"):
+        return os.environ["GPUSWAPD_SOCKET"]
+    named = os.environ.get("GPUSWAPD_INSTANCE")
+    if named:
+        if named != DEFAULT_INSTANCE and not valid_name(named):
+            raise BadInstance(f"$GPUSWAPD_INSTANCE={named!r} is not an instance name "
+                              "(lowercase letters, digits, '_' and '-', such as 0 for gpuswapd@0)")
+        return instance_socket(named)
+    return instance_socket(DEFAULT_INSTANCE)
 
 
 def _who_may_connect(path: str) -> str:

@@ -4,7 +4,8 @@ Exit codes (also in gpuswapctl(1)):
   0  done: the lease is held (acquire, run: CMD's own code), or the request succeeded
   1  the GPU was not obtained: the window failed to open or was closed
   2  usage error: bad arguments
-  3  gpuswapd cannot be reached (or it stopped while the request waited: waiting requests are not kept)
+  3  gpuswapd cannot be reached (or it stopped while the request waited: waiting requests are not kept);
+     status --all: an instance did not answer
   4  refused: a bad request, permission denied, no such lease or profile, or the queue is full
   5  not ready: --no-wait and no window of the profile is open
   6  timed out: --timeout passed before the window was ready
@@ -22,10 +23,12 @@ import sys
 import time
 from typing import Any
 
-from gpuswapd.ctl.client import Client, Unreachable, socket_path
+from gpuswapd.ctl.client import BadInstance, Client, Unreachable, socket_path
 from gpuswapd.ctl.render import Progress, event_line, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
+from gpuswapd.ctl.status_all import status_all
 from gpuswapd.errors import AcquireTimeout, GpuswapError, NotReady, RequestError, Stopping, WindowError
+from gpuswapd.instances import DEFAULT_INSTANCE, valid_name
 from gpuswapd.timespan import SpanError, format_span, parse_span
 
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -58,6 +61,13 @@ def _profile(text: str) -> str:
     return text
 
 
+def _instance(text: str) -> str:
+    if text != DEFAULT_INSTANCE and not valid_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an instance name (lowercase letters, digits, '_' and "
+                                         "'-', such as 0 for gpuswapd@0; default for gpuswapd.service)")
+    return text
+
+
 def _add_profile(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--profile", type=_profile, default="default", metavar="NAME",
                         help=f"{what} ([profiles.NAME] in gpuswapd's configuration; default: [window])")
@@ -84,7 +94,15 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         "--socket",
         metavar="PATH",
         default=argparse.SUPPRESS if suppress else None,
-        help="gpuswapd's socket (default $GPUSWAPD_SOCKET or /run/gpuswapd/gpuswapd.sock)",
+        help="gpuswapd's socket (default: --instance, $GPUSWAPD_SOCKET, $GPUSWAPD_INSTANCE, "
+             "or /run/gpuswapd/gpuswapd.sock)",
+    )
+    parser.add_argument(
+        "--instance",
+        metavar="NAME",
+        type=_instance,
+        default=argparse.SUPPRESS if suppress else None,
+        help="the gpuswapd of gpuswapd@NAME, on /run/gpuswapd/NAME.sock (default $GPUSWAPD_INSTANCE)",
     )
     parser.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS if suppress else False, help="print the reply as JSON"
@@ -147,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_priority(run)
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
 
-    sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
+    status = sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
+    status.add_argument("--all", action="store_true",
+                        help="every instance with a socket in /run/gpuswapd: phase, leases, GPU (exit 3 if any "
+                             "did not answer)")
     plan = sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
     _add_profile(plan, "the kind of window to plan")
     park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
@@ -191,15 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run gpuswapctl."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "all", False):
+        if args.socket or args.instance:
+            parser.error("status --all asks every instance: it takes no --socket or --instance")
+        return status_all(as_json=args.json)
+    try:
+        path = socket_path(args.socket, args.instance)
+    except BadInstance as err:
+        print(f"gpuswapctl: {err}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "run":
-            return _run_command(parser, args)
+            return _run_command(parser, args, path)
         if args.command == "bench":
             # Imported here: httpx would slow every other command's start.
             from gpuswapd.ctl.bench import run_bench
 
-            return run_bench(args, socket_path(args.socket))
-        with Client(socket_path(args.socket)) as client:
+            return run_bench(args, path)
+        with Client(path) as client:
             if args.command == "watch":
                 return _watch(args, client)
             return _run(args, client)
@@ -281,11 +311,11 @@ def _watch(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
-def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace, path: str) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         parser.error("run needs a command after --")
-    return run_under_lease(socket_path(args.socket), command, _acquire_request(args), quiet=args.json)
+    return run_under_lease(path, command, _acquire_request(args), quiet=args.json)
 
 
 def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:

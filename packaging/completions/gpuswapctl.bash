@@ -1,18 +1,30 @@
 # bash completion for gpuswapctl(1)                                    -*- shell-script -*-
 # Installed as /usr/share/bash-completion/completions/gpuswapctl.
 
+# The instances with a socket: NAME.sock is gpuswapd@NAME, gpuswapd.sock is "default".
+_gpuswapctl_instances() {
+    local sock name
+    for sock in "${GPUSWAPD_RUNTIME_DIR:-/run/gpuswapd}"/*.sock; do
+        [[ -S $sock ]] || continue
+        name=${sock##*/}
+        name=${name%.sock}
+        [[ $name == gpuswapd ]] && name=default
+        printf '%s\n' "$name"
+    done
+}
+
 _gpuswapctl() {
     local cur prev words cword split
     _init_completion -s || return
 
     local commands="acquire renew release run status plan park history watch bench"
-    local common="--socket --json -h --help"
+    local common="--socket --instance --json -h --help"
     local -A options=(
         [acquire]="--for --holder --no-wait --timeout --profile --priority"
         [renew]="--for --holder"
         [release]="--holder"
         [run]="--for --holder --timeout --profile --priority --"
-        [status]=""
+        [status]="--all"
         [plan]="--profile"
         [park]="--remove"
         [history]="--limit"
@@ -25,7 +37,7 @@ _gpuswapctl() {
     local i command=""
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
-            --socket | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
+            --socket | --instance | --for | --holder | --timeout | --limit | --prompts | --url | --model | \
                 --max-tokens | --repeat | --profile | --priority) ((i++)) ;;
             --)
                 if [[ $command == run ]]; then
@@ -41,6 +53,10 @@ _gpuswapctl() {
     case $prev in
         --socket)
             _filedir
+            return
+            ;;
+        --instance)
+            COMPREPLY=($(compgen -W "$(_gpuswapctl_instances)" -- "$cur"))
             return
             ;;
         --prompts)

@@ -18,10 +18,21 @@ function __gpuswapctl_complete_command
     complete -C (string join ' ' -- (string escape -- $rest))
 end
 
+# The instances with a socket: NAME.sock is gpuswapd@NAME, gpuswapd.sock is "default".
+function __gpuswapctl_instances
+    set -l dir /run/gpuswapd
+    set -q GPUSWAPD_RUNTIME_DIR; and set dir $GPUSWAPD_RUNTIME_DIR
+    for sock in $dir/*.sock
+        test -S $sock; or continue
+        string replace -r '^gpuswapd$' default -- (basename $sock .sock)
+    end
+end
+
 complete -c gpuswapctl -f
 
 # Every command, and gpuswapctl itself.
 complete -c gpuswapctl -n 'not __gpuswapctl_after_dashdash' -l socket -r -F -d "gpuswapd's socket"
+complete -c gpuswapctl -n 'not __gpuswapctl_after_dashdash' -l instance -x -a '(__gpuswapctl_instances)' -d 'The gpuswapd of gpuswapd@NAME'
 complete -c gpuswapctl -n 'not __gpuswapctl_after_dashdash' -l json -d 'Print the reply as JSON'
 complete -c gpuswapctl -n 'not __gpuswapctl_after_dashdash' -s h -l help -d 'Show help and exit'
 
@@ -59,6 +70,9 @@ complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -l timeout -x -a "$spans" -d 'Give up if not ready within SPAN'
 complete -c gpuswapctl -n '__fish_seen_subcommand_from run; and not __gpuswapctl_after_dashdash' -a -- -d 'End of options: the command follows'
 complete -c gpuswapctl -n __gpuswapctl_after_dashdash -x -a '(__gpuswapctl_complete_command)'
+
+# status
+complete -c gpuswapctl -n '__fish_seen_subcommand_from status' -l all -d 'Every instance: phase, leases, GPU'
 
 # park
 complete -c gpuswapctl -n '__fish_seen_subcommand_from park' -l remove -d 'Remove the parked engine now'

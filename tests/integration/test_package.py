@@ -18,6 +18,7 @@ import pytest
 from gpuswapd import __version__
 from gpuswapd.ctl.main import build_parser
 from tests.integration.test_window import assert_resident_back
+from tests.stack.cards import RESIDENT1, instance_sections
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
@@ -32,6 +33,8 @@ EXPECTED = {
     "usr/bin/gpuswapctl": None,
     "usr/lib/systemd/system/gpuswapd.service": "units/gpuswapd.service",
     "usr/lib/systemd/system/gpuswapd.socket": "units/gpuswapd.socket",
+    "usr/lib/systemd/system/gpuswapd@.service": "units/gpuswapd@.service",
+    "usr/lib/systemd/system/gpuswapd@.socket": "units/gpuswapd@.socket",
     "usr/lib/sysusers.d/gpuswapd.conf": "units/sysusers.d/gpuswapd.conf",
     "usr/lib/tmpfiles.d/gpuswapd.conf": "units/tmpfiles.d/gpuswapd.conf",
     "etc/gpuswapd/gpuswapd.toml": "units/gpuswapd.toml",
@@ -144,7 +147,8 @@ def test_installed_units_verify_against_the_package_tree(built: Built, tmp_path:
     built.tar.extractall(root, members=[m for m in built.tar.getmembers() if not m.name.startswith(".")],
                          filter="tar")
     proc = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket"],
+        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket", "gpuswapd@0.service",
+         "gpuswapd@0.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(root / "usr/share/man")},
     )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
@@ -238,6 +242,66 @@ def test_packaged_units_run_in_the_test_world(built: Built, world: Stack, probe:
     assert_resident_back(probe)
     assert sock.exists()  # RuntimeDirectoryPreserve=yes: the socket unit keeps its socket
     assert daemon.ctl("status").returncode == 0  # and starts the service again
+
+
+def test_packaged_template_units_run_an_instance_in_the_test_world(built: Built, two_cards: Stack,
+                                                                  probe: Probe) -> None:
+    """gpuswapd@1.socket and gpuswapd@1.service from the package: GPU 1's gpuswapd, started by its socket."""
+    world = two_cards
+    sysusers = world.paths.root / "gpuswapd-sysusers.conf"
+    sysusers.write_bytes(built.read("usr/lib/sysusers.d/gpuswapd.conf"))
+    subprocess.run(["systemd-sysusers", str(sysusers)], check=True, capture_output=True, timeout=60)
+    # No daemon.socket or daemon.state_dir: the instance's own are /run/gpuswapd/1.sock (inside the
+    # world: STACKDIR/run/gpuswapd/1.sock) and $GPUSWAPD_STATE_ROOT/1 (here: in the world's directory,
+    # where the previous run's state can be cleared, instead of the host's /var/lib/gpuswapd/1).
+    config = stack_config(world, "packaged-instance", **instance_sections(world, "1", None, None))
+    state_root = world.paths.root / "instances-state"
+    shutil.rmtree(state_root, ignore_errors=True)
+    env = world.env()
+    world.install_unit("gpuswapd@.socket", built.read("usr/lib/systemd/system/gpuswapd@.socket").decode(),
+                       {"test-world.conf": "[Unit]\nDefaultDependencies=no\n"})
+    world.install_unit("gpuswapd@.service", built.read("usr/lib/systemd/system/gpuswapd@.service").decode(), {
+        "test-world.conf": (
+            "[Unit]\nDefaultDependencies=no\n[Service]\nExecStart=\n"
+            f"ExecStart={BIN}/gpuswapd --instance %i --config {config}\n"
+            f"Environment=DOCKER_HOST={env['DOCKER_HOST']} PATH={env['PATH']} GPUSWAPD_STATE_ROOT={state_root}\n"
+            # The venv's gpuswapd may be installed from another checkout: PYTHONPATH picks this one.
+            + (f"Environment=PYTHONPATH={os.environ['PYTHONPATH']}\n" if os.environ.get("PYTHONPATH") else "")
+            + f"BindPaths={world.paths.root}\n"
+            f"BindReadOnlyPaths={REPO}\n"
+        )})
+    world.manager("StartUnit", "ss", "gpuswapd@1.socket", "replace")
+    sock = world.paths.run / "gpuswapd" / "1.sock"
+    daemon = RunningDaemon(world, config, sock, {"GPUSWAPD_RUNTIME_DIR": str(sock.parent)})
+    daemon.env.pop("GPUSWAPD_SOCKET")  # gpuswapctl finds the socket by the instance's name
+    assert probe.active_state("gpuswapd@1.socket") == "active"
+    assert probe.active_state("gpuswapd@1.service") == "inactive"
+
+    acquire = daemon.ctl("--instance", "1", "acquire", "--for", "5m", timeout=90)  # the socket starts the service
+    assert acquire.returncode == 0, acquire.stderr
+    assert probe.active_state("gpuswapd@1.service") == "active"
+    assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen1", "running")]
+    assert "io.gpuswapd.instance=1" in probe.containers()[0]["Labels"].split(",")
+    assert probe.active_state(RESIDENT1) == "inactive"
+    assert probe.states(["strata.service", "llama-swap.service"]) == dict.fromkeys(
+        ["strata.service", "llama-swap.service"], "active")  # GPU 0's resident is not this instance's
+    assert (state_root / "1" / "state.json").is_file()
+    status = daemon.ctl_json("--instance", "1", "status")
+    assert (status["instance"], status["gpu_index"], status["phase"]) == ("1", 1, "READY")
+
+    world.manager("StopUnit", "ss", "gpuswapd@1.service", "replace")
+    deadline = time.monotonic() + 90
+    while probe.active_state("gpuswapd@1.service") != "inactive":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # Stopping the instance gave GPU 1 back to its resident before gpuswapd exited.
+    assert probe.active_state(RESIDENT1) == "active"
+    assert probe.containers() == []
+    assert [h["name"] for h in world.ledger(1)["holders"] if h["dead_at"] is None] == ["strata1"]
+    assert world.ooms() == []
+    assert sock.exists()  # the socket unit keeps its socket, and starts the instance again
+    assert daemon.ctl("--instance", "1", "status").returncode == 0
+    world.manager("StopUnit", "ss", "gpuswapd@1.socket", "replace")
 
 
 def _host_pid(world: Stack) -> int:

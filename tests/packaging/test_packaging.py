@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-from gpuswapd import __version__, daemon
+from gpuswapd import __version__, daemon, instances
 from gpuswapd.config import DEFAULT_PATH, DaemonConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
@@ -31,6 +32,10 @@ ARCH = ROOT / "packaging" / "arch"
 PAGES = {"gpuswapctl.1": 1, "gpuswapd.toml.5": 5, "gpuswapd.8": 8}
 SHELL_FILES = {"bash": "gpuswapctl.bash", "zsh": "_gpuswapctl", "fish": "gpuswapctl.fish"}
 SECURITY_TARGET = 3.0
+INSTANCE_SECURITY_TARGET = 2.1  # gpuswapd.service's exposure when the templates came
+# What gpuswapd@.service may set differently from gpuswapd.service: the rest is the same hardening.
+TEMPLATE_OWN = {("Unit", "Description"), ("Unit", "Requires"), ("Unit", "After"), ("Service", "ExecStart"),
+                ("Service", "StateDirectory"), ("Service", "ConfigurationDirectory"), ("Install", "Also")}
 
 
 def need(*tools: str) -> None:
@@ -134,6 +139,30 @@ def test_socket_unit_sysusers_config_and_client_agree() -> None:
     assert Path(DEFAULT_SOCKET).parent == Path("/run/gpuswapd")
 
 
+def test_template_units_give_each_instance_its_own_config_socket_and_state() -> None:
+    s = unit_settings(UNITS / "gpuswapd@.service")
+    assert one(s, "Service", "ExecStart") == "/usr/bin/gpuswapd --instance %i"
+    assert "gpuswapd@%i.socket" in one(s, "Unit", "Requires").split()
+    assert "gpuswapd@%i.socket" in one(s, "Install", "Also").split()
+    assert f"/var/lib/{one(s, 'Service', 'StateDirectory')}" == f"{instances.STATE_ROOT}/%i"
+    assert f"/etc/{one(s, 'Service', 'ConfigurationDirectory')}" == instances.CONFIG_DIR
+    assert f"/run/{one(s, 'Service', 'RuntimeDirectory')}" == instances.RUNTIME_DIR
+    sock = unit_settings(UNITS / "gpuswapd@.socket")
+    assert one(sock, "Socket", "ListenStream") == f"{instances.RUNTIME_DIR}/%i.sock"
+    assert str(instances.config_path("%i")) == f"{instances.CONFIG_DIR}/%i.toml"
+    plain = unit_settings(UNITS / "gpuswapd.socket")
+    assert {k: v for k, v in sock["Socket"].items() if k != "ListenStream"} == \
+        {k: v for k, v in plain["Socket"].items() if k != "ListenStream"}
+
+
+@pytest.mark.parametrize("section", ["Unit", "Service", "Install"])
+def test_template_service_has_the_same_hardening_as_the_plain_one(section: str) -> None:
+    template, plain = unit_settings(UNITS / "gpuswapd@.service"), unit_settings(UNITS / "gpuswapd.service")
+    mine = {k: v for k, v in template[section].items() if (section, k) not in TEMPLATE_OWN}
+    theirs = {k: v for k, v in plain[section].items() if (section, k) not in TEMPLATE_OWN}
+    assert mine == theirs
+
+
 def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
     need("systemd-analyze", "man")
     # A root laid out like the installed package: the host's units (for sysinit.target and
@@ -142,7 +171,7 @@ def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
     root = tmp_path / "root"
     unit_dir = root / "usr/lib/systemd/system"
     shutil.copytree("/usr/lib/systemd/system", unit_dir, symlinks=True)
-    for name in ("gpuswapd.service", "gpuswapd.socket"):
+    for name in ("gpuswapd.service", "gpuswapd.socket", "gpuswapd@.service", "gpuswapd@.socket"):
         shutil.copy(UNITS / name, unit_dir / name)
     stub = root / "usr/bin/gpuswapd"
     stub.parent.mkdir(parents=True)
@@ -153,7 +182,8 @@ def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
         (manpath / f"man{section}").mkdir(parents=True, exist_ok=True)
         shutil.copy(MAN / page, manpath / f"man{section}" / page)
     proc = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket"],
+        ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket",
+         "gpuswapd@0.service", "gpuswapd@0.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(manpath)},
     )
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout + proc.stderr
@@ -173,13 +203,30 @@ def test_systemd_analyze_verify_notices_a_missing_binary(tmp_path: Path) -> None
     assert "/usr/bin/gpuswapd is not executable" in proc.stderr
 
 
+def exposure(unit: str, root: Path | None = None) -> float:
+    """Score a unit with ``systemd-analyze security --offline=yes`` (a file, or a unit under ``root``)."""
+    where = [f"--root={root}", unit] if root else [str(UNITS / unit)]
+    proc = subprocess.run(["systemd-analyze", "security", "--offline=yes", *where],
+                          capture_output=True, text=True, timeout=60)
+    m = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+(?:\.\d+)?)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return float(m.group(1))
+
+
 def test_security_exposure_is_at_most_the_target() -> None:
     need("systemd-analyze")
-    proc = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(UNITS / "gpuswapd.service")],
-                          capture_output=True, text=True, timeout=60)
-    m = re.search(r"Overall exposure level for gpuswapd\.service: (\d+(?:\.\d+)?)", proc.stdout)
-    assert m, proc.stdout + proc.stderr
-    assert float(m.group(1)) <= SECURITY_TARGET, proc.stdout
+    assert exposure("gpuswapd.service") <= SECURITY_TARGET
+
+
+def test_security_exposure_of_an_instance_is_at_most_the_plain_units(tmp_path: Path) -> None:
+    need("systemd-analyze")
+    unit_dir = tmp_path / "usr/lib/systemd/system"
+    unit_dir.mkdir(parents=True)
+    for name in ("gpuswapd@.service", "gpuswapd@.socket"):
+        shutil.copy(UNITS / name, unit_dir / name)
+    score = exposure("gpuswapd@0.service", tmp_path)
+    assert score <= INSTANCE_SECURITY_TARGET
+    assert score <= exposure("gpuswapd.service")
 
 
 def test_sysusers_and_tmpfiles_do_what_they_say(tmp_path: Path) -> None:
@@ -247,7 +294,11 @@ def test_gpuswapctl_page_covers_every_command_option_and_exit_code() -> None:
     status = section(text, "EXIT STATUS")
     for name, code in exit_codes().items():
         assert re.search(rf"^\.B {code}$", status, re.M), f"EXIT STATUS lacks {code} ({name})"
-    assert "GPUSWAPD_SOCKET" in section(text, "ENVIRONMENT")
+    environment = section(text, "ENVIRONMENT")
+    for name in ("GPUSWAPD_SOCKET", "GPUSWAPD_INSTANCE", "GPUSWAPD_RUNTIME_DIR"):
+        assert name in environment, f"ENVIRONMENT lacks {name}"
+    # The precedence of the ways to name the socket, as socket_path() applies it.
+    assert re.search(r"--socket.*--instance.*GPUSWAPD_SOCKET.*GPUSWAPD_INSTANCE", environment, re.S)
 
 
 def daemon_options(capsys: pytest.CaptureFixture[str]) -> set[str]:
@@ -268,6 +319,9 @@ def test_gpuswapd_page_covers_every_option_and_exit_status(capsys: pytest.Captur
         assert re.search(rf"^\.B {code}$", status, re.M), f"EXIT STATUS lacks {code}"
     for word in ("READY=1", "STATUS=", "WATCHDOG=1", "LISTEN_FDS", "SIGTERM", str(DEFAULT_PATH)):
         assert word in text
+    for word in ("gpuswapd@", instances.CONFIG_DIR, instances.RUNTIME_DIR_ENV, instances.STATE_ROOT_ENV,
+                 "io.gpuswapd.instance"):
+        assert word in text, f"gpuswapd(8) lacks {word}"
 
 
 def config_keys_module() -> ModuleType:
@@ -408,6 +462,26 @@ def test_completion_offers_exactly_the_options_of_each_command(
             expected.add("--")
         offered = complete(shell, f"gpuswapctl {name} --", shell_env, tmp_path)
         assert offered == expected, f"{shell}: gpuswapctl {name} --"
+
+
+@pytest.mark.parametrize("shell", sorted(SHELL_FILES))
+def test_completion_offers_the_instances_by_their_sockets(
+        shell: str, shell_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    made = []
+    for name in ("0.sock", "1.sock", "gpuswapd.sock"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(run / name))
+        made.append(s)
+    (run / "notes.sock").write_text("not a socket")
+    try:
+        offered = complete(shell, "gpuswapctl status --instance ", {**shell_env, "GPUSWAPD_RUNTIME_DIR": str(run)},
+                           tmp_path)
+    finally:
+        for s in made:
+            s.close()
+    assert offered == {"0", "1", "default"}
 
 
 @pytest.mark.parametrize("shell", sorted(SHELL_FILES))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -378,3 +379,60 @@ def test_smi_is_fast_enough_to_poll(kit: Any, gpusim: Path) -> None:
     start = time.monotonic()
     assert smi(kit, gpusim, "--query-gpu=memory.free", "--format=csv,noheader,nounits")[0] == 0
     assert time.monotonic() - start < 2
+
+
+# -- a box with two cards
+
+
+def test_two_cards_count_claim_and_fail_apart(kit: Any, gpusim: Path) -> None:
+    """Each card has its own memory: a full GPU 0 leaves GPU 1 free, and OOMs say which GPU."""
+    led = kit.ledger
+    led.set_cards(gpusim, 2)
+    strata = led.claim(gpusim, "strata", 21 * GiB)
+    strata1 = led.claim(gpusim, "strata1", 21 * GiB, 1)
+    engine = led.claim(gpusim, "hyperqwen1", 2 * GiB, 1)
+    assert [(s["free_bytes"], [h["name"] for h in s["holders"]]) for s in led.snapshot_cards(gpusim)] == [
+        (3 * GiB, ["strata"]), (1 * GiB, ["strata1", "hyperqwen1"])]
+    assert led.snapshot(gpusim) == led.snapshot_cards(gpusim)[0]
+    with pytest.raises(led.OutOfMemory) as err:
+        led.claim(gpusim, "big", 2 * GiB, 1)
+    assert "GPU 1: tried to allocate 2.00 GiB; 1.00 GiB free" in str(err.value)
+    assert led.ooms(gpusim)[-1]["card"] == 1
+    led.resize(gpusim, "hyperqwen1", engine, 1 * GiB)
+    assert led.snapshot(gpusim, 1)["free_bytes"] == 2 * GiB
+    with pytest.raises(led.LedgerError, match="no GPU 2"):
+        led.claim(gpusim, "nowhere", 1, 2)
+    with pytest.raises(led.LedgerError, match="GPU 1 still has holders"):
+        led.set_cards(gpusim, 1)
+    for fd in (strata1, engine):
+        os.close(fd)
+    led.reset(gpusim, cards=1)  # dead holders go first, then the card
+    assert len(led.snapshot_cards(gpusim)) == 1
+    # A one-card ledger is written as it always was: no card on GPU 0's holders.
+    assert "card" not in json.loads((gpusim / "ledger.json").read_text())["holders"]["strata"]
+    os.close(strata)
+
+
+def test_smi_of_two_cards_by_index_uuid_and_bus(kit: Any, gpusim: Path, procs: Any) -> None:
+    """nvidia-smi reports each card, -i picks one; gpu_hold --card claims on the card it names."""
+    kit.ledger.set_cards(gpusim, 2)
+    fd = kit.ledger.claim(gpusim, "strata", 21 * GiB)
+    proc = procs.start("gpu_hold.py", "--dir", str(gpusim), "--card", "1", "--name", "strata1", "--bytes", "20GiB",
+                       "--", "sleep", "30")
+    kit.wait_until(lambda: kit.ledger.snapshot(gpusim, 1)["holders"])
+    fmt = "--format=csv,noheader,nounits"
+    assert smi(kit, gpusim, "--query-gpu=index,count,memory.used,memory.free", fmt) == (
+        0, "0, 2, 21504, 3072\n1, 2, 20480, 4096\n")
+    assert smi(kit, gpusim, "-i", "1", "--query-gpu=memory.used,memory.total,memory.free", fmt) == (
+        0, "20480, 24576, 4096\n")
+    assert smi(kit, gpusim, "-i", "1", "--query-compute-apps=pid,used_memory", fmt) == (0, f"{proc.pid}, 20480\n")
+    assert smi(kit, gpusim, "-i", "0", "--query-compute-apps=pid,used_memory", fmt) == (0, f"{os.getpid()}, 21504\n")
+    _, uuid1 = smi(kit, gpusim, "-i", "1", "--query-gpu=uuid", fmt)
+    assert uuid1.strip() != smi(kit, gpusim, "-i", "0", "--query-gpu=uuid", fmt)[1].strip()
+    assert smi(kit, gpusim, "-i", uuid1.strip(), "--query-gpu=index", fmt) == (0, "1\n")
+    assert smi(kit, gpusim, "--id=00000000:02:00.0", "--query-gpu=index", fmt) == (0, "1\n")
+    assert smi(kit, gpusim, "-L")[1].count("GPU ") == 2
+    assert smi(kit, gpusim, "-i", "2", "-L") == (6, "No devices were found\n")
+    code, table = smi(kit, gpusim)
+    assert code == 0 and "|   1  NVIDIA GeForce RTX 3090" in table and f"|    1   N/A  N/A  {proc.pid:>9}" in table
+    os.close(fd)

@@ -47,7 +47,7 @@ def _toml(value: Any) -> str:
 
 
 def stack_config(stack: Stack, name: str = "gpuswapd", **sections: dict[str, Any]) -> Path:
-    """Write a config for this stack; ``sections`` override keys, e.g. ``daemon={"linger": "2s"}``."""
+    """Write a config for this stack; ``sections`` override keys, e.g. ``daemon={"linger": "2s"}`` (None: leave out)."""
     p = stack.paths
     home = p.root / "gpuswapd" / name
     home.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ def stack_config(stack: Stack, name: str = "gpuswapd", **sections: dict[str, Any
     }
     for section, overrides in sections.items():
         tables.setdefault(section.replace("__", "."), {}).update(overrides)
-    text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items()) + "\n"
+    text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items() if v is not None) + "\n"
                    for name, keys in tables.items())
     path = home / "gpuswapd.toml"
     path.write_text(text)

@@ -43,6 +43,17 @@ def _logs(spec: Spec, name: str) -> str:
     return f"StandardOutput=append:{spec.logs}/{name}.log\nStandardError=inherit\n"
 
 
+def resident_on_card(spec: Spec, name: str, port: int, card: int) -> str:
+    """Return the unit of a resident llama-server on GPU ``card`` (no proxy, no timers): a second card's."""
+    args = " ".join(llama.llama_server_args(spec.model, port, ctx=4096, parallel=2, alias=name))
+    return _unit(
+        f"{name}: the resident model on GPU {card} (llama.cpp llama-server)",
+        "",
+        f"Type=exec\nExecStart={spec.python} {spec.sim}/gpu_hold.py --dir {spec.gpu} --card {card} --name {name} "
+        f"--bytes {spec.resident_vram} -- {spec.llama_server} {args}\nTimeoutStopSec=20\n{_logs(spec, name)}",
+    )
+
+
 def render(spec: Spec) -> dict[str, str]:
     """Return every unit file of the test world, by name."""
     py, sim = spec.python, spec.sim

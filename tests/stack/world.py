@@ -425,9 +425,9 @@ class Stack:
         )
         return out.stdout
 
-    def ledger(self) -> dict[str, Any]:
-        """Read the VRAM ledger: total, used, free, holders."""
-        snapshot: dict[str, Any] = json.loads(self._ledger("show"))
+    def ledger(self, card: int = 0) -> dict[str, Any]:
+        """Read the VRAM ledger of GPU ``card``: total, used, free, holders."""
+        snapshot: dict[str, Any] = json.loads(self._ledger("show", *(["--card", str(card)] if card else [])))
         return snapshot
 
     def ooms(self) -> list[dict[str, Any]]:
@@ -495,7 +495,7 @@ class Stack:
             (self.paths.gpu / f).unlink(missing_ok=True)
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
             self.restart_resident()
-        self._ledger("reset")
+        self._ledger("reset", "--cards", "1")  # one card again, if a test gave it a second (tests/stack/cards.py)
         self.manager("StartUnit", "ss", "stack.target", "replace")
         self.wait_baseline()
 
@@ -532,20 +532,25 @@ class Stack:
 
     def _remove_extra_units(self) -> None:
         extra = [f for f in self.paths.units.iterdir() if f.name not in self._base_units]
-        for f in extra:
-            if not f.name.endswith(".d"):
-                self.manager("StopUnit", "ss", f.name, "replace", check=False)
-        for f in extra:
-            _wait(
-                f"{f.name} to stop",
-                lambda f=f: f.name.endswith(".d") or self._active_state(f.name) in ("inactive", "failed"),
-                30,
-            )
+        # A template (NAME@.service) has no state of its own: its loaded instances are what runs.
+        running = [u for f in extra if not f.name.endswith(".d") for u in self._units_of(f.name)]
+        for unit in running:
+            self.manager("StopUnit", "ss", unit, "replace", check=False)
+        for unit in running:
+            _wait(f"{unit} to stop", lambda unit=unit: self._active_state(unit) in ("inactive", "failed"), 30)
         for f in extra:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
         if extra:
             self._reload()
             self.manager("ResetFailed", check=False)
+
+    def _units_of(self, name: str) -> list[str]:
+        """Return the unit file's unit, or a template's loaded instances."""
+        if "@." not in name:
+            return [name]
+        template, _, kind = name.partition("@.")
+        rows = self.manager("ListUnitsByPatterns", "asas", "0", "1", f"{template}@*.{kind}", check=False)
+        return [row[0] for row in rows[0]] if rows else []
 
     @property
     def _base_units(self) -> set[str]:

@@ -4,6 +4,7 @@ Configuration (environment)::
 
     PORT=8000  ENGINE_HOST=0.0.0.0      where to listen (after the boot delay)
     GPUSIM_DIR=/gpu                     ledger directory (bind-mounted into the container)
+    GPUSIM_CARD=0                       the GPU it claims on (a box with several cards)
     ENGINE_NAME=hyperqwen               holder name in the ledger
     ENGINE_VRAM=19.5GiB                 claimed at start; no room: CUDA OOM on stderr, exit 1
     ENGINE_MODEL=hyperqwen              served model id
@@ -93,6 +94,7 @@ class Config:
     port: int
     host: str
     gpusim_dir: Path
+    card: int
     name: str
     vram: int
     model: str
@@ -122,6 +124,7 @@ class Config:
             port=int(env.get("PORT", "8000")),
             host=env.get("ENGINE_HOST", "0.0.0.0"),
             gpusim_dir=gpusim_dir,
+            card=int(env.get("GPUSIM_CARD", "0")),
             name=env.get("ENGINE_NAME", "hyperqwen"),
             vram=ledger.parse_size(env.get("ENGINE_VRAM", "19.5GiB")),
             model=env.get("ENGINE_MODEL", "hyperqwen"),
@@ -261,14 +264,14 @@ class Engine:
         write_atomic(cfg.gpusim_dir / "engine-boots", f"{self.boot}\n")
         log(f"INFO [api_server] vLLM API server (simulated), boot {self.boot}, model {cfg.model}")
         try:
-            self.fd = ledger.claim(cfg.gpusim_dir, cfg.name, cfg.vram)
+            self.fd = ledger.claim(cfg.gpusim_dir, cfg.name, cfg.vram, cfg.card)
         except ledger.OutOfMemory as e:
             print(
                 "ERROR [core.py] EngineCore failed to start.\n"
                 "Traceback (most recent call last):\n"
                 '  File "/opt/engine/engine_sim.py", in load_model\n'
                 f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
-                f"{ledger.gib(e.wanted_bytes)}. GPU 0 has a total capacity of "
+                f"{ledger.gib(e.wanted_bytes)}. GPU {cfg.card} has a total capacity of "
                 f"{ledger.gib(e.total_bytes)} of which {ledger.gib(max(e.free_bytes, 0))} "
                 "is free.\n"
                 f"{e}\n"

@@ -1,6 +1,6 @@
 """Claim simulated VRAM for a program, then become that program.
 
-    gpu_hold.py [--dir D] --name strata --bytes 21GiB -- CMD ARGS...
+    gpu_hold.py [--dir D] [--card N] --name strata --bytes 21GiB -- CMD ARGS...
 
 The claim's lock fd stays open across ``exec``, so the claim lives exactly as long as CMD, and
 ``/proc/locks`` names CMD's PID (exec keeps the PID). CMD is looked up in ``$PATH``; the fd
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
         print(
-            "usage: gpu_hold.py [--dir D] --name NAME --bytes SIZE -- CMD ARGS...", file=sys.stderr
+            "usage: gpu_hold.py [--dir D] [--card N] --name NAME --bytes SIZE -- CMD ARGS...", file=sys.stderr
         )
         return 2
     split = argv.index("--")
@@ -34,17 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help=f"ledger directory (default ${ledger.ENV_DIR})")
     parser.add_argument("--name", required=True, help="holder name in the ledger")
     parser.add_argument("--bytes", required=True, type=ledger.parse_size, help="e.g. 21GiB")
+    parser.add_argument("--card", type=int, default=0, help="the GPU to claim on (default 0)")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1 :]
     if not command:
         parser.error("no command after --")
     try:
         directory = Path(args.dir) if args.dir else ledger.default_dir()
-        fd = ledger.claim(directory, args.name, args.bytes)
+        fd = ledger.claim(directory, args.name, args.bytes, args.card)
     except ledger.OutOfMemory as e:
         print(
             f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating "
-            f"{args.bytes / ledger.MiB:.2f} MiB on device 0: cudaMalloc failed: out of memory",
+            f"{args.bytes / ledger.MiB:.2f} MiB on device {args.card}: cudaMalloc failed: out of memory",
             file=sys.stderr,
         )
         print(str(e), file=sys.stderr)

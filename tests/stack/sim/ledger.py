@@ -3,6 +3,7 @@
 Layout of the directory (``--dir`` or ``$GPUSIM_DIR``)::
 
     ledger.json        {"total_bytes", "release_lag_s", "holders": {NAME: {...}}, "ooms": [...]}
+                       and "cards": N when there is more than one card
     ledger.lock        flock(2) guarding every read-modify-write of ledger.json
     holders/NAME.lock  flock(2)ed LOCK_EX by the live holder NAME
 
@@ -18,6 +19,11 @@ as on a real GPU. ``release()`` (a live process freeing its memory) frees at onc
 a shrinking ``resize()``; a growing one takes memory only if it is free (vLLM's sleep mode shrinks
 its claim to a residual and grows it back on wake, keeping the same lock, so the same PID).
 
+Cards: one by default (GPU 0). ``cards N`` gives N cards of ``total_bytes`` each (the simulated
+box with several GPUs); a claim names its card (``card=``, default 0), its holder records it as
+``"card"`` (only when not 0), and memory is counted, freed and out of memory per card: a claim on
+GPU 1 never fails for want of room on GPU 0. ``snapshot(card=N)`` reports one card.
+
 PIDs come from ``/proc/locks``: the kernel names the process that called flock(2), translated
 into the reader's PID namespace (0 when not visible there). That PID survives ``exec``; a child
 that inherits the fd over ``fork`` holds the lock too, but ``/proc/locks`` still names the
@@ -26,8 +32,8 @@ if it does not hold the file open any more, ``/proc/*/fd`` is searched for the p
 
 CLI::
 
-    ledger.py init --total 24GiB --lag 1.5
-    ledger.py show | ooms | reset
+    ledger.py init --total 24GiB --lag 1.5 [--cards N]
+    ledger.py show [--card N] | ooms | reset [--cards N] | cards N
 """
 
 from __future__ import annotations
@@ -69,13 +75,14 @@ class HolderAlive(LedgerError):
 class OutOfMemory(LedgerError):
     """A claim did not fit in the free memory (the simulated CUDA out-of-memory error)."""
 
-    def __init__(self, name: str, wanted_bytes: int, free_bytes: int, total_bytes: int) -> None:
+    def __init__(self, name: str, wanted_bytes: int, free_bytes: int, total_bytes: int, card: int = 0) -> None:
         self.name = name
         self.wanted_bytes = wanted_bytes
         self.free_bytes = free_bytes
         self.total_bytes = total_bytes
+        self.card = card
         super().__init__(
-            f"CUDA error: out of memory (GPU 0: tried to allocate {gib(wanted_bytes)}; "
+            f"CUDA error: out of memory (GPU {card}: tried to allocate {gib(wanted_bytes)}; "
             f"{gib(max(free_bytes, 0))} free of {gib(total_bytes)} total) [{name}]"
         )
 
@@ -166,12 +173,35 @@ def _reap(directory: Path, state: dict[str, Any], now: float) -> None:
             del state["holders"][key]
 
 
-def _used(state: dict[str, Any]) -> int:
-    """Sum the bytes of live and lagging holders."""
-    return sum(int(h["bytes"]) for h in state["holders"].values())
+def _used(state: dict[str, Any], card: int = 0) -> int:
+    """Sum the bytes of live and lagging holders on ``card``."""
+    return sum(int(h["bytes"]) for h in state["holders"].values() if h.get("card", 0) == card)
 
 
-def init(directory: str | Path, total_bytes: int, release_lag_s: float) -> None:
+def _cards(state: dict[str, Any]) -> int:
+    return int(state.get("cards", 1))
+
+
+def _check_card(state: dict[str, Any], card: int) -> None:
+    if not 0 <= card < _cards(state):
+        raise LedgerError(f"no GPU {card}: the ledger has {_cards(state)} card(s)")
+
+
+def _set_cards(directory: Path, state: dict[str, Any], cards: int) -> None:
+    """Give the ledger ``cards`` cards (the caller holds the lock); a card still held cannot go."""
+    if cards < 1:
+        raise LedgerError("a ledger has at least one card")
+    _reap(directory, state, time.time())
+    held = sorted({h.get("card", 0) for h in state["holders"].values() if h.get("card", 0) >= cards})
+    if held:
+        raise LedgerError(f"GPU {held[0]} still has holders: stop them before dropping it")
+    if cards == 1:
+        state.pop("cards", None)  # one card: the ledger of a one-GPU box, as it always was
+    else:
+        state["cards"] = cards
+
+
+def init(directory: str | Path, total_bytes: int, release_lag_s: float, cards: int = 1) -> None:
     """Create (or start afresh) the ledger in ``directory``."""
     directory = Path(directory)
     (directory / HOLDERS).mkdir(parents=True, exist_ok=True)
@@ -181,14 +211,15 @@ def init(directory: str | Path, total_bytes: int, release_lag_s: float) -> None:
     try:
         os.fchmod(fd, 0o666)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        state = {"total_bytes": total_bytes, "release_lag_s": release_lag_s, "holders": {}}
+        state: dict[str, Any] = {"total_bytes": total_bytes, "release_lag_s": release_lag_s, "holders": {}}
+        _set_cards(directory, state, cards)
         _save(directory, {**state, "ooms": []})
     finally:
         os.close(fd)
 
 
-def claim(directory: str | Path, name: str, nbytes: int) -> int:
-    """Claim ``nbytes`` for ``name``; return the inheritable fd whose lock keeps the claim."""
+def claim(directory: str | Path, name: str, nbytes: int, card: int = 0) -> int:
+    """Claim ``nbytes`` on GPU ``card`` for ``name``; return the inheritable fd whose lock keeps the claim."""
     if not _NAME.match(name):
         raise LedgerError(f"bad holder name {name!r}")
     if nbytes < 0:
@@ -197,6 +228,7 @@ def claim(directory: str | Path, name: str, nbytes: int) -> int:
     oom: OutOfMemory | None = None
     fd = -1
     with _locked(directory) as state:
+        _check_card(state, card)
         now = time.time()
         _reap(directory, state, now)
         previous = state["holders"].get(name)
@@ -206,11 +238,11 @@ def claim(directory: str | Path, name: str, nbytes: int) -> int:
             # Its memory is still lagging: keep counting it, under another key.
             state["holders"][f"{name}~{previous['registered_at']:.6f}"] = previous
             del state["holders"][name]
-        free = state["total_bytes"] - _used(state)
+        free = state["total_bytes"] - _used(state, card)
         if nbytes > free:
-            oom = OutOfMemory(name, nbytes, free, state["total_bytes"])
+            oom = OutOfMemory(name, nbytes, free, state["total_bytes"], card)
             state["ooms"].append(
-                {"name": name, "wanted_bytes": nbytes, "free_bytes": free, "at": now}
+                {"name": name, "wanted_bytes": nbytes, "free_bytes": free, "at": now, **_on(card)}
             )
         else:
             rel = f"{HOLDERS}/{name}.lock"
@@ -227,10 +259,16 @@ def claim(directory: str | Path, name: str, nbytes: int) -> int:
                 "lock": rel,
                 "registered_at": now,
                 "dead_at": None,
+                **_on(card),
             }
     if oom is not None:
         raise oom
     return fd
+
+
+def _on(card: int) -> dict[str, int]:
+    """The card of a holder or an OOM record: said only when it is not GPU 0 (one-card ledgers stay as they were)."""
+    return {"card": card} if card else {}
 
 
 def release(directory: str | Path, name: str, fd: int) -> None:
@@ -273,11 +311,12 @@ def resize(directory: str | Path, name: str, fd: int, nbytes: int) -> None:
         if holder is None:
             raise LedgerError(f"{name}: no live claim held through fd {fd}")
         more = nbytes - int(holder["bytes"])
-        free = state["total_bytes"] - _used(state)
+        card = int(holder.get("card", 0))
+        free = state["total_bytes"] - _used(state, card)
         if more > free:
-            oom = OutOfMemory(name, more, free, state["total_bytes"])
+            oom = OutOfMemory(name, more, free, state["total_bytes"], card)
             state["ooms"].append(
-                {"name": name, "wanted_bytes": more, "free_bytes": free, "at": now}
+                {"name": name, "wanted_bytes": more, "free_bytes": free, "at": now, **_on(card)}
             )
         else:
             holder["bytes"] = nbytes
@@ -343,24 +382,43 @@ def holder_pid(lock_path: str | Path) -> int | None:
     return next((p for p in pids if _holds_open(p, st, trust_unreadable=False)), None)
 
 
-def snapshot(directory: str | Path) -> dict[str, Any]:
-    """Reap, then report total/used/free bytes and the holders (with their PIDs)."""
+def snapshot(directory: str | Path, card: int = 0) -> dict[str, Any]:
+    """Reap, then report GPU ``card``'s total/used/free bytes and its holders (with their PIDs)."""
+    return snapshot_cards(directory, [card])[0]
+
+
+def snapshot_cards(directory: str | Path, cards: list[int] | None = None) -> list[dict[str, Any]]:
+    """Reap once, then snapshot each of ``cards`` (default: every card), in that order."""
     directory = Path(directory)
     with _locked(directory) as state:
         _reap(directory, state, time.time())
-        holders = []
-        for key, h in sorted(state["holders"].items(), key=lambda kv: kv[1]["registered_at"]):
-            pid = holder_pid(directory / h["lock"]) if h["dead_at"] is None else None
-            name = key.split("~")[0]
-            holders.append({"name": name, "pid": pid, "bytes": h["bytes"], "dead_at": h["dead_at"]})
-        used = _used(state)
-        total = int(state["total_bytes"])
-    return {
-        "total_bytes": total,
-        "used_bytes": used,
-        "free_bytes": total - used,
-        "holders": holders,
-    }
+        wanted = list(range(_cards(state))) if cards is None else cards
+        for card in wanted:
+            _check_card(state, card)
+        out = []
+        for card in wanted:
+            holders = []
+            for key, h in sorted(state["holders"].items(), key=lambda kv: kv[1]["registered_at"]):
+                if h.get("card", 0) != card:
+                    continue
+                pid = holder_pid(directory / h["lock"]) if h["dead_at"] is None else None
+                name = key.split("~")[0]
+                holders.append({"name": name, "pid": pid, "bytes": h["bytes"], "dead_at": h["dead_at"]})
+            used = _used(state, card)
+            total = int(state["total_bytes"])
+            out.append({
+                "total_bytes": total,
+                "used_bytes": used,
+                "free_bytes": total - used,
+                "holders": holders,
+            })
+    return out
+
+
+def set_cards(directory: str | Path, cards: int) -> None:
+    """Give the ledger ``cards`` cards; dropping a card that still has live holders is an error."""
+    with _locked(Path(directory)) as state:
+        _set_cards(Path(directory), state, cards)
 
 
 def ooms(directory: str | Path) -> list[dict[str, Any]]:
@@ -369,13 +427,18 @@ def ooms(directory: str | Path) -> list[dict[str, Any]]:
         return list(state["ooms"])
 
 
-def reset(directory: str | Path) -> None:
-    """Forget the OOM records and every dead holder (lagging or not); live holders stay."""
+def reset(directory: str | Path, cards: int | None = None) -> None:
+    """Forget the OOM records and every dead holder (lagging or not); live holders stay.
+
+    With ``cards``, also give the ledger that many cards.
+    """
     directory = Path(directory)
     with _locked(directory) as state:
         _reap(directory, state, time.time())
         state["holders"] = {k: h for k, h in state["holders"].items() if h["dead_at"] is None}
         state["ooms"] = []
+        if cards is not None:
+            _set_cards(directory, state, cards)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,19 +451,27 @@ def main(argv: list[str] | None = None) -> int:
     p_init = sub.add_parser("init", parents=[common], help="create a fresh ledger")
     p_init.add_argument("--total", required=True, type=parse_size, help="e.g. 24GiB")
     p_init.add_argument("--lag", type=float, default=1.5, help="release lag in seconds")
-    for name in ("show", "ooms", "reset"):
-        sub.add_parser(name, parents=[common])
+    p_init.add_argument("--cards", type=int, default=1, help="how many cards (default 1)")
+    p_show = sub.add_parser("show", parents=[common])
+    p_show.add_argument("--card", type=int, default=0, help="which card (default 0)")
+    sub.add_parser("ooms", parents=[common])
+    p_reset = sub.add_parser("reset", parents=[common])
+    p_reset.add_argument("--cards", type=int, help="also give the ledger this many cards")
+    p_cards = sub.add_parser("cards", parents=[common], help="give the ledger N cards")
+    p_cards.add_argument("count", type=int)
     args = parser.parse_args(argv)
     try:
         directory = Path(args.sub_dir or args.dir) if (args.sub_dir or args.dir) else default_dir()
         if args.command == "init":
-            init(directory, args.total, args.lag)
+            init(directory, args.total, args.lag, args.cards)
         elif args.command == "show":
-            print(json.dumps(snapshot(directory), indent=2))
+            print(json.dumps(snapshot(directory, args.card), indent=2))
         elif args.command == "ooms":
             print(json.dumps(ooms(directory), indent=2))
+        elif args.command == "cards":
+            set_cards(directory, args.count)
         else:
-            reset(directory)
+            reset(directory, args.cards)
     except LedgerError as e:
         print(f"ledger: {e}", file=sys.stderr)
         return 1

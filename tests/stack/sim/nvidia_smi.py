@@ -1,4 +1,5 @@
-"""A fake ``nvidia-smi`` for one simulated RTX 3090 whose memory is the VRAM ledger.
+"""A fake ``nvidia-smi`` for simulated RTX 3090s whose memory is the VRAM ledger (one card unless
+the ledger has more: ``ledger.py cards N``).
 
 The ledger directory is ``$GPUSIM_DIR``, else the path written in a file ``gpusim.dir`` next to
 this script (next to the link first, then next to the resolved script, so an installed
@@ -12,11 +13,14 @@ Supported, in the real tool's formats::
     nvidia-smi -L | --list-gpus
     nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]
         FIELDS from index, name, uuid, pci.bus_id, count, driver_version,
-        memory.total, memory.used, memory.free (MiB)
+        memory.total, memory.used, memory.free (MiB); one row per card
     nvidia-smi --query-compute-apps=FIELDS --format=csv[,noheader][,nounits]
         FIELDS from pid, process_name, used_memory (MiB), gpu_uuid, gpu_name, gpu_bus_id
         one row per live holder whose PID is visible here
-    -i N | --id=N                                   only 0 (or the UUID / bus id) exists
+    -i N[,M...] | --id=N[,M...]                     only these cards (index, UUID or bus id)
+
+Card N has its own UUID and bus id (card 0's are UUID and BUS_ID below; card 1 ends in ...7c11
+and sits on bus 02, and so on).
 
 Like the real tool, messages go to stdout. Exit codes are the real ones: 2 bad argument or
 field, 6 no such GPU, 9 driver not reachable.
@@ -162,18 +166,36 @@ def csv(opts: dict[str, Any], table: dict[str, tuple[str, str]], rows: list[dict
     return "".join(line + "\n" for line in lines)
 
 
-def gpu_row(snap: dict[str, Any]) -> dict[str, Any]:
-    """The values of GPU 0 for ``--query-gpu``."""
+def uuid(index: int) -> str:
+    """The UUID of card ``index`` (card 0's is UUID)."""
+    return f"{UUID[:-2]}{0x10 + index:02x}"
+
+
+def bus_id(index: int) -> str:
+    """The PCI bus id of card ``index`` (card 0's is BUS_ID)."""
+    return f"00000000:{index + 1:02X}:00.0"
+
+
+def card_of(ident: str, count: int) -> int | None:
+    """The index of the card ``-i`` names (an index, a UUID or a bus id), None if there is none."""
+    for index in range(count):
+        if ident in (str(index), uuid(index), bus_id(index)):
+            return index
+    return None
+
+
+def gpu_row(snap: dict[str, Any], index: int = 0, count: int = 1) -> dict[str, Any]:
+    """The values of GPU ``index`` (of ``count``) for ``--query-gpu``."""
     total, used = snap["total_bytes"], snap["used_bytes"]
     return {
-        "index": 0,
+        "index": index,
         "name": NAME,
         "gpu_name": NAME,
-        "uuid": UUID,
-        "gpu_uuid": UUID,
-        "pci.bus_id": BUS_ID,
-        "gpu_bus_id": BUS_ID,
-        "count": 1,
+        "uuid": uuid(index),
+        "gpu_uuid": uuid(index),
+        "pci.bus_id": bus_id(index),
+        "gpu_bus_id": bus_id(index),
+        "count": count,
         "driver_version": DRIVER,
         "memory.total": mib(total),
         "memory.used": mib(used),
@@ -181,8 +203,8 @@ def gpu_row(snap: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def app_rows(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per holder with a visible PID, for ``--query-compute-apps``."""
+def app_rows(snap: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
+    """One row per holder of GPU ``index`` with a visible PID, for ``--query-compute-apps``."""
     rows = []
     for h in snap["holders"]:
         if h["pid"] is None:
@@ -195,9 +217,10 @@ def app_rows(snap: dict[str, Any]) -> list[dict[str, Any]]:
                 "name": name,
                 "used_memory": mib(h["bytes"]),
                 "used_gpu_memory": mib(h["bytes"]),
-                "gpu_uuid": UUID,
+                "gpu_uuid": uuid(index),
                 "gpu_name": NAME,
-                "gpu_bus_id": BUS_ID,
+                "gpu_bus_id": bus_id(index),
+                "gpu": index,
             }
         )
     return rows
@@ -211,10 +234,7 @@ TABLE = """\
 | GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
 | Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |
 |=========================================+========================+======================|
-|   0  {name:<26}     Off |   {bus} Off |                  N/A |
-|  0%   35C    P8             20W /  350W | {used:>9} / {total:>9} |      0%      Default |
-+-----------------------------------------+------------------------+----------------------+
-
+{gpus}
 +-----------------------------------------------------------------------------------------+
 | Processes:                                                                              |
 |  GPU   GI   CI        PID   Type   Process name                              GPU Memory |
@@ -223,25 +243,32 @@ TABLE = """\
 {processes}
 +-----------------------------------------------------------------------------------------+
 """
-PROCESS = "|    0   N/A  N/A  {pid:>9}      C   {name:<40} {used:>10} |"
+GPU = """\
+|   {index}  {name:<26}     Off |   {bus} Off |                  N/A |
+|  0%   35C    P8             20W /  350W | {used:>9} / {total:>9} |      0%      Default |
++-----------------------------------------+------------------------+----------------------+
+"""
+PROCESS = "|    {gpu}   N/A  N/A  {pid:>9}      C   {name:<40} {used:>10} |"
 NO_PROCESS = "|  No running processes found" + " " * 61 + "|"
 
 
-def summary(snap: dict[str, Any]) -> str:
-    """The default table, close enough to the real one for a human."""
-    g = gpu_row(snap)
-    processes = [
-        PROCESS.format(pid=a["pid"], name=a["process_name"][:40], used=f"{a['used_memory']}MiB")
-        for a in app_rows(snap)
-    ]
+def summary(snaps: dict[int, dict[str, Any]], count: int) -> str:
+    """The default table of the cards in ``snaps`` (by index), close enough to the real one for a human."""
+    gpus = []
+    processes = []
+    for index, snap in snaps.items():
+        g = gpu_row(snap, index, count)
+        gpus.append(GPU.format(index=index, name=NAME, bus=bus_id(index), used=f"{g['memory.used']}MiB",
+                               total=f"{g['memory.total']}MiB"))
+        processes += [
+            PROCESS.format(gpu=index, pid=a["pid"], name=a["process_name"][:40], used=f"{a['used_memory']}MiB")
+            for a in app_rows(snap, index)
+        ]
     return TABLE.format(
         date=time.strftime("%a %b %d %H:%M:%S %Y"),
         driver=DRIVER,
         cuda=CUDA,
-        name=NAME,
-        bus=BUS_ID,
-        used=f"{g['memory.used']}MiB",
-        total=f"{g['memory.total']}MiB",
+        gpus="".join(gpus),
         processes="\n".join(processes) or NO_PROCESS,
     )
 
@@ -268,23 +295,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if directory is None:
             raise ledger.LedgerError("no ledger")
-        snap = ledger.snapshot(directory)
+        every = ledger.snapshot_cards(directory)
     except (ledger.LedgerError, OSError, ValueError):
         sys.stdout.write(DRIVER_FAILED)
         return EXIT_DRIVER
+    count = len(every)
+    cards = list(range(count))
     if "id" in opts:
-        ids = [i.strip() for i in str(opts["id"]).split(",")]
-        if any(i not in ("0", UUID, BUS_ID) for i in ids):
+        found = [card_of(i.strip(), count) for i in str(opts["id"]).split(",")]
+        if any(c is None for c in found):
             sys.stdout.write("No devices were found\n")
             return EXIT_NOT_FOUND
+        cards = sorted({c for c in found if c is not None})
+    snaps = {c: every[c] for c in cards}
     if opts.get("list"):
-        sys.stdout.write(f"GPU 0: {NAME} (UUID: {UUID})\n")
+        sys.stdout.write("".join(f"GPU {c}: {NAME} (UUID: {uuid(c)})\n" for c in cards))
     elif "query-gpu" in opts:
-        sys.stdout.write(csv(opts, GPU_FIELDS, [gpu_row(snap)]))
+        sys.stdout.write(csv(opts, GPU_FIELDS, [gpu_row(snap, c, count) for c, snap in snaps.items()]))
     elif "query-compute-apps" in opts:
-        sys.stdout.write(csv(opts, APP_FIELDS, app_rows(snap)))
+        sys.stdout.write(csv(opts, APP_FIELDS, [row for c, snap in snaps.items() for row in app_rows(snap, c)]))
     else:
-        sys.stdout.write(summary(snap))
+        sys.stdout.write(summary(snaps, count))
     return 0
 
 
