@@ -15,16 +15,18 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=1500)
+@settings(max_examples=800)
 @given(st.binary(max_size=200))
 def test_any_bytes_are_a_request_or_a_request_error(frame: bytes) -> None:
     with contextlib.suppress(RequestError):
         parse_request(frame)
 
 
-@settings(max_examples=300)
-@given(st.sampled_from(["acquire", "release", "renew", "status", "plan", "history", "nope", None, 3, [], {}]),
-       st.dictionaries(st.sampled_from(["for", "holder", "lease", "wait", "timeout", "limit", "x"]), json_values))
+@settings(max_examples=150)
+@given(st.sampled_from(["acquire", "release", "renew", "status", "plan", "history", "park", "watch", "nope", None, 3,
+                        [], {}]),
+       st.dictionaries(st.sampled_from(["for", "holder", "lease", "wait", "timeout", "limit", "profile", "priority",
+                                        "hold", "remove", "x"]), json_values))
 def test_well_formed_json_with_wrong_fields_never_crashes(op: object, fields: dict) -> None:
     try:
         req = parse_request(json.dumps({"op": op, **fields}).encode())

@@ -76,7 +76,7 @@ def test_sse_junk_data_is_a_bad_response(bad: str) -> None:
         list(parse_sse_events([bad, ""]))
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(st.lists(st.text(max_size=40)))
 def test_sse_never_crashes_on_junk(lines: list[str]) -> None:
     try:
@@ -86,7 +86,7 @@ def test_sse_never_crashes_on_junk(lines: list[str]) -> None:
     assert all(isinstance(e, dict) for e in events)
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(st.lists(st.binary(max_size=60)))
 def test_sse_never_crashes_on_junk_bytes(pieces: list[bytes]) -> None:
     lines = b"".join(pieces).decode("utf-8", errors="replace").splitlines()
@@ -240,7 +240,7 @@ def test_prometheus_skips_malformed_lines(line: str) -> None:
     assert parse_prometheus(f"good 1\n{line}\nalso_good 2\n") == {"good": 1.0, "also_good": 2.0}
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(st.text())
 def test_prometheus_never_crashes_on_junk(text: str) -> None:
     metrics = parse_prometheus(text)
