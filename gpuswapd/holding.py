@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,8 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
             waker = asyncio.create_task(w.wake.wait())
             retrieve(waker)
             try:
-                await asyncio.wait({waker, watch}, timeout=max(0.0, wake_at - now),
+                timeout = max(0.0, wake_at - now) if math.isfinite(wake_at) else None  # only leases for infinity
+                await asyncio.wait({waker, watch}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waker.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,18 +29,25 @@ class Lease:
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize; with ``now``, include the seconds remaining."""
+        expires_at = self.expires_at if math.isfinite(self.expires_at) else None  # null: until released
         out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
-                               "expires_at": self.expires_at, "unit": self.unit, "uid": self.uid,
+                               "expires_at": expires_at, "unit": self.unit, "uid": self.uid,
                                "priority": self.priority}
         if now is not None:
-            out["remaining_s"] = round(self.remaining(now), 3)
+            left = self.remaining(now)
+            out["remaining_s"] = round(left, 3) if math.isfinite(left) else None  # null: until released
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:
         """Rebuild a lease from ``to_dict`` output."""
         return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
-                   float(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0))
+                   _expiry(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0))
+
+
+def _expiry(value: Any) -> float:
+    """Read an expiry; null is a lease for infinity."""
+    return math.inf if value is None else float(value)
 
 
 class LeaseBook:

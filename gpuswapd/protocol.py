@@ -52,13 +52,15 @@ class Request:
     hold: bool = False  # keep the connection for the lease's events (preempting, preempted)
 
 
-def _span(value: Any, key: str) -> float:
+def _span(value: Any, key: str, infinite: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise RequestError(f"{key!r} must be a time span such as \"15m\" or a number of seconds")
     try:
         seconds = parse_span(value) if isinstance(value, str) else float(value)
     except SpanError as err:
         raise RequestError(f"{key!r}: {err}") from None
+    if infinite and value == "infinity":
+        return seconds  # a lease bound to something outside (a Slurm job); the server lets only root have it
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_SPAN_S:
         raise RequestError(f"{key!r} must be a positive time span of at most 10 years, got {value!r}")
     return seconds
@@ -105,7 +107,7 @@ def parse_request(line: bytes) -> Request:
         raise RequestError("renew needs 'for': the new duration from now")
     return Request(
         op=op,
-        duration=_span(data["for"], "for") if "for" in data else None,
+        duration=_span(data["for"], "for", infinite=True) if "for" in data else None,
         holder=_text(data["holder"], "holder") if "holder" in data else None,
         lease=_text(data["lease"], "lease", 64) if "lease" in data else None,
         wait=wait,

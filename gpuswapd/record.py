@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -210,9 +211,14 @@ def _timing(data: Any, where: str) -> PhaseTiming:
     return PhaseTiming(d.phase("phase"), d.number("started_at"), d.number("ended_at", optional=True), stage)
 
 
+def _infinite(expires_at: float | None) -> float:
+    return math.inf if expires_at is None else expires_at  # null: a lease for infinity
+
+
 def _lease(data: Any, where: str) -> Lease:
     d = _Fields(data, where)
     uid = d.number("uid", optional=True)
-    return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), d.number("expires_at"),
+    expires_at = _infinite(d.number("expires_at", optional=True))
+    return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
                  int(d.number("priority", default=0)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_requ
 from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
+from gpuswapd.timespan import format_span
 from gpuswapd.watch import Watchers
 from gpuswapd.window import Window
 
@@ -215,7 +217,7 @@ class Server:
             return {"ok": True, "released": [lease.to_dict() for lease in gone]}
         if req.op == "renew":
             lease_id = req.lease or self._only_lease(peer, req.holder)
-            duration, capped = self._cap(req.duration or d.default_lease)
+            duration, capped = self._cap(req.duration or d.default_lease, peer)
             lease = await self.window.renew(lease_id, duration, allowed=peer.owns)
             return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped}
         if req.op == "status":
@@ -279,13 +281,20 @@ class Server:
             raise LeaseNotFound(f"{holder or peer.holder} holds {len(held)} leases: name the lease to renew")
         return held[0].id
 
-    def _cap(self, duration: float) -> tuple[float, bool]:
+    def _cap(self, duration: float, peer: Peer) -> tuple[float, bool]:
+        if math.isinf(duration):
+            # A lease "for infinity" ends only by an explicit release (a Slurm Epilog, the reconciler).
+            if peer.uid != 0:
+                raise PermissionDenied(f"only root may take a lease for infinity (user {peer.user}, uid {peer.uid}): "
+                                       f"ask for a span of at most daemon.max_lease = "
+                                       f"{format_span(self.config.daemon.max_lease)}")
+            return duration, False
         cap = self.config.daemon.max_lease
         return min(duration, cap), duration > cap
 
     async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
-        duration, capped = self._cap(req.duration or self.config.daemon.default_lease)
+        duration, capped = self._cap(req.duration or self.config.daemon.default_lease, peer)
         profile = self._profile(req.profile)
         most = self.config.daemon.priority_max_nonroot
         if req.priority > most and peer.uid != 0:

@@ -11,6 +11,7 @@ bug, a cancellation nobody asked for) rolls the window back or carries the close
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,7 +226,7 @@ class Window:
         now = time.time() if now is None else now
         rec, ahead = self.record, 0.0
         if rec is not None and not rec.closing:
-            ends = [lease.expires_at for lease in rec.leases.all()]
+            ends = [lease.expires_at for lease in rec.leases.all() if math.isfinite(lease.expires_at)]
             ahead = max(0.0, max(ends, default=now) - now) + self.config.daemon.linger
         return self.queue.describe(self.times, ahead, now)
 

@@ -10,6 +10,8 @@ Exit codes (also in gpuswapctl(1)):
   5  not ready: --no-wait and no window of the profile is open
   6  timed out: --timeout passed before the window was ready
 
+slurm-prolog, slurm-epilog and slurm-reconcile exit 0 or 1 (slurmd drains the node on a failed Prolog).
+
 watch runs until interrupted (exit 0), or exits 3 when gpuswapd closes the connection.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -43,6 +46,12 @@ def _span(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite time span")
     return seconds
+
+
+def _lease_span(text: str) -> float:
+    if text.strip() == "infinity":
+        return float("inf")  # until released: only root may (a Slurm job's lease)
+    return _span(text)
 
 
 def _limit(text: str) -> int:
@@ -126,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     acquire.add_argument(
         "--for",
         dest="duration",
-        type=_span,
+        type=_lease_span,
         metavar="SPAN",
-        help="lease duration (default: the daemon's default_lease)",
+        help="lease duration (default: the daemon's default_lease; 'infinity', root only: until released)",
     )
     acquire.add_argument(
         "--holder", metavar="NAME", help="who holds the lease (default: the calling unit, or user[pid])"
@@ -205,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-lease", action="store_true", help="take no lease (the engine must be up already)")
     _add_profile(bench, "the engine profile to measure (not a bare one)")
     _add_priority(bench)
+
+    # slurmd's Prolog= and Epilog=, and the clean-up of a lost Epilog: they find gpuswapd through the map.
+    sub.add_parser("slurm-prolog", parents=[common],
+                   help="Slurm node Prolog: hold the job's GPUs (SLURM_JOB_ID, SLURM_JOB_GPUS)")
+    sub.add_parser("slurm-epilog", parents=[common], help="Slurm node Epilog: release the job's GPUs")
+    sub.add_parser("slurm-reconcile", parents=[common], help="release the leases of Slurm jobs that no longer run")
     return parser
 
 
@@ -216,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.socket or args.instance:
             parser.error("status --all asks every instance: it takes no --socket or --instance")
         return status_all(as_json=args.json)
+    if args.command.startswith("slurm-"):
+        if args.socket or args.instance:
+            parser.error(f"{args.command} finds gpuswapd through the map ($GPUSWAPD_SLURM_MAP): "
+                         "it takes no --socket or --instance")
+        from gpuswapd.ctl import slurm
+
+        return {"slurm-prolog": slurm.prolog, "slurm-epilog": slurm.epilog,
+                "slurm-reconcile": slurm.reconcile}[args.command]()
     try:
         path = socket_path(args.socket, args.instance)
     except BadInstance as err:
@@ -321,7 +344,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace, path
 def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
     req: dict[str, Any] = {"op": "acquire", "wait": not getattr(args, "no_wait", False)}
     if args.duration:
-        req["for"] = args.duration
+        req["for"] = "infinity" if math.isinf(args.duration) else args.duration
     if args.holder:
         req["holder"] = args.holder
     if args.timeout:
@@ -347,6 +370,8 @@ def _acquire(args: argparse.Namespace, client: Client) -> int:
 
 
 def _lease_line(lease: dict[str, Any], verb: str) -> str:
+    if lease["expires_at"] is None:
+        return f"{verb} lease {lease['id']} for {lease['holder']} until released"
     until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease["expires_at"]))
     left = format_span(round(lease["remaining_s"]))
     return f"{verb} lease {lease['id']} for {lease['holder']} until {until} ({left} left)"

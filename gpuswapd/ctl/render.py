@@ -82,6 +82,12 @@ def queued_line(entry: dict[str, Any]) -> str:
             f"{format_span(round(entry.get('waited_s') or 0))}, {eta_text}{behind}")
 
 
+def _left(lease: dict[str, Any]) -> str:
+    if lease["remaining_s"] is None:
+        return "until released"
+    return f"{format_span(round(lease['remaining_s']))} left"
+
+
 def _ago(ts: float | None) -> str:
     return "-" if ts is None else f"{format_span(round(max(0.0, time.time() - ts)))} ago"
 
@@ -112,7 +118,7 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         if window.get("error"):
             out.write(f"error: {window['error']['message']}\n")
         for lease in window["leases"]:
-            out.write(f"  lease {lease['id']}  {lease['holder']:<30} {format_span(round(lease['remaining_s']))} left\n")
+            out.write(f"  lease {lease['id']}  {lease['holder']:<30} {_left(lease)}\n")
     if reply.get("waiting"):
         out.write(f"waiting: {reply['waiting']} acquire(s)\n")
     for entry in reply.get("queue") or []:

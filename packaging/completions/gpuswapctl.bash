@@ -17,7 +17,7 @@ _gpuswapctl() {
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="acquire renew release run status plan park history watch bench"
+    local commands="acquire renew release run status plan park history watch bench slurm-prolog slurm-epilog slurm-reconcile"
     local common="--socket --instance --json -h --help"
     local -A options=(
         [acquire]="--for --holder --no-wait --timeout --profile --priority"
@@ -29,6 +29,9 @@ _gpuswapctl() {
         [park]="--remove"
         [history]="--limit"
         [watch]=""
+        [slurm-prolog]=""
+        [slurm-epilog]=""
+        [slurm-reconcile]=""
         [bench]="--prompts --url --model --max-tokens --repeat --for --no-lease --profile --priority"
     )
     local spans="90s 5m 15m 30m 1h 4h"

@@ -1,7 +1,7 @@
 # fish completion for gpuswapctl(1).
 # Installed as /usr/share/fish/vendor_completions.d/gpuswapctl.fish.
 
-set -l commands acquire renew release run status plan park history watch bench
+set -l commands acquire renew release run status plan park history watch bench slurm-prolog slurm-epilog slurm-reconcile
 set -l spans 90s 5m 15m 30m 1h 4h
 
 # True while completing COMMAND (or its arguments) after "gpuswapctl run ... --".
@@ -46,6 +46,9 @@ complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a park -d
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a history -d 'Past windows with their phase timings'
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a watch -d "Follow the window's events as they happen"
 complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a bench -d "Measure the window's engine under a lease"
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a slurm-prolog -d "Slurm node Prolog: hold the job's GPUs"
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a slurm-epilog -d "Slurm node Epilog: release the job's GPUs"
+complete -c gpuswapctl -n "not __fish_seen_subcommand_from $commands" -a slurm-reconcile -d 'Release the leases of Slurm jobs that no longer run'
 
 # acquire
 complete -c gpuswapctl -n '__fish_seen_subcommand_from acquire' -l for -x -a "$spans" -d 'Lease duration'

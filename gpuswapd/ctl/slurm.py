@@ -1,0 +1,250 @@
+"""Slurm's node Prolog and Epilog: hand a job's GPUs through gpuswapd, and reconcile what a lost Epilog left.
+
+slurmd runs ``gpuswapctl slurm-prolog`` (``Prolog=``) as root when a job is allocated the node
+(``PrologFlags=Alloc``) and ``gpuswapctl slurm-epilog`` (``Epilog=``) when it ends. The map
+(``/etc/gpuswapd/slurm/gpus.toml``, or ``$GPUSWAPD_SLURM_MAP``) ties each GPU index as Slurm numbers
+it (``SLURM_JOB_GPUS``) to a gpuswapd instance and names the default profile; a job asks for
+another with ``--comment=gpuswap:PROFILE``. The node Prolog does not get the job's environment,
+so the comment is read from ``scontrol show job``. Each GPU's lease is held by
+``slurm-job-ID`` "for infinity": only the Epilog's release, or ``slurm-reconcile`` once Slurm no
+longer runs the job, ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+from gpuswapd.ctl.client import Client, Unreachable
+from gpuswapd.errors import GpuswapError, LeaseNotFound, UnknownProfile
+from gpuswapd.instances import DEFAULT_INSTANCE, socket_of, valid_name
+
+MAP_PATH = "/etc/gpuswapd/slurm/gpus.toml"
+MAP_ENV = "GPUSWAPD_SLURM_MAP"
+HOLDER_PREFIX = "slurm-job-"
+COMMENT_PREFIX = "gpuswap:"
+SLURM_TIMEOUT_S = 30.0  # scontrol/squeue: slurmctld answers in well under a second when it is up
+_PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_HOLDER = re.compile(rf"^{HOLDER_PREFIX}(\d+)$")
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class SlurmError(Exception):
+    """The map, Slurm or gpuswapd stood in the way; the message says which and what next."""
+
+
+@dataclass(frozen=True)
+class GpuMap:
+    """Which gpuswapd instance drives each GPU index Slurm hands out, and the default profile."""
+
+    gpus: dict[str, str]
+    default_profile: str
+    path: str
+
+    def instance(self, gpu: str) -> str:
+        """Return the instance of Slurm's GPU ``gpu``, or say the map lacks it."""
+        try:
+            return self.gpus[gpu]
+        except KeyError:
+            raise SlurmError(f"GPU {gpu} is not in {self.path}: add it under [gpus] "
+                             f"(\"{gpu}\" = \"INSTANCE\")") from None
+
+
+def load_map(path: str | None = None) -> GpuMap:
+    """Read and check the map ($GPUSWAPD_SLURM_MAP, or /etc/gpuswapd/slurm/gpus.toml)."""
+    path = path or os.environ.get(MAP_ENV) or MAP_PATH
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as err:
+        raise SlurmError(f"cannot read the GPU map {path}: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SlurmError(f"{path} is not TOML: {err}") from None
+    unknown = set(data) - {"gpus", "default_profile"}
+    if unknown:
+        raise SlurmError(f"{path}: unknown key(s) {', '.join(sorted(unknown))} (expected gpus, default_profile)")
+    gpus = data.get("gpus")
+    if not isinstance(gpus, dict) or not gpus:
+        raise SlurmError(f"{path}: [gpus] must map each GPU index to an instance, e.g. \"0\" = \"0\"")
+    for gpu, name in gpus.items():
+        if not gpu.isdigit() or not isinstance(name, str) or not (name == DEFAULT_INSTANCE or valid_name(name)):
+            raise SlurmError(f"{path}: gpus.{gpu} = {name!r}: expected a GPU index and an instance name")
+    profile = data.get("default_profile", "default")
+    if not isinstance(profile, str) or not _PROFILE.match(profile):
+        raise SlurmError(f"{path}: default_profile = {profile!r} is not a profile name")
+    return GpuMap(dict(gpus), profile, path)
+
+
+def _slurm(*argv: str) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SlurmError(f"{argv[0]} failed: {err}") from None
+    if out.returncode != 0:
+        raise SlurmError(f"{' '.join(argv)} exited {out.returncode}: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
+
+
+def job_comment(job_id: str) -> str:
+    """Read a job's --comment from slurmctld (the node Prolog does not get the job's environment)."""
+    found = re.search(r"(?:^|\s)Comment=(\S*)", _slurm("scontrol", "-o", "show", "job", job_id))
+    return "" if found is None or found.group(1) == "(null)" else found.group(1)
+
+
+def job_profile(job_id: str, gpu_map: GpuMap) -> str:
+    """Pick the job's profile: ``--comment=gpuswap:PROFILE``, or the map's default."""
+    comment = job_comment(job_id)
+    if not comment.startswith(COMMENT_PREFIX):
+        return gpu_map.default_profile
+    profile = comment[len(COMMENT_PREFIX):]
+    if not _PROFILE.match(profile):
+        raise SlurmError(f"job {job_id} asks for profile {profile!r} (--comment={comment}): not a profile name "
+                         "(lowercase letters, digits and '-')")
+    return profile
+
+
+def running_jobs() -> set[str]:
+    """List the jobs Slurm still runs (or sets up, or winds down): their raw job ids."""
+    out = _slurm("squeue", "-h", "-o", "%A", "-t", "CONFIGURING,RUNNING,COMPLETING,SUSPENDED,STOPPED")
+    return {line.strip() for line in out.splitlines() if line.strip()}
+
+
+def job_gpus(value: str | None) -> list[str]:
+    """Split SLURM_JOB_GPUS ("0,1") into GPU indices."""
+    return [g.strip() for g in (value or "").split(",") if g.strip()]
+
+
+def _job_id() -> str:
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        raise SlurmError(f"SLURM_JOB_ID={job!r}: run this as slurmd's Prolog= or Epilog=, which set it")
+    return job
+
+
+def prolog() -> int:
+    """Acquire a lease on each of the job's GPUs; on any failure give back what was got, exit 1."""
+    try:
+        job = _job_id()
+        gpus = job_gpus(os.environ.get("SLURM_JOB_GPUS"))
+        if not gpus:
+            return EXIT_OK  # a job without GPUs: nothing to hand over
+        gpu_map = load_map()
+        instances = [gpu_map.instance(g) for g in gpus]
+        profile = job_profile(job, gpu_map)
+    except SlurmError as err:
+        return _fail(None, f"slurm-prolog: {err}")
+    holder = f"{HOLDER_PREFIX}{job}"
+    got: list[tuple[str, str]] = []
+    for gpu, name in zip(gpus, instances, strict=True):
+        request: dict[str, Any] = {"op": "acquire", "for": "infinity", "holder": holder, "wait": True}
+        if profile != "default":
+            request["profile"] = profile
+        try:
+            with Client(socket_of(name)) as client:
+                reply = client.request(request, timeout=None)  # PrologEpilogTimeout bounds the wait
+        except (Unreachable, GpuswapError, OSError) as err:
+            why = err.message if isinstance(err, GpuswapError) else str(err)
+            if isinstance(err, UnknownProfile):
+                why = f"job {job} asks for profile {profile!r}, which gpuswapd instance {name} does not have: {why}"
+            undone = _give_back(got)
+            return _fail(job, f"slurm-prolog: job {job}: GPU {gpu} (gpuswapd instance {name}): {why}{undone}")
+        got.append((name, reply["lease"]["id"]))
+        print(f"slurm-prolog: job {job}: GPU {gpu} held (instance {name}, profile {reply.get('profile', profile)}, "
+              f"lease {reply['lease']['id']})", file=sys.stderr)
+    return EXIT_OK
+
+
+def _give_back(got: list[tuple[str, str]]) -> str:
+    left = []
+    for name, lease in got:
+        try:
+            with Client(socket_of(name)) as client:
+                client.request({"op": "release", "lease": lease})
+        except (Unreachable, GpuswapError, OSError) as err:
+            left.append(f"lease {lease} on instance {name} ({err})")
+    if left:
+        return "; could not give back " + ", ".join(left) + ": run gpuswapctl slurm-reconcile"
+    return f"; gave back the {len(got)} GPU(s) it had got" if got else ""
+
+
+def _fail(job: str | None, message: str) -> int:
+    print(message, file=sys.stderr)
+    if job is not None:
+        # slurmd logs only "prolog failed": put the reason where `scontrol show job` shows it.
+        try:
+            _slurm("scontrol", "update", f"JobId={job}", f"AdminComment={message[:900]}")
+        except SlurmError as err:
+            print(f"slurm-prolog: could not record the reason on job {job}: {err}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def release_job(job: str, instances: list[str], must_reach: set[str]) -> list[str]:
+    """Release ``slurm-job-JOB``'s leases on ``instances``; return what failed (nothing held is no failure)."""
+    failed = []
+    for name in instances:
+        try:
+            with Client(socket_of(name)) as client:
+                reply = client.request({"op": "release", "holder": f"{HOLDER_PREFIX}{job}"})
+        except LeaseNotFound:
+            continue
+        except Unreachable as err:
+            if name in must_reach:
+                failed.append(f"instance {name}: {err}")
+            continue
+        except (GpuswapError, OSError) as err:
+            failed.append(f"instance {name}: {err}")
+            continue
+        for lease in reply["released"]:
+            print(f"released lease {lease['id']} of {lease['holder']} (instance {name})", file=sys.stderr)
+    return failed
+
+
+def epilog() -> int:
+    """Release the job's leases; exit 0 when there was nothing to release, 1 only when a release failed."""
+    try:
+        job = _job_id()
+        gpu_map = load_map()
+        mine = {gpu_map.gpus[g] for g in job_gpus(os.environ.get("SLURM_JOB_GPUS")) if g in gpu_map.gpus}
+    except SlurmError as err:
+        print(f"slurm-epilog: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    # Every instance of the map: SLURM_JOB_GPUS may be missing from an Epilog's environment.
+    failed = release_job(job, sorted(set(gpu_map.gpus.values())), must_reach=mine)
+    for failure in failed:
+        print(f"slurm-epilog: job {job}: could not release: {failure}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def reconcile() -> int:
+    """Release the ``slurm-job-*`` leases of jobs Slurm no longer runs (a lost Epilog, a crashed node)."""
+    try:
+        gpu_map = load_map()
+        instances = sorted(set(gpu_map.gpus.values()))
+        held: dict[str, set[str]] = {}
+        for name in instances:
+            with Client(socket_of(name)) as client:
+                status = client.request({"op": "status"})
+            for lease in (status.get("window") or {}).get("leases") or []:
+                found = _HOLDER.match(lease["holder"])
+                if found:
+                    held.setdefault(found.group(1), set()).add(name)
+        if not held:
+            return EXIT_OK
+        alive = running_jobs()  # asked after the leases were read: a job that started since keeps its lease
+    except (SlurmError, Unreachable, GpuswapError, OSError) as err:
+        print(f"slurm-reconcile: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    failed = []
+    for job, where in sorted(held.items()):
+        if job in alive:
+            continue
+        print(f"slurm-reconcile: job {job} no longer runs in Slurm: releasing its leases", file=sys.stderr)
+        failed += release_job(job, sorted(where), must_reach=where)
+    for failure in failed:
+        print(f"slurm-reconcile: could not release: {failure}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK

@@ -1,0 +1,79 @@
+"""Leases for infinity (root only, never capped) and the Slurm commands' map, on fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+
+from gpuswapd.ctl.slurm import SlurmError, job_gpus, load_map
+from gpuswapd.errors import PermissionDenied, RequestError
+from gpuswapd.leases import Lease
+from gpuswapd.listen import own_socket
+from gpuswapd.peers import Peer
+from gpuswapd.protocol import parse_request
+from gpuswapd.record import _lease
+from tests.fakes import FakeWorld, running, settle
+from tests.unit.test_server import _ask, _serve, run
+
+
+def test_infinity_is_a_lease_span_but_no_timeout() -> None:
+    assert parse_request(b'{"op": "acquire", "for": "infinity"}').duration == math.inf
+    with pytest.raises(RequestError):
+        parse_request(b'{"op": "acquire", "timeout": "infinity"}')
+    with pytest.raises(RequestError):
+        parse_request(b'{"op": "acquire", "for": 1e400}')
+
+
+def test_only_root_may_hold_a_lease_for_infinity_and_it_is_never_capped(tmp_path: Path) -> None:
+    server, _ = _serve(FakeWorld(), tmp_path)
+    assert server._cap(math.inf, Peer(1, 0, 0)) == (math.inf, False)
+    with pytest.raises(PermissionDenied, match="only root may take a lease for infinity"):
+        server._cap(math.inf, Peer(2, 1000, 1000))
+    assert server._cap(1e9, Peer(2, 1000, 1000)) == (server.config.daemon.max_lease, True)
+
+
+def test_a_lease_for_infinity_holds_the_window_until_released(tmp_path: Path) -> None:
+    world = FakeWorld()
+    server, path = _serve(world, tmp_path)
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            await server.start(own_socket(str(path), "", 0o600))
+            reply = await _ask(path, {"op": "acquire", "for": "infinity", "holder": "slurm-job-7"})
+            assert reply["ok"] and reply["capped"] is False
+            assert (reply["lease"]["expires_at"], reply["lease"]["remaining_s"]) == (None, None)
+            await asyncio.sleep(0.2)
+            status = await _ask(path, {"op": "status"})
+            assert [lease["holder"] for lease in status["window"]["leases"]] == ["slurm-job-7"]
+            assert (await _ask(path, {"op": "release", "holder": "slurm-job-7"}))["ok"]
+            await settle(w)
+            await server.close()
+
+    run(main())
+
+
+def test_a_lease_for_infinity_survives_the_state_document() -> None:
+    lease = Lease("a1", "slurm-job-7", 1.0, math.inf, None, 0)
+    assert Lease.from_dict(lease.to_dict()).expires_at == math.inf
+    assert _lease(lease.to_dict(), "window.leases[0]").expires_at == math.inf
+
+
+def test_the_map_names_what_is_wrong(tmp_path: Path) -> None:
+    good = tmp_path / "gpus.toml"
+    good.write_text('default_profile = "bare"\n[gpus]\n"0" = "0"\n"1" = "gpu1"\n')
+    gpu_map = load_map(str(good))
+    assert (gpu_map.gpus, gpu_map.default_profile) == ({"0": "0", "1": "gpu1"}, "bare")
+    with pytest.raises(SlurmError, match=r"GPU 2 is not in .*gpus\.toml"):
+        gpu_map.instance("2")
+    for text, why in (("[gpus]\n", "must map each GPU"), ('[gpus]\n"x" = "0"\n', "expected a GPU index"),
+                      ('default_profile = "Big"\n[gpus]\n"0" = "0"\n', "not a profile name"),
+                      ('gpu = 1\n[gpus]\n"0" = "0"\n', "unknown key")):
+        good.write_text(text)
+        with pytest.raises(SlurmError, match=why):
+            load_map(str(good))
+    with pytest.raises(SlurmError, match="cannot read the GPU map"):
+        load_map(str(tmp_path / "missing.toml"))
+    assert job_gpus("0,1") == ["0", "1"] and job_gpus("") == [] and job_gpus(None) == []
