@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from tests.stack.cards import add_second_card
 from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import Probe
+from tests.stack.slurm import Slurm
+from tests.stack.slurm import start as start_slurm
 from tests.stack.users import User, ensure_users, remove
 from tests.stack.world import Stack
 
@@ -97,6 +100,34 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
     yield start
     for daemon in started:
         daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_session(stack: Stack) -> Iterator[Slurm]:
+    """A single-node Slurm (munged, slurmctld, slurmd), started only for the tests that ask for it.
+
+    Its Prolog and Epilog reach gpuswapd as instance "default" in ``SLURM_GPUSWAPD_DIR``: a test
+    links its daemon's socket there (``slurm_link``).
+    """
+    run = stack.paths.root / "slurm-gpuswapd"
+    run.mkdir(parents=True, exist_ok=True)
+    gpu_map = run / "gpus.toml"
+    gpu_map.write_text('default_profile = "default"\n[gpus]\n"0" = "default"\n')
+    started = time.monotonic()
+    slurm = start_slurm(stack.paths.root / "slurm", {"GPUSWAPD_RUNTIME_DIR": str(run),
+                                                     "GPUSWAPD_SLURM_MAP": str(gpu_map)})
+    print(f"\nslurm up in {time.monotonic() - started:.1f}s")
+    yield slurm
+    slurm.stop()
+
+
+@pytest.fixture
+def slurm(slurm_session: Slurm, world: Stack) -> Iterator[Slurm]:
+    """The session's Slurm with no jobs and its node in service; no jobs left after the test either."""
+    slurm_session.cmd("scancel", "--full", "-u", "root", check=False)
+    slurm_session.resume()
+    yield slurm_session
+    slurm_session.cmd("scancel", "--full", "-u", "root", check=False)
 
 
 @pytest.fixture(scope="session")

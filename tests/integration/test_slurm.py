@@ -1,0 +1,119 @@
+"""Slurm's node Prolog and Epilog hand the job's GPU through gpuswapd: a real single-node Slurm from Debian.
+
+The ``slurm`` fixture starts munged, slurmctld and slurmd once (a second or two); every job is
+submitted by root with ``sbatch --gres=gpu:1`` to the world's one card.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.integration.test_profiles import with_profiles
+from tests.integration.test_window import _hold_a_request, assert_resident_back, metric
+from tests.stack import llama
+from tests.stack.daemon import RunningDaemon
+from tests.stack.probe import RESIDENT_UNITS, Probe
+from tests.stack.slurm import Slurm
+from tests.stack.world import ENGINE_PORT, Stack, _wait
+
+Start = Callable[..., RunningDaemon]
+COMPLETION = json.dumps({"model": "hyperqwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+
+
+def link(slurm: Slurm, daemon: RunningDaemon) -> None:
+    """Make the test's gpuswapd the one the Prolog and Epilog reach (instance "default"); its gpuswapctl, too."""
+    where = Path(slurm.gpuswapd_env["GPUSWAPD_RUNTIME_DIR"]) / "gpuswapd.sock"
+    where.unlink(missing_ok=True)
+    where.symlink_to(daemon.socket)
+    daemon.env.update({**slurm.gpuswapd_env, "SLURM_CONF": str(slurm.conf)})
+
+
+def sbatch(slurm: Slurm, jobs: Path, script: str, *options: str) -> str:
+    """Submit a batch job (root, one GPU); return its id."""
+    out = slurm.cmd("sbatch", "--parsable", "--gres=gpu:1", f"--output={jobs}/%j.out", *options,
+                    "--wrap", script).stdout
+    return out.strip().split(";")[0]
+
+
+def holders(daemon: RunningDaemon) -> list[str]:
+    window = daemon.status().get("window") or {}
+    return [lease["holder"] for lease in window.get("leases") or []]
+
+
+def test_jobs_get_the_card_through_the_prolog_and_give_it_back(gpuswapd: Start, probe: Probe, slurm: Slurm,
+                                                              tmp_path: Path) -> None:
+    daemon = with_profiles(gpuswapd, probe, daemon={"linger": "0.5s"})
+    link(slurm, daemon)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    go = tmp_path / "go"
+    # A makes a completion on the engine, then holds the card until the test lets it go.
+    a = sbatch(slurm, jobs, f"curl -sf http://127.0.0.1:{ENGINE_PORT}/v1/chat/completions -H "
+                            f"'Content-Type: application/json' -d '{COMPLETION}' > {jobs}/a.json && "
+                            f"while [ ! -e {go} ]; do sleep 0.1; done")
+    b = sbatch(slurm, jobs, "sleep 600")
+    slurm.wait_job(a, {"RUNNING"})
+    _wait("A's completion", lambda: (jobs / "a.json").stat().st_size > 0, 30)
+    assert json.loads((jobs / "a.json").read_text())["choices"][0]["message"]
+    status = daemon.status()
+    assert status["phase"] == "READY" and holders(daemon) == [f"slurm-job-{a}"]
+    assert status["window"]["leases"][0]["expires_at"] is None  # bound to the job, not to a time
+    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    job_b = slurm.job(b)
+    assert job_b["JobState"] == "PENDING" and job_b["Reason"] == "Resources", job_b
+
+    # The reconciler releases the lease of a job Slurm does not run, and keeps A's.
+    assert daemon.ctl("acquire", "--for", "infinity", "--holder", "slurm-job-999999").returncode == 0
+    out = daemon.ctl("slurm-reconcile")
+    assert out.returncode == 0, out.stderr
+    assert "job 999999 no longer runs" in out.stderr
+    assert holders(daemon) == [f"slurm-job-{a}"]
+
+    # A ends: its Epilog gives the card back and B's Prolog takes it; scancel of B gives it back.
+    go.touch()
+    assert slurm.wait_job(a, {"COMPLETED", "FAILED"})["JobState"] == "COMPLETED"
+    slurm.wait_job(b, {"RUNNING"})
+    _wait("B's lease", lambda: holders(daemon) == [f"slurm-job-{b}"], 30)
+    slurm.cmd("scancel", b)
+    slurm.wait_job(b, {"CANCELLED"})
+    daemon.wait_phase("IDLE", timeout=60)
+    assert_resident_back(probe)
+
+    # --comment=gpuswap:bare: a bare window, CUDA_VISIBLE_DEVICES from Slurm.
+    c = sbatch(slurm, jobs, f"echo $CUDA_VISIBLE_DEVICES > {jobs}/c.txt", "--comment=gpuswap:bare")
+    assert slurm.wait_job(c, {"COMPLETED", "FAILED"})["JobState"] == "COMPLETED"
+    daemon.wait_phase("IDLE", timeout=60)
+    assert_resident_back(probe)
+    assert (jobs / "c.txt").read_text().strip() == "0"
+    windows = daemon.ctl_json("history", "--limit", "3")["windows"]
+    assert [(w["profile"], w["kind"], w["outcome"]) for w in windows][-1] == ("bare", "bare", "closed")
+
+
+def test_a_prolog_that_cannot_get_the_card_fails_the_job_with_the_reason(gpuswapd: Start, probe: Probe,
+                                                                       slurm: Slurm, world: Stack,
+                                                                       tmp_path: Path) -> None:
+    world.use_model(llama.ensure_model(world.cache, "slow"))
+    world.restart_resident()
+    daemon = gpuswapd(resident__idle={"wait": "1s", "on_busy": "fail"})
+    link(slurm, daemon)
+    stop = threading.Event()
+    holder = threading.Thread(target=_hold_a_request, args=(stop,), daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 20
+        while metric("llamacpp:requests_processing") < 1:
+            assert time.monotonic() < deadline, "the request never reached the resident"
+            time.sleep(0.05)
+        job = sbatch(slurm, tmp_path, "true")
+        found = _wait("the Prolog's reason on the job",
+                      lambda: (j := slurm.job(job)).get("AdminComment", "").startswith("slurm-prolog:") and j, 60)
+    finally:
+        stop.set()
+    assert "strata.service is busy" in found["AdminComment"], found
+    assert found["JobState"] == "PENDING" and "held" in found["Reason"], found
+    assert daemon.status()["last"]["outcome"] == "refused"
+    assert_resident_back(probe)
