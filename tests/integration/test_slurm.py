@@ -109,8 +109,9 @@ def test_a_prolog_that_cannot_get_the_card_fails_the_job_with_the_reason(gpuswap
             assert time.monotonic() < deadline, "the request never reached the resident"
             time.sleep(0.05)
         job = sbatch(slurm, tmp_path, "true")
-        found = _wait("the Prolog's reason on the job",
-                      lambda: (j := slurm.job(job)).get("AdminComment", "").startswith("slurm-prolog:") and j, 60)
+        # slurmd drains the node and slurmctld requeues the job held, with the Prolog's reason on it.
+        found = _wait("the job held with the Prolog's reason", lambda: "held" in (j := slurm.job(job))["Reason"]
+                      and j.get("AdminComment", "").startswith("slurm-prolog:") and j, 60)
     finally:
         stop.set()
     assert "strata.service is busy" in found["AdminComment"], found
