@@ -110,11 +110,12 @@ def test_a_prolog_that_cannot_get_the_card_fails_the_job_with_the_reason(gpuswap
             time.sleep(0.05)
         job = sbatch(slurm, tmp_path, "true")
         # slurmd drains the node and slurmctld requeues the job held, with the Prolog's reason on it.
-        found = _wait("the job held with the Prolog's reason", lambda: "held" in (j := slurm.job(job))["Reason"]
+        found = _wait("the job held with the Prolog's reason", lambda: (j := slurm.job(job))["JobState"] == "PENDING"
                       and j.get("AdminComment", "").startswith("slurm-prolog:") and j, 60)
     finally:
         stop.set()
     assert "strata.service is busy" in found["AdminComment"], found
+    assert "drain" in slurm.cmd("sinfo", "-h", "-N", "-o", "%T").stdout  # slurmd drained the node, as for any Prolog
     assert found["JobState"] == "PENDING" and "held" in found["Reason"], found
     assert daemon.status()["last"]["outcome"] == "refused"
     assert_resident_back(probe)

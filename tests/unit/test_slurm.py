@@ -5,11 +5,20 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpuswapd.ctl import slurm
 from gpuswapd.ctl.slurm import SlurmError, job_gpus, load_map
-from gpuswapd.errors import PermissionDenied, RequestError
+from gpuswapd.errors import (
+    GpuswapError,
+    LeaseNotFound,
+    PermissionDenied,
+    RequestError,
+    ResidentBusy,
+    UnknownProfile,
+)
 from gpuswapd.leases import Lease
 from gpuswapd.listen import own_socket
 from gpuswapd.peers import Peer
@@ -77,3 +86,69 @@ def test_the_map_names_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(SlurmError, match="cannot read the GPU map"):
         load_map(str(tmp_path / "missing.toml"))
     assert job_gpus("0,1") == ["0", "1"] and job_gpus("") == [] and job_gpus(None) == []
+
+
+class FakeClients:
+    """gpuswapd instances by socket: what each was asked, and the error an instance answers acquire with."""
+
+    def __init__(self, failing: dict[str, GpuswapError]) -> None:
+        self.failing = failing
+        self.asked: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, path: str) -> FakeClients.One:
+        return FakeClients.One(self, Path(path).stem)
+
+    class One:
+        def __init__(self, clients: FakeClients, name: str) -> None:
+            self.clients, self.name = clients, name
+
+        def __enter__(self) -> FakeClients.One:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+            self.clients.asked.append((self.name, req))
+            if req["op"] == "acquire" and self.name in self.clients.failing:
+                raise self.clients.failing[self.name]
+            if req["op"] == "release" and "holder" in req:
+                raise LeaseNotFound(f"{req['holder']} holds no lease")
+            return {"ok": True, "lease": {"id": f"lease-{self.name}"}, "released": [], "profile": "default"}
+
+
+def _prolog(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failing: dict[str, GpuswapError],
+            comment: str = "(null)") -> tuple[int, FakeClients]:
+    gpu_map = tmp_path / "gpus.toml"
+    gpu_map.write_text('[gpus]\n"0" = "a"\n"1" = "b"\n')
+    clients = FakeClients(failing)
+    monkeypatch.setattr(slurm, "Client", clients)
+    monkeypatch.setattr(slurm, "_slurm", lambda *argv: f"JobId=7 Comment={comment} Partition=gpu")
+    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0,1")
+    return slurm.prolog(), clients
+
+
+def test_a_prolog_that_gets_one_gpu_of_two_gives_it_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, clients = _prolog(monkeypatch, tmp_path, {"b": ResidentBusy("strata.service is busy")})
+    assert code == 1
+    assert [(name, req["op"]) for name, req in clients.asked] == [("a", "acquire"), ("b", "acquire"), ("a", "release")]
+    assert clients.asked[0][1] == {"op": "acquire", "for": "infinity", "holder": "slurm-job-7", "wait": True}
+    assert clients.asked[2][1] == {"op": "release", "lease": "lease-a"}
+    err = capsys.readouterr().err
+    assert "job 7: GPU 1 (gpuswapd instance b): strata.service is busy; gave back the 1 GPU(s)" in err
+
+
+def test_a_prolog_names_an_unknown_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, clients = _prolog(monkeypatch, tmp_path, {"a": UnknownProfile("no profile 'huge'")}, "gpuswap:huge")
+    assert code == 1 and clients.asked[0][1]["profile"] == "huge"
+    assert "job 7 asks for profile 'huge', which gpuswapd instance a does not have" in capsys.readouterr().err
+
+
+def test_an_epilog_with_nothing_to_release_succeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _prolog(monkeypatch, tmp_path, {})
+    assert slurm.epilog() == 0
