@@ -357,7 +357,7 @@ def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
             await until(lambda: w.record is not None and w.record.preempted is not None)
             urgent.cancel()
             await until(lambda: w.record is not None and w.record.preempted is not None
-                        and w.record.preempted.get("abandoned_at") is not None)
+                        and w.record.preempted.get("abandoned_at") is not None, timeout=20)
             assert [lease.id for lease in w.leases()] == [held.id]  # it runs on
             await w.release(held.id)
             await settle(w)
