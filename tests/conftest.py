@@ -102,9 +102,12 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
         daemon.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_session(stack: Stack) -> Iterator[Slurm]:
     """A single-node Slurm (munged, slurmctld, slurmd), started only for the tests that ask for it.
+
+    Module-scoped: it is stopped when the Slurm tests are done, so the world's own tests (which
+    take the world down and check that nothing of it runs) never find it.
 
     Its Prolog and Epilog reach gpuswapd as instance "default" in ``SLURM_GPUSWAPD_DIR``: a test
     links its daemon's socket there (``slurm_link``).
