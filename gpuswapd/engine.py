@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -34,7 +33,7 @@ from gpuswapd.errors import (
 from gpuswapd.instances import DEFAULT_INSTANCE
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.tasks import reap, sleep_unless, spawn
+from gpuswapd.tasks import in_daemon_thread, reap, sleep_unless, spawn
 
 R = TypeVar("R")
 MANAGED_LABEL = "io.gpuswapd.managed"
@@ -288,7 +287,7 @@ class ContainerEngine:
         delay = WATCH_RETRY_S[0]
         while True:
             try:
-                state = await _in_daemon_thread(self.docker.wait_exit, self.name, WATCH_WAIT_S)
+                state = await in_daemon_thread(self.docker.wait_exit, self.name, WATCH_WAIT_S, name="engine-watch")
             except ContainerNotFound:
                 self._exited_because(f"container {self.name} was removed behind gpuswapd's back")
                 return
@@ -488,35 +487,6 @@ class BareEngine:
     def spec(self) -> str:
         """Return no spec: there is no container."""
         return ""
-
-
-def _in_daemon_thread(func: Callable[..., R], *args: Any) -> asyncio.Future[R]:
-    """Run a long blocking wait on a daemon thread of its own.
-
-    A long wait (the container's exit) must neither hold a worker of the shared pool nor keep
-    gpuswapd from exiting when it leaves the engine running (on_shutdown = "keep").
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[R] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = func(*args), None
-        except BaseException as err:
-            result, error = None, err
-        with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="engine-watch", daemon=True).start()
-    return future
 
 
 async def _port_taken(port: int) -> bool:
