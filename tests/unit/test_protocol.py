@@ -15,7 +15,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=800)
+@settings(max_examples=400)
 @given(st.binary(max_size=200))
 def test_any_bytes_are_a_request_or_a_request_error(frame: bytes) -> None:
     with contextlib.suppress(RequestError):

@@ -76,7 +76,7 @@ def test_sse_junk_data_is_a_bad_response(bad: str) -> None:
         list(parse_sse_events([bad, ""]))
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(st.lists(st.text(max_size=40)))
 def test_sse_never_crashes_on_junk(lines: list[str]) -> None:
     try:
@@ -86,7 +86,7 @@ def test_sse_never_crashes_on_junk(lines: list[str]) -> None:
     assert all(isinstance(e, dict) for e in events)
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(st.lists(st.binary(max_size=60)))
 def test_sse_never_crashes_on_junk_bytes(pieces: list[bytes]) -> None:
     lines = b"".join(pieces).decode("utf-8", errors="replace").splitlines()
@@ -103,7 +103,7 @@ json_objects = st.dictionaries(
 )
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(
     events=st.lists(json_objects, max_size=6),
     data=st.data(),
@@ -240,7 +240,7 @@ def test_prometheus_skips_malformed_lines(line: str) -> None:
     assert parse_prometheus(f"good 1\n{line}\nalso_good 2\n") == {"good": 1.0, "also_good": 2.0}
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(st.text())
 def test_prometheus_never_crashes_on_junk(text: str) -> None:
     metrics = parse_prometheus(text)
@@ -272,7 +272,7 @@ def render_value(value: float) -> str:
     return repr(value)
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(
     samples=st.lists(st.tuples(
         metric_names,
