@@ -90,8 +90,9 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
         if "window__container" not in sections:  # a test that sets its own engine keeps what it set
             sections["window__container"] = {"env": {**ENGINE_ENV, "ENGINE_BOOT_DELAY": TEST_BOOT_DELAY}}
         config = stack_config(world, name, **sections)
-        # A fresh state per test: an earlier run of the same test may have left a window there.
+        # A fresh state and log per test: an earlier run of the same test may have left a window there.
         shutil.rmtree(Path(config).parent / "state", ignore_errors=True)
+        Path(config).with_suffix(".log").unlink(missing_ok=True)
         socket = Path(config).parent / "gpuswapd.sock"
         daemon = RunningDaemon(world, config, socket, env)
         started.append(daemon)

@@ -90,7 +90,9 @@ def test_a_residual_that_leaves_the_resident_short_removes_the_engine(gpuswapd: 
     cycle(daemon)
     assert_resident_back(probe)  # no container, no out-of-memory
     assert daemon.status()["parked"] is None
-    assert "the resident would not fit beside the sleeping engine" in daemon.tail(200)
+    refused = daemon.logged("engine_not_parked")
+    assert [(e["reason"], e["need"]) for e in refused] == [
+        ("what comes next would not fit beside the sleeping engine", "22.0 GiB")]
 
 
 def test_a_canary_mismatch_after_a_wake_boots_the_engine_cold(gpuswapd: Start, probe: Probe) -> None:
@@ -115,7 +117,7 @@ def test_an_engine_without_sleep_mode_is_removed_as_before(gpuswapd: Start, prob
     cycle(daemon)
     assert_resident_back(probe)
     assert daemon.status()["parked"] is None
-    assert "--enable-sleep-mode" in daemon.tail(200)
+    assert any("--enable-sleep-mode" in e["reason"] for e in daemon.logged("engine_sleep_unavailable"))
 
 
 def test_sigkill_while_parked_then_restart_adopts_the_parked_engine(gpuswapd: Start, probe: Probe) -> None:
@@ -185,7 +187,8 @@ def test_a_changed_container_spec_removes_the_parked_engine_at_restart(gpuswapd:
                       daemon={"on_shutdown": "keep", "state_dir": str(daemon.state_dir)})
     assert changed.status()["parked"] is None
     assert probe.containers() == []
-    assert "configuration changed" in changed.tail(200)
+    assert [e["reason"] for e in changed.logged("parked_engine_dropped")] == [
+        "the container's configuration changed since it was parked"]
     assert_resident_back(probe)
 
 

@@ -57,6 +57,18 @@ class RunningDaemon:
         """Return the end of the daemon's log."""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        """Every JSON log entry of this event, from the whole log (not only its tail)."""
+        entries = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line that is not JSON (a traceback, say)
+            if isinstance(entry, dict) and entry.get("event") == event:
+                entries.append(entry)
+        return entries
+
     def ctl(self, *args: str, timeout: float = 180, capture: bool = True,
             check: bool = False) -> subprocess.CompletedProcess[str]:
         """Run gpuswapctl with the daemon's socket (``capture=False``: straight to this terminal)."""
