@@ -32,15 +32,34 @@ settings.register_profile("gpuswapd", deadline=None,
 settings.load_profile("gpuswapd")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep every test of the world on one xdist worker: there is one world per machine.
 
     With ``-n 2 --dist loadgroup`` (what ``bash tests/run test`` runs), the fast layer, the
-    simulators and the packaging checks run on the other worker meanwhile.
+    simulators and the packaging checks run on the other worker meanwhile. First among these
+    hooks: xdist's own reads the group marker to send the group to one worker, and a marker added
+    after it is ignored (the world's tests then spread over both workers, and the second one
+    waits for the world the first holds for its whole session).
     """
     for item in items:
         if "stack" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("world"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Stop an xdist run whose world group did not take (the second worker would wait for the world)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and not item.nodeid.endswith("@world")]
+    if lost:
+        why = (f"pytest-xdist did not group {len(lost)} tests of the world (e.g. {lost[0]}): this pytest "
+               f"({pytest.__version__}) and pytest-xdist do not agree on node ids; install with "
+               "-c tests/constraints.txt")
+        os.write(2, f"\n{why}\n".encode())  # a worker's own error would only show as its crash
+        raise pytest.UsageError(why)
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,7 @@ def stack_config(stack: Stack, name: str = "gpuswapd", **sections: dict[str, Any
     home.mkdir(parents=True, exist_ok=True)
     tables: dict[str, dict[str, Any]] = {
         "daemon": {"socket": str(home / "gpuswapd.sock"), "socket_group": "", "state_dir": str(home / "state"),
-                   "default_lease": "15m", "max_lease": "4h", "linger": "1s", "on_shutdown": "restore"},
+                   "default_lease": "15m", "max_lease": "4h", "linger": "0.3s", "on_shutdown": "restore"},
         "gpu": {"probe": "nvidia-smi", "nvidia_smi": str(p.bin / "nvidia-smi"), "index": 0,
                 "window_needs": "21GiB", "resident_needs": "22GiB", "release_timeout": "20s"},
         "resident": {"units": ["strata.service"], "stop_timeout": "30s", "start_timeout": "60s"},
