@@ -24,6 +24,10 @@ from tests.stack.world import Stack
 # The simulated engine's boot in tests: short, since every cold window waits for it (the
 # benchmarks and the demo keep the world's 1.0 s, so their figures stay comparable).
 TEST_BOOT_DELAY = "0.4"
+# How long the simulated card keeps a dead process's memory, in tests: every window waits for it
+# twice (the resident's, then the engine's). Real drivers take some 100 ms; the benchmarks and the
+# demo keep the world's 0.5 s.
+TEST_RELEASE_LAG_S = 0.2
 
 # Property tests check behaviour, not speed: on a loaded 2-core machine (or inside makepkg's
 # check()) generating inputs may be slow, and that is no failure.
@@ -65,7 +69,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     """The test world, up for the whole session (``GPUSWAPD_KEEP_STACK=1`` leaves it up after)."""
-    world = Stack()
+    world = Stack(release_lag_s=TEST_RELEASE_LAG_S)
     with world.exclusive():
         took = world.up()
         print(f"\ntest world up in {took:.1f}s")

@@ -91,13 +91,18 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     with open(shared / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = shared / "built.txt"  # "<seconds the build took> <package path>"
+        failed = shared / "failed.txt"  # the failed build's stderr, for the other worker to show
+        if failed.exists():
+            pytest.fail(f"the package build of this run failed:\n{failed.read_text()}")
         if not done.exists():
             out = shared / "pkg"
-            out.mkdir()
+            out.mkdir(exist_ok=True)
             started = time.monotonic()
             proc = subprocess.run([str(BUILD), "--pkgdest", str(out)], capture_output=True, text=True,
                                   timeout=900)
             took = time.monotonic() - started
+            if proc.returncode != 0:
+                failed.write_text(proc.stderr[-6000:])
             assert proc.returncode == 0, proc.stderr[-6000:]
             lines = proc.stdout.strip().splitlines()
             assert len(lines) == 1, f"build.sh printed {proc.stdout!r}: the package path only, please"

@@ -94,7 +94,7 @@ def test_ledger_holds_21gib_while_strata_runs_and_frees_after_the_lag(systemd: S
     while world.ledger()["used_bytes"]:
         assert time.monotonic() - stopped < 5, "VRAM never came free"
         time.sleep(0.05)
-    assert time.monotonic() - stopped >= 0.4
+    assert time.monotonic() - stopped >= world.release_lag_s * 0.8
 
 
 def _run_engine(world: Stack, name: str, **env: str) -> None:

@@ -214,9 +214,11 @@ def http_status(url: str, timeout: float = 2.0) -> int:
 class Stack:
     """One test world, rooted in a directory outside /tmp."""
 
-    def __init__(self, root: Path = DEFAULT_ROOT, cache: Path = llama.DEFAULT_CACHE_DIR) -> None:
+    def __init__(self, root: Path = DEFAULT_ROOT, cache: Path = llama.DEFAULT_CACHE_DIR,
+                 release_lag_s: float = RELEASE_LAG_S) -> None:
         self.paths = Paths(root)
         self.cache = cache
+        self.release_lag_s = release_lag_s  # how long VRAM stays used after its holder died
 
     # -- what tests and the demo read -------------------------------------------------------
 
@@ -279,7 +281,7 @@ class Stack:
         shutil.rmtree(p.sim, ignore_errors=True)
         shutil.copytree(Path(__file__).parent / "sim", p.sim, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.rmtree(p.gpu, ignore_errors=True)
-        self._ledger("init", "--total", VRAM_TOTAL, "--lag", str(RELEASE_LAG_S))
+        self._ledger("init", "--total", VRAM_TOTAL, "--lag", str(self.release_lag_s))
         smi = p.bin / "nvidia-smi"
         smi.write_text(f'#!/bin/sh\nGPUSIM_DIR={p.gpu} exec {SIM_PYTHON} {p.sim}/nvidia_smi.py "$@"\n')
         smi.chmod(0o755)
@@ -495,7 +497,9 @@ class Stack:
             (self.paths.gpu / f).unlink(missing_ok=True)
         if self.use_model(llama.ensure_model(self.cache, "tiny")):
             self.restart_resident()
-        self._ledger("reset", "--cards", "1")  # one card again, if a test gave it a second (tests/stack/cards.py)
+        # One card again, if a test gave it a second (tests/stack/cards.py); this stack's lag, if
+        # the world was brought up by another user of it (a benchmark, the demo).
+        self._ledger("reset", "--cards", "1", "--lag", str(self.release_lag_s))
         self.manager("StartUnit", "ss", "stack.target", "replace")
         self.wait_baseline()
 

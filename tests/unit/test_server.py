@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuswapd.listen import own_socket
+from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.server import Server
 from tests.fakes import FakeWorld, running, settle
 
@@ -54,13 +55,18 @@ async def _ask(path: Path, message: dict[str, Any]) -> dict[str, Any]:
         writer.close()
 
 
+# Deadlines of the order of the daemon's defaults: under a flood, on a loaded machine (inside
+# makepkg's check() beside the test world, say), the fakes' 0.15 s would fail the window itself.
+FLOOD_DEADLINES = Deadlines(systemd=5, docker=5, gpu=5, state=5, http=5, workers=4)
+
+
 def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Server, Path]:
     path = tmp_path / "gpuswapd.sock"
     # Whoever runs the tests (root, or makepkg's build user) is in the socket's group.
     config = dataclasses.replace(world.config, daemon=dataclasses.replace(
         world.config.daemon, max_clients=max_clients, max_clients_per_uid=max_clients,
         socket_group=grp.getgrgid(os.getgid()).gr_name))
-    window = world.window()
+    window = world.window(Outside(FLOOD_DEADLINES))
     server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
                     planner=lambda profile: asyncio.sleep(0, {}))
     return server, path

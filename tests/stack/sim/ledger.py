@@ -427,10 +427,10 @@ def ooms(directory: str | Path) -> list[dict[str, Any]]:
         return list(state["ooms"])
 
 
-def reset(directory: str | Path, cards: int | None = None) -> None:
+def reset(directory: str | Path, cards: int | None = None, release_lag_s: float | None = None) -> None:
     """Forget the OOM records and every dead holder (lagging or not); live holders stay.
 
-    With ``cards``, also give the ledger that many cards.
+    With ``cards``, also give the ledger that many cards; with ``release_lag_s``, that release lag.
     """
     directory = Path(directory)
     with _locked(directory) as state:
@@ -439,6 +439,8 @@ def reset(directory: str | Path, cards: int | None = None) -> None:
         state["ooms"] = []
         if cards is not None:
             _set_cards(directory, state, cards)
+        if release_lag_s is not None:
+            state["release_lag_s"] = release_lag_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ooms", parents=[common])
     p_reset = sub.add_parser("reset", parents=[common])
     p_reset.add_argument("--cards", type=int, help="also give the ledger this many cards")
+    p_reset.add_argument("--lag", type=float, help="also set the release lag, in seconds")
     p_cards = sub.add_parser("cards", parents=[common], help="give the ledger N cards")
     p_cards.add_argument("count", type=int)
     args = parser.parse_args(argv)
@@ -471,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "cards":
             set_cards(directory, args.count)
         else:
-            reset(directory, args.cards)
+            reset(directory, args.cards, args.lag)
     except LedgerError as e:
         print(f"ledger: {e}", file=sys.stderr)
         return 1
