@@ -23,7 +23,6 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.benchmarks.report import percentile, table, write_results
+from tests.benchmarks.report import measured, parser, percentile, table, write_results
 from tests.stack.config import stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.world import Stack, StackError
@@ -294,15 +293,12 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the lease benchmark."""
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.lease_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of each status run (default 3)")
-    parser.add_argument("--idle", type=float, default=60.0, help="seconds of rest to measure CPU over (default 60)")
-    args = parser.parse_args(argv)
-    try:
-        result = run(args.seconds, args.idle)
-    except (StackError, ProtocolError) as err:
-        print(f"lease_bench: {err}", file=sys.stderr)
+    cli = parser("lease_bench", __doc__)
+    cli.add_argument("--seconds", type=float, default=3.0, help="length of each status run (default 3)")
+    cli.add_argument("--idle", type=float, default=60.0, help="seconds of rest to measure CPU over (default 60)")
+    args = cli.parse_args(argv)
+    result = measured("lease_bench", run, args.seconds, args.idle, errors=(StackError, ProtocolError))
+    if result is None:
         return 1
     print_report(result)
     print(f"\nresults: {write_results('lease', {**result, 'targets': TARGETS})}")

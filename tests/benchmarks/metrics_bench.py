@@ -18,7 +18,6 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
-import argparse
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import urllib.request
 from typing import Any
 
 from tests.benchmarks.lease_bench import cpu_seconds, proc_status
-from tests.benchmarks.report import percentile, table, write_results
+from tests.benchmarks.report import measured, parser, percentile, table, write_results
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.world import Stack, StackError
@@ -136,15 +135,12 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the metrics benchmark."""
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.metrics_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--idle", type=float, default=60.0, help="seconds of rest to measure CPU over (default 60)")
-    parser.add_argument("--scrape-every", type=float, default=15.0, help="seconds between scrapes (default 15)")
-    args = parser.parse_args(argv)
-    try:
-        result = run(args.idle, args.scrape_every)
-    except StackError as err:
-        print(f"metrics_bench: {err}", file=sys.stderr)
+    cli = parser("metrics_bench", __doc__)
+    cli.add_argument("--idle", type=float, default=60.0, help="seconds of rest to measure CPU over (default 60)")
+    cli.add_argument("--scrape-every", type=float, default=15.0, help="seconds between scrapes (default 15)")
+    args = cli.parse_args(argv)
+    result = measured("metrics_bench", run, args.idle, args.scrape_every)
+    if result is None:
         return 1
     print_report(result)
     print(f"\nresults: {write_results('metrics', {**result, 'targets': TARGETS})}")

@@ -18,7 +18,6 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
@@ -29,7 +28,7 @@ from typing import Any
 
 from gpuswapd.config import Config, load_config
 from gpuswapd.engine import CANARY_PROMPT, CANARY_SAMPLING, CANARY_TOKENS
-from tests.benchmarks.report import spread, table, write_results
+from tests.benchmarks.report import measured, parser, spread, spread_row, table, write_results
 from tests.benchmarks.swap_bench import (
     Direct,
     _wait,
@@ -193,25 +192,18 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
                            ("warm.close_overhead_daemon", g["close_daemon_s"] - d_close),
                            ("direct.wake", d["open"]["wake"]), ("waking", g["phases"].get("WAKING", 0.0))):
             series.setdefault(key, []).append(value)
-    stats = {k: spread(v) for k, v in series.items()}
+    stats: dict[str, Any] = {k: spread(v) for k, v in series.items()}
     stats["ratio_cold_warm"] = stats["cold.open"]["median"] / stats["warm.open"]["median"]
     return stats
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.park_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=5, help="windows per variant (default 5)")
-    args = parser.parse_args(argv)
-    if args.cycles < 1:
-        parser.error("--cycles must be at least 1")
-    try:
-        result = run(args.cycles)
-    except StackError as err:
-        print(f"park_bench: {err}", file=sys.stderr)
+    args = parser("park_bench", __doc__, cycles_of="windows per variant").parse_args(argv)
+    result = measured("park_bench", run, args.cycles)
+    if result is None:
         return 1
     stats = analyse(result)
-    rows = [(label, stats[key]["min"], stats[key]["median"], stats[key]["max"]) for key, label in (
+    rows = [spread_row(label, stats[key]) for key, label in (
         ("cold.open", "cold re-open: acquire → READY (gpuswapctl wall)"),
         ("cold.open_daemon", "cold re-open (daemon's record)"),
         ("warm.open", "warm re-open: acquire → READY (gpuswapctl wall)"),

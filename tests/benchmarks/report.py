@@ -1,18 +1,52 @@
-"""What both benchmarks share: order statistics, a plain table, and the JSON results file."""
+"""What the benchmarks share: their command line, order statistics, a plain table, and the JSON results file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from tests.stack.world import StackError
 
 RESULTS_DIR = Path(os.environ.get("GPUSWAPD_BENCH_DIR", "/var/tmp/gpuswapd-bench"))
+T = TypeVar("T")
+
+
+def parser(module: str, doc: str | None, cycles_of: str | None = None) -> argparse.ArgumentParser:
+    """The command line of ``python -m tests.benchmarks.MODULE``; with ``cycles_of``, its ``--cycles``."""
+    p = argparse.ArgumentParser(prog=f"python -m tests.benchmarks.{module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if cycles_of is not None:
+        p.add_argument("--cycles", type=_at_least_one, default=5, help=f"{cycles_of} (default 5)")
+    return p
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def measured(module: str, run: Callable[..., T], *args: Any,
+             errors: tuple[type[Exception], ...] = (StackError,)) -> T | None:
+    """Run a benchmark; None once it has said on stderr why the world would not let it."""
+    try:
+        return run(*args)
+    except errors as err:
+        print(f"{module}: {err}", file=sys.stderr)
+        return None
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -27,6 +61,11 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"n": 0}
     return {"n": len(values), "min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def spread_row(label: str, s: dict[str, float]) -> tuple[str, float, float, float]:
+    """A table row of ``spread``'s min, median and max."""
+    return label, s["min"], s["median"], s["max"]
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -21,7 +21,6 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -40,7 +39,7 @@ from pydbus import SystemBus
 
 from gpuswapd.config import Config, load_config
 from gpuswapd.ctl.client import Client
-from tests.benchmarks.report import RESULTS_DIR, spread, table, write_results
+from tests.benchmarks.report import RESULTS_DIR, measured, parser, spread, table, write_results
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.sim import ledger
@@ -452,18 +451,12 @@ def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the swap benchmark."""
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.swap_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=5, help="window cycles per variant (default 5)")
-    parser.add_argument("--no-naive", action="store_true", help="skip the naive shell script")
-    args = parser.parse_args(argv)
-    if args.cycles < 1:
-        parser.error("--cycles must be at least 1")
+    cli = parser("swap_bench", __doc__, cycles_of="window cycles per variant")
+    cli.add_argument("--no-naive", action="store_true", help="skip the naive shell script")
+    args = cli.parse_args(argv)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run(args.cycles, naive=not args.no_naive)
-    except StackError as err:
-        print(f"swap_bench: {err}", file=sys.stderr)
+    result = measured("swap_bench", run, args.cycles, not args.no_naive)
+    if result is None:
         return 1
     config = load_config(result["config"])
     result["engine_env"] = {**config.window.container.env, "warmups": config.window.warmup.requests}

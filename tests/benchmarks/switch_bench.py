@@ -19,7 +19,6 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import subprocess
@@ -27,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from tests.benchmarks.report import spread, table, write_results
+from tests.benchmarks.report import measured, parser, spread, spread_row, table, write_results
 from tests.stack.config import profile_sections, stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.world import Stack, StackError
@@ -113,23 +112,16 @@ def run(cycles: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.switch_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=5, help="switches per variant (default 5)")
-    args = parser.parse_args(argv)
-    if args.cycles < 1:
-        parser.error("--cycles must be at least 1")
-    try:
-        result = run(args.cycles)
-    except StackError as err:
-        print(f"switch_bench: {err}", file=sys.stderr)
+    args = parser("switch_bench", __doc__, cycles_of="switches per variant").parse_args(argv)
+    result = measured("switch_bench", run, args.cycles)
+    if result is None:
         return 1
     direct_s = spread([c["switch_s"] for c in result["direct"]])
     via_s = spread([c["switch_s"] for c in result["via_resident"]])
     close_s = spread([c["close_s"] for c in result["via_resident"]])
-    rows = [("direct switch: release A → lease on B", direct_s["min"], direct_s["median"], direct_s["max"]),
-            ("via the resident: release A → lease on B", via_s["min"], via_s["median"], via_s["max"]),
-            ("  of it, closing A to the resident (→ IDLE)", close_s["min"], close_s["median"], close_s["max"])]
+    rows = [spread_row("direct switch: release A → lease on B", direct_s),
+            spread_row("via the resident: release A → lease on B", via_s),
+            spread_row("  of it, closing A to the resident (→ IDLE)", close_s)]
     print(table(f"\ndirect switch against closing to the resident, {args.cycles} cycles each (seconds)",
                 ("", "min", "median", "max"), rows))
     saved = via_s["median"] - direct_s["median"]
