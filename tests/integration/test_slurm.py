@@ -7,13 +7,11 @@ submitted by root with ``sbatch --gres=gpu:1`` to the world's one card.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.integration.test_profiles import with_profiles
-from tests.integration.test_window import _hold_a_request, assert_resident_back, metric
+from tests.integration.test_window import assert_resident_back, resident_busy
 from tests.stack import llama
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
@@ -100,20 +98,11 @@ def test_a_prolog_that_cannot_get_the_card_fails_the_job_with_the_reason(gpuswap
     world.restart_resident()
     daemon = gpuswapd(resident__idle={"wait": "1s", "on_busy": "fail"})
     link(slurm, daemon)
-    stop = threading.Event()
-    holder = threading.Thread(target=_hold_a_request, args=(stop,), daemon=True)
-    holder.start()
-    try:
-        deadline = time.monotonic() + 20
-        while metric("llamacpp:requests_processing") < 1:
-            assert time.monotonic() < deadline, "the request never reached the resident"
-            time.sleep(0.05)
+    with resident_busy():
         job = sbatch(slurm, tmp_path, "true")
         # slurmd drains the node and slurmctld requeues the job held, with the Prolog's reason on it.
         found = _wait("the job held with the Prolog's reason", lambda: (j := slurm.job(job))["JobState"] == "PENDING"
                       and j.get("AdminComment", "").startswith("slurm-prolog:") and j, 60)
-    finally:
-        stop.set()
     assert "strata.service is busy" in found["AdminComment"], found
     assert "drain" in slurm.cmd("sinfo", "-h", "-N", "-o", "%T").stdout  # slurmd drained the node, as for any Prolog
     assert found["JobState"] == "PENDING" and "held" in found["Reason"], found

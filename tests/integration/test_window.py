@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -122,10 +123,9 @@ def _hold_a_request(stop: threading.Event) -> None:
             pass
 
 
-def test_busy_resident_fails_the_acquire_and_changes_nothing(gpuswapd: Start, probe: Probe, world: Stack) -> None:
-    world.use_model(llama.ensure_model(world.cache, "slow"))
-    world.restart_resident()
-    daemon = gpuswapd(resident__idle={"wait": "1s", "on_busy": "fail"})
+@contextlib.contextmanager
+def resident_busy() -> Iterator[None]:
+    """Keep the resident serving a long streamed request (the slow model's) while inside."""
     stop = threading.Event()
     holder = threading.Thread(target=_hold_a_request, args=(stop,), daemon=True)
     holder.start()
@@ -134,9 +134,17 @@ def test_busy_resident_fails_the_acquire_and_changes_nothing(gpuswapd: Start, pr
         while metric("llamacpp:requests_processing") < 1:
             assert time.monotonic() < deadline, "the request never reached the resident"
             time.sleep(0.05)
-        out = daemon.ctl("acquire", "--for", "2m")
+        yield
     finally:
         stop.set()
+
+
+def test_busy_resident_fails_the_acquire_and_changes_nothing(gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    world.use_model(llama.ensure_model(world.cache, "slow"))
+    world.restart_resident()
+    daemon = gpuswapd(resident__idle={"wait": "1s", "on_busy": "fail"})
+    with resident_busy():
+        out = daemon.ctl("acquire", "--for", "2m")
     assert out.returncode == 1
     assert "strata.service is busy" in out.stderr and "1 of 2 slots" in out.stderr
     assert_resident_back(probe)
