@@ -257,11 +257,7 @@ def test_packaged_units_run_in_the_test_world(built: Built, world: Stack, probe:
     acquire = daemon.ctl("acquire", "--for", "5m")
     assert acquire.returncode == 0, acquire.stderr
     assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen", "running")]
-    world.manager("StopUnit", "ss", "gpuswapd.service", "replace")
-    deadline = time.monotonic() + 90
-    while probe.active_state("gpuswapd.service") != "inactive":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _stop(world, probe, "gpuswapd.service")
     # Stopping the service gave the GPU back before gpuswapd exited.
     assert_resident_back(probe)
     assert sock.exists()  # RuntimeDirectoryPreserve=yes: the socket unit keeps its socket
@@ -313,11 +309,7 @@ def test_packaged_template_units_run_an_instance_in_the_test_world(built: Built,
     status = daemon.ctl_json("--instance", "1", "status")
     assert (status["instance"], status["gpu_index"], status["phase"]) == ("1", 1, "READY")
 
-    world.manager("StopUnit", "ss", "gpuswapd@1.service", "replace")
-    deadline = time.monotonic() + 90
-    while probe.active_state("gpuswapd@1.service") != "inactive":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _stop(world, probe, "gpuswapd@1.service")
     # Stopping the instance gave GPU 1 back to its resident before gpuswapd exited.
     assert probe.active_state(RESIDENT1) == "active"
     assert probe.containers() == []
@@ -326,6 +318,15 @@ def test_packaged_template_units_run_an_instance_in_the_test_world(built: Built,
     assert sock.exists()  # the socket unit keeps its socket, and starts the instance again
     assert daemon.ctl("--instance", "1", "status").returncode == 0
     world.manager("StopUnit", "ss", "gpuswapd@1.socket", "replace")
+
+
+def _stop(world: Stack, probe: Probe, unit: str) -> None:
+    """Stop a unit through systemd and wait until it is inactive."""
+    world.manager("StopUnit", "ss", unit, "replace")
+    deadline = time.monotonic() + 90
+    while probe.active_state(unit) != "inactive":
+        assert time.monotonic() < deadline, f"{unit} did not stop within 90s"
+        time.sleep(0.1)
 
 
 def _host_pid(world: Stack) -> int:
