@@ -280,6 +280,9 @@ async def _until(w: Window, aw: Awaitable[None]) -> None:
     stop = asyncio.ensure_future(w.stopping.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled: the long wait is not left running without an owner
+        await reap(task)
+        raise
     finally:
         stop.cancel()
     if not task.done():
