@@ -9,10 +9,10 @@ descriptors than the caps allow.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 
+from gpuswapd import clock
 from gpuswapd.logs import log
 from gpuswapd.peers import Peer
 
@@ -68,7 +68,7 @@ class Admission:
 
     def _note_refusal(self, peer: Peer, reason: str) -> None:
         self._refused[peer.uid] += 1
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._logged_at.get(peer.uid, -LOG_EVERY_S) >= LOG_EVERY_S:
             log.warning("clients_refused", uid=peer.uid, refused=self._refused[peer.uid], reason=reason)
             self._logged_at[peer.uid] = now

@@ -13,11 +13,10 @@ the resident still down; the resident comes back when the queue is empty.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from gpuswapd import parking
+from gpuswapd import clock, parking
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import Degraded, GpuswapError
 from gpuswapd.logs import log
@@ -60,7 +59,7 @@ async def _take_down(w: Window, rec: WindowRecord) -> None:
     # Parked only if what comes next fits beside it: the resident, or the next window.
     need = None if nxt is None else w.config.profile(nxt).needs
     if engine_left(rec) and not await parking.try_park(w, rec, need):
-        await _retry_take_down(w, rec, time.monotonic() + w.backoffs.take_down_for)
+        await _retry_take_down(w, rec, clock.monotonic() + w.backoffs.take_down_for)
 
 
 async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) -> bool:
@@ -77,7 +76,7 @@ async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) ->
         except GpuswapError as err:
             rec.fail(err)
             log.error("engine_take_down_failed", error=err.message, retry_in_s=delay)
-            if until is not None and (time.monotonic() + delay > until or await _resident_fits(w)):
+            if until is not None and (clock.monotonic() + delay > until or await _resident_fits(w)):
                 return False
             await _pause(w, delay)
             delay = min(delay * 2, cap)

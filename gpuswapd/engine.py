@@ -13,11 +13,11 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+from gpuswapd import clock
 from gpuswapd.adapters.docker import Docker, read_env_file
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.config import WindowConfig
@@ -227,7 +227,7 @@ class ContainerEngine:
         self._watch_exits()
 
     async def _until_sleeping(self, want: bool, limit: float) -> None:
-        deadline = time.monotonic() + limit
+        deadline = clock.monotonic() + limit
         http = self.outside.http
         while True:
             said = await http.run("is_sleeping", self.http.is_sleeping(self.base_url, HEALTH_S),
@@ -236,7 +236,7 @@ class ContainerEngine:
                 raise EndpointError(f"{self.base_url}/is_sleeping is not served any more")
             if said is want:
                 return
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 raise EndpointError(f"{self.base_url}/is_sleeping still says {str(said).lower()} after {limit:g}s")
             await asyncio.sleep(0.05)
 

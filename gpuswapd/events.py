@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+from gpuswapd import clock
 from gpuswapd.logs import log
 
 Event = dict[str, Any]
@@ -102,7 +102,7 @@ def to_event(name: str, level: str, fields: Mapping[str, Any], context: Mapping[
         "stage": fields.get("stage") or context.get("stage"),
         "elapsed_s": fields.get("elapsed_s", context.get("elapsed_s")),
         "level": level,
-        "ts": round(time.time(), 3),
+        "ts": round(clock.wall(), 3),
     }
     for key, value in fields.items():
         if key not in _CONTEXT_KEYS and not key.startswith("_"):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import TYPE_CHECKING
 
-from gpuswapd import closing, opening, preempting
+from gpuswapd import clock, closing, opening, preempting
 from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -51,7 +50,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
             if rec.phase is Phase.READY:
                 await preempting.check(w, rec)
-            now = time.time()
+            now = clock.wall()
             expired = rec.leases.expire(now)
             for lease in expired:
                 log.info("lease_expired", lease=lease.id, holder=lease.holder)

@@ -12,9 +12,9 @@ import contextlib
 import json
 import os
 import signal
-import time
 from collections.abc import Callable, Iterable
 
+from gpuswapd import clock
 from gpuswapd.events import Event
 from gpuswapd.logs import log
 from gpuswapd.tasks import reap, spawn
@@ -57,14 +57,14 @@ class Hooks:
     def _drop(self, event: Event) -> None:
         self._dropped()
         self._drops += 1
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._drops_logged_at >= LOG_DROPS_EVERY_S:
             log.warning("hook_dropped", dropped=self._drops, last=event["event"], running=len(self._running),
                         reason=f"{self.limit} hooks are running already")
             self._drops, self._drops_logged_at = 0, now
 
     async def _run(self, event: Event) -> None:
-        started = time.monotonic()
+        started = clock.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
@@ -87,7 +87,7 @@ class Hooks:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 1.0)
             raise
-        took = round(time.monotonic() - started, 3)
+        took = round(clock.monotonic() - started, 3)
         if code != 0:
             log.error("hook_failed", hook=self.command[0], on=event["event"], exit_code=code, took_s=took,
                       stderr=stderr.decode(errors="replace").strip()[-KEEP_STDERR:])

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuswapd import ids
 from gpuswapd.errors import LeaseNotFound
 
 
@@ -66,7 +66,7 @@ class LeaseBook:
     def grant(self, holder: str, duration: float, now: float, unit: str | None = None,
               uid: int | None = None, priority: int = 0) -> Lease:
         """Grant a new lease of ``duration`` seconds from ``now``."""
-        lease = Lease(secrets.token_hex(6), holder, now, now + duration, unit, uid, priority)
+        lease = Lease(ids.token(6), holder, now, now + duration, unit, uid, priority)
         self._leases[lease.id] = lease
         return lease
 

@@ -7,11 +7,10 @@ count, buffer or spawn; the textfile is written on a thread of its own; hooks ru
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuswapd import __version__
+from gpuswapd import __version__, clock
 from gpuswapd.config import Config
 from gpuswapd.events import Event, EventBus
 from gpuswapd.hooks import Hooks
@@ -73,7 +72,7 @@ class Observers:
         if rec is None:
             return {}
         return {"window": rec.id, "phase": str(rec.phase), "stage": rec.timings[-1].stage if rec.timings else None,
-                "elapsed_s": round(time.time() - rec.opened_at, 3)}
+                "elapsed_s": round(clock.wall() - rec.opened_at, 3)}
 
     def _on_event(self, event: Event) -> None:
         self.metrics.on_event(event)

@@ -13,12 +13,11 @@ touches a unit or a timer.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuswapd import parking
+from gpuswapd import clock, parking
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
@@ -57,7 +56,7 @@ async def _check_and_drain(op: Opening) -> None:
         await together(preflight, check_fit(w, op.needs))
         return
     _, _, op.timers = await together(preflight, check_fit(w, op.needs), w.resident.timers())
-    await together(w.resident.wait_jobs(op.timers, time.monotonic() + cfg.timers.wait_for_jobs),
+    await together(w.resident.wait_jobs(op.timers, clock.monotonic() + cfg.timers.wait_for_jobs),
                    w.resident.drain())
 
 
@@ -109,7 +108,7 @@ async def _pause_timers(op: Opening) -> None:
     await w.persist(required=True)
     await w.resident.pause(rec.timers)
     # A job its timer started just before the pause must not lose the resident under it.
-    await w.resident.wait_jobs(await w.resident.timers(), time.monotonic() + w.config.timers.wait_for_jobs)
+    await w.resident.wait_jobs(await w.resident.timers(), clock.monotonic() + w.config.timers.wait_for_jobs)
 
 
 async def _stop_resident(op: Opening) -> None:
@@ -185,7 +184,7 @@ async def _wake(op: Opening) -> bool:
         rec.start = "cold"
         return False
     log.info("engine_woken", container=rec.container.get("name"), level=parked.level,
-             parked_s=round(time.time() - parked.since, 3))
+             parked_s=round(clock.wall() - parked.since, 3))
     return True
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import queue
-import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+from gpuswapd import clock
+from gpuswapd import workers as workers_
 from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointTimeout, GpuProbeError, GpuswapError, StateError
 from gpuswapd.logs import log
 
@@ -57,9 +56,18 @@ _NEXT = {"systemd": "check `systemctl status` and the system bus",
          "state": "check the disk under daemon.state_dir",
          "http": "check the server's log"}
 
-# (system, call, asynchronous) -> None, or a wrapper of the call (a function for a blocking call,
-# an awaitable for an asynchronous one); it may also raise, or be cancelled.
-Injector = Callable[[str, str, bool], Awaitable[Callable[[Any], Any] | None]]
+
+
+@dataclass(frozen=True)
+class Late:
+    """A fault's verdict on a blocking call: it does its work, but its answer comes this much later."""
+
+    seconds: float
+
+
+# (system, call, asynchronous) -> None, a wrapper of the call (a function for a blocking call,
+# an awaitable for an asynchronous one), or Late for a blocking call; it may also raise, or be cancelled.
+Injector = Callable[[str, str, bool], Awaitable[Callable[[Any], Any] | Late | None]]
 
 
 @dataclass(frozen=True)
@@ -80,59 +88,6 @@ class _Stuck:
     since: float
 
 
-class _Workers:
-    """A few daemon threads: a hung call must never keep gpuswapd from exiting.
-
-    A worker that has had nothing to do for a while ends; the next call starts one again.
-    """
-
-    IDLE_S = 30.0
-
-    def __init__(self, name: str, count: int) -> None:
-        self._name = name
-        self._count = count
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = 0
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._jobs.put(job)
-            # Start a worker when the idle ones cannot take every queued job.
-            if self._jobs.qsize() <= self._idle or self._threads >= self._count:
-                return
-            self._threads += 1
-        threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
-
-    def close(self) -> None:
-        """Let every worker end once it is done with what it runs."""
-        with self._lock:
-            threads = self._threads
-        for _ in range(threads):
-            self._jobs.put(None)
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                job = self._jobs.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                with self._lock:
-                    self._idle -= 1
-                    if not self._jobs.empty():
-                        continue  # a job came just now: it is this worker's
-                    self._threads -= 1
-                return
-            with self._lock:
-                self._idle -= 1
-                if job is None:
-                    self._threads -= 1
-                    return
-            job()
-
-
 class Lane:
     """One outside system's calls: bounded workers, a deadline on each call, hung calls counted."""
 
@@ -142,7 +97,7 @@ class Lane:
         self.workers = workers
         self.calls = CALLS[system]
         self.injector: Injector | None = None  # the fault tests' hook; None in service
-        self._pool = _Workers(system, workers)
+        self._pool = workers_.pool(system, workers)
         self._stuck: dict[int, _Stuck] = {}
         self._drained = asyncio.Event()
         self._drained.set()
@@ -158,13 +113,17 @@ class Lane:
         """Run a blocking call on this lane's workers within ``deadline`` seconds."""
         self._check(name)
         work: Callable[[], Any] = lambda: func(*args, **kwargs)  # noqa: E731
+        late = 0.0
         if self.injector is not None:
             wrap = await self.injector(self.system, name, False)
-            work = wrap(work) if wrap is not None else work
+            if isinstance(wrap, Late):
+                late = wrap.seconds
+            elif wrap is not None:
+                work = wrap(work)
         if len(self._stuck) >= self.workers:
             oldest = min(self._stuck.values(), key=lambda s: s.since)
             raise self._error(f"{_WHAT[self.system]} is hung: {len(self._stuck)} call(s) have not returned "
-                              f"({oldest.call} for {time.monotonic() - oldest.since:.0f}s); {_NEXT[self.system]}")
+                              f"({oldest.call} for {clock.monotonic() - oldest.since:.0f}s); {_NEXT[self.system]}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         context = contextvars.copy_context()
@@ -177,16 +136,12 @@ class Lane:
             else:
                 future.set_result(result)
 
-        def job() -> None:
-            try:
-                result, error = context.run(work), None
-            except BaseException as err:  # handed to the awaiting side
-                result, error = None, err
+        def done(result: Any, error: BaseException | None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
                 loop.call_soon_threadsafe(settle, result, error)
 
-        self._pool.submit(job)
-        started = time.monotonic()
+        self._pool.submit(lambda: context.run(work), done, late)
+        started = clock.monotonic()
         try:
             # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation.
             async with asyncio.timeout(deadline):
@@ -209,6 +164,8 @@ class Lane:
             except BaseException:
                 close_unawaited(awaitable)
                 raise
+            if isinstance(wrap, Late):
+                raise AssertionError(f"{self.system}.{name} is asynchronous: a hang wraps it, it is not Late")
             if wrap is not None:
                 awaitable = wrap(awaitable)
         limit = self.deadline if deadline is None else deadline
@@ -243,7 +200,7 @@ class Lane:
             stuck = self._stuck.pop(key, None)
             if stuck is not None:
                 log.info("outside_call_returned", system=self.system, call=name,
-                         took_s=round(time.monotonic() - stuck.since, 3))
+                         took_s=round(clock.monotonic() - stuck.since, 3))
             if not self._stuck:
                 self._drained.set()
 
@@ -255,7 +212,7 @@ class Lane:
 
     def status(self) -> dict[str, Any]:
         """Describe the calls that outlived their deadline and have not returned."""
-        now = time.monotonic()
+        now = clock.monotonic()
         return {"hung": [{"call": s.call, "for_s": round(now - s.since, 1)} for s in self._stuck.values()]}
 
 

@@ -14,10 +14,10 @@ While parked it is watched: an engine that dies, stops saying it sleeps, or stay
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -132,7 +132,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     else:  # woken from park: it holds what it held before
         residual = int(c.get("residual_bytes") or 0)
     record = {k: v for k, v in c.items() if k not in _WINDOW_ONLY}
-    w.parked = Parked(container=record, since=time.time(), level=level, residual_bytes=residual,
+    w.parked = Parked(container=record, since=clock.wall(), level=level, residual_bytes=residual,
                       canary=str(c["canary"]), profile=rec.profile)
     rec.container = {**c, "parked": True}
     await w.persist(required=False)  # one document: the window lets go of it, parked takes it
@@ -188,7 +188,7 @@ async def _watch(w: Window) -> None:
         why: str | None
         if settings is None:
             why = f"its profile {parked.profile!r} is no longer configured"
-        elif (left := parked.since + settings[0].keep - time.time()) <= 0:
+        elif (left := parked.since + settings[0].keep - clock.wall()) <= 0:
             why = f"unused for park.keep = {settings[0].keep:g}s"
         else:
             if await sleep_unless(w.stopping, min(settings[1], left)) or w.parked is not parked:
@@ -213,7 +213,7 @@ async def check_at_start(w: Window) -> None:
     why = await w.engine_of(parked.profile).why_not_parked(parked.container)
     if settings is None:
         why = f"its profile {parked.profile!r} is no longer configured"
-    elif why is None and time.time() >= parked.since + settings[0].keep:
+    elif why is None and clock.wall() >= parked.since + settings[0].keep:
         why = f"unused for park.keep = {settings[0].keep:g}s"
     if why is None:
         log.info("parked_engine_adopted", container=parked.container.get("name"), since=parked.since)

@@ -18,9 +18,9 @@ are not kept across a restart): the adopted window abandons the preemption, says
 from __future__ import annotations
 
 import fnmatch
-import time
 from typing import TYPE_CHECKING, Any
 
+from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
@@ -41,7 +41,7 @@ def deadline(rec: WindowRecord) -> float | None:
 
 async def check(w: Window, rec: WindowRecord) -> None:
     """Start, abandon or complete a preemption of the READY window ``rec``."""
-    now = time.time()
+    now = clock.wall()
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
     pending = deadline(rec)
     if pending is None:

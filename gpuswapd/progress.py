@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
+from gpuswapd import clock
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 
@@ -23,7 +23,7 @@ def progress(window: Window, rec: WindowRecord) -> str:
             return ""
         return f" {reading.free_bytes / GiB:.1f}/{_vram_needed(window, rec) / GiB:.1f} GiB free"
     if rec.phase is Phase.BOOTING and rec.timings:
-        took = time.time() - rec.timings[-1].started_at
+        took = clock.wall() - rec.timings[-1].started_at
         engine = window.profile.window or window.config.window
         return f" {took:.0f}s of {engine.boot_timeout:.0f}s"
     if rec.phase is Phase.READY:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.phases import Phase
 
@@ -39,7 +39,7 @@ class Waiter:
     profile: str = DEFAULT_PROFILE
     listener: Listener | None = None
     priority: int = 0
-    since: float = field(default_factory=time.time)
+    since: float = field(default_factory=clock.wall)
     window: str | None = None  # the window it joined; None while it queues for a later one
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -100,7 +100,7 @@ class Queue:
 
     def queued(self, now: float | None = None) -> list[Waiter]:
         """List the requests waiting for a later window: highest effective priority first, then oldest."""
-        now = time.time() if now is None else now
+        now = clock.wall() if now is None else now
         waiting = [w for w in self.waiters if w.window is None]
         return sorted(waiting, key=lambda w: (-self.effective(w, now), w.since))
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuswapd import clock, ids
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
@@ -65,7 +64,7 @@ class WindowRecord:
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
         """Start the record of a new window."""
-        return cls(id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), opened_at=now or time.time())
+        return cls(id=f"{clock.stamp()}-{ids.token(3)}", opened_at=now or clock.wall())
 
     @property
     def pending_switch(self) -> bool:
@@ -80,7 +79,7 @@ class WindowRecord:
     def enter(self, phase: Phase, now: float | None = None) -> None:
         """Move to ``phase`` (checked against the transition table) and time it."""
         check_transition(self.phase, phase)
-        now = time.time() if now is None else now
+        now = clock.wall() if now is None else now
         if self.timings and self.timings[-1].ended_at is None:
             self.timings[-1].ended_at = now
         stage = "close" if self.closing or phase is Phase.CLOSING else "open"
@@ -99,7 +98,7 @@ class WindowRecord:
 
     def took(self, phase: Phase, stage: str | None = None) -> float:
         """Sum the seconds spent in ``phase`` (of one ``stage``, if given)."""
-        return sum((t.ended_at or time.time()) - t.started_at for t in self.timings
+        return sum((t.ended_at or clock.wall()) - t.started_at for t in self.timings
                    if t.phase is phase and (stage is None or t.stage == stage))
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import closing, holding, parking
+from gpuswapd import clock, closing, holding, parking
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -91,7 +90,7 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     if rec.phase is Phase.DRAINING:  # nothing was changed yet
         w.finish(rec, "recovered")
         return
-    rec.leases.expire(time.time())
+    rec.leases.expire(clock.wall())
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
             rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
@@ -121,7 +120,7 @@ def baseline_record(w: Window) -> WindowRecord:
     rec = WindowRecord.new()
     c = w.config.window.container
     rec.phase = Phase.CLOSING
-    rec.timings.append(PhaseTiming(Phase.CLOSING, time.time(), stage="close"))
+    rec.timings.append(PhaseTiming(Phase.CLOSING, clock.wall(), stage="close"))
     # Whatever was running is unknown: the configured engine goes down like any window's.
     rec.container = {"name": c.name, "created": c.create, "image": c.image}
     rec.baseline = dict(w.baseline_restore or {})

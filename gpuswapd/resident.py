@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
+from gpuswapd import clock
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.config import Config
@@ -32,7 +32,7 @@ class Resident:
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
         idle = self.config.resident.idle
-        deadline = time.monotonic() + idle.wait
+        deadline = clock.monotonic() + idle.wait
         while True:
             try:
                 busy = await self.outside.http.run("idle", self.http.idle(idle))
@@ -46,7 +46,7 @@ class Resident:
                                    "[resident.idle] or set kind = \"none\"") from err
             if not busy.busy:
                 return
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 units = ", ".join(self.config.resident.units)
                 message = f"resident {units} is busy: {busy.detail} (waited {idle.wait:g}s)"
                 if idle.on_busy == "fail":
@@ -63,7 +63,7 @@ class Resident:
         """Wait until no service of these timers runs, up to a monotonic deadline."""
         names = {t.name for t in timers}
         while running := [t.service for t in timers if t.job_running]:
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 raise ResidentBusy(
                     f"agent jobs still running after {self.config.timers.wait_for_jobs:g}s: "
                     f"{', '.join(running)}; they use the resident, so the window waits for them "
@@ -95,27 +95,27 @@ class Resident:
 
     async def stop(self, units: list[str]) -> None:
         """Stop the units together; systemd stops dependents first (the reverse of After=)."""
-        started = time.monotonic()
+        started = clock.monotonic()
         await self._jobs("StopUnit", units, self.config.resident.stop_timeout, "stop")
-        log.info("units_stopped", units=units, took_s=round(time.monotonic() - started, 3))
+        log.info("units_stopped", units=units, took_s=round(clock.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:
         """Start exactly these units together; systemd orders them by After=."""
-        started = time.monotonic()
+        started = clock.monotonic()
         await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
-        log.info("units_started", units=units, took_s=round(time.monotonic() - started, 3))
+        log.info("units_started", units=units, took_s=round(clock.monotonic() - started, 3))
 
     async def verify(self) -> float:
         """Get a real completion from the resident, retrying while it loads; return seconds taken."""
         check = self.config.resident.verify
-        started = time.monotonic()
+        started = clock.monotonic()
         try:
             reply = await self.outside.http.run("verify", self.http.verify(check, retry_until=started + check.timeout),
                                                 self.outside.http.beyond(check.timeout))
         except EndpointError as err:
             raise VerifyFailed(f"the resident did not answer a completion within {check.timeout:g}s: "
                                f"{err.message}") from err
-        took = time.monotonic() - started
+        took = clock.monotonic() - started
         log.info("resident_verified", took_s=round(took, 3), completion_tokens=reply.completion_tokens)
         return took
 

@@ -11,11 +11,10 @@ import contextlib
 import errno
 import math
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gpuswapd import __version__
+from gpuswapd import __version__, clock
 from gpuswapd.admission import Admission
 from gpuswapd.config import Config, Profile
 from gpuswapd.errors import (
@@ -66,7 +65,7 @@ class Server:
         self.units = units
         self.outside = outside
         self.planner = planner
-        self.started_at = time.time()
+        self.started_at = clock.wall()
         d = config.daemon
         self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
         self._listener: socket.socket | None = None
@@ -219,7 +218,7 @@ class Server:
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease, peer)
             lease = await self.window.renew(lease_id, duration, allowed=peer.owns)
-            return {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped}
+            return {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped}
         if req.op == "status":
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
@@ -300,7 +299,7 @@ class Server:
         if req.priority > most and peer.uid != 0:
             raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
                                    f"root may ask for more (user {peer.user}, uid {peer.uid})")
-        started = time.monotonic()
+        started = clock.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
             if not writer.is_closing():
@@ -333,8 +332,8 @@ class Server:
                                                                               lease.unit)).active:
                 # The unit died while it waited: its watcher may have fired before the lease existed.
                 await self.window.unit_gone(lease.unit)
-            await self._send(writer, {"ok": True, "lease": lease.to_dict(time.time()), "capped": capped,
-                                      "waited_s": round(time.monotonic() - started, 3), "profile": profile.name,
+            await self._send(writer, {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped,
+                                      "waited_s": round(clock.monotonic() - started, 3), "profile": profile.name,
                                       "kind": profile.kind, "gpu_index": self.config.gpu.index})
         except BaseException:
             # Its client never heard of the lease (it hung up, or this failed): nobody holds it.

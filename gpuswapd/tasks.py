@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from gpuswapd import workers
 from gpuswapd.logs import log
 
 T = TypeVar("T")
@@ -100,7 +100,7 @@ def in_daemon_thread(func: Callable[..., T], *args: Any, name: str) -> asyncio.F
     """Run a blocking call on a daemon thread of its own, one that never keeps gpuswapd from exiting.
 
     For a call with no deadline of its own that must neither hold a worker of a shared pool nor
-    block the exit if it hangs (a write to a stuck filesystem).
+    block the exit if it hangs (a write to a stuck filesystem, a wait for a container's exit).
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -113,13 +113,9 @@ def in_daemon_thread(func: Callable[..., T], *args: Any, name: str) -> asyncio.F
         else:
             future.set_result(result)
 
-    def run() -> None:
-        try:
-            result, error = func(*args), None
-        except BaseException as err:  # handed to the awaiting side
-            result, error = None, err
+    def done(result: Any, error: BaseException | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    workers.own_thread(name).submit(lambda: func(*args), done)
     return future

@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import itertools
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuswapd import clock
 from gpuswapd.logs import log
 from gpuswapd.tasks import in_daemon_thread, reap, spawn
 
@@ -68,10 +68,10 @@ class Textfile:
     async def _run(self) -> None:
         while self._wanted:
             # Rate limiting, not waiting for something outside: a burst of events makes one write.
-            await asyncio.sleep(max(0.0, self._last + self._min_interval - time.monotonic()))
+            await asyncio.sleep(max(0.0, self._last + self._min_interval - clock.monotonic()))
             self._wanted = False
             await self._write()
-            self._last = time.monotonic()
+            self._last = clock.monotonic()
 
     async def _write(self) -> None:
         # One write at a time, on a thread of its own: a stuck filesystem holds up only this file.

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpuswapd import clock
 from gpuswapd.adapters.gpu import GpuProbe, VramReading
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
@@ -48,15 +48,15 @@ class Vram:
 
     async def wait_free(self, need: int, timeout: float) -> float:
         """Wait until ``need`` bytes are free; return the seconds waited."""
-        started = time.monotonic()
+        started = clock.monotonic()
         reading = await self.read(processes=False)
         while reading is not None and reading.free_bytes < need:
-            if time.monotonic() - started >= timeout:
+            if clock.monotonic() - started >= timeout:
                 # Only now ask who holds it: listing processes costs a second query per poll.
                 raise VramTimeout(await self.describe_shortfall(await self.read() or reading, need, timeout))
             await asyncio.sleep(POLL_S)
             reading = await self.read(processes=False)
-        took = time.monotonic() - started
+        took = clock.monotonic() - started
         if reading is not None:
             log.info("vram_free", free=format_size(reading.free_bytes), need=format_size(need), took_s=round(took, 3))
         return took

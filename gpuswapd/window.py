@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from gpuswapd import closing, holding, opening, parking, recovery
+from gpuswapd import clock, closing, holding, opening, parking, recovery
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -158,7 +157,7 @@ class Window:
         if profile not in self.engines:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
-        rec, now = self.record, time.time()
+        rec, now = self.record, clock.wall()
         # A window being preempted takes no new leases: they would only be revoked.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
                  and rec.preempted is None and self.queue.blocked(profile, now) is None)
@@ -223,7 +222,7 @@ class Window:
 
     def queue_status(self, now: float | None = None) -> list[dict[str, Any]]:
         """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
-        now = time.time() if now is None else now
+        now = clock.wall() if now is None else now
         rec, ahead = self.record, 0.0
         if rec is not None and not rec.closing:
             ends = [lease.expires_at for lease in rec.leases.all() if math.isfinite(lease.expires_at)]
@@ -232,7 +231,7 @@ class Window:
 
     def tell_queue(self) -> None:
         """Tell every queued client its position and ETA."""
-        now = time.time()
+        now = clock.wall()
         for entry, waiter in zip(self.queue_status(now), self.queue.queued(now), strict=True):
             if waiter.listener is not None:
                 waiter.listener({"event": "queued", **entry,
@@ -269,7 +268,7 @@ class Window:
         """Extend a lease to end ``duration`` seconds from now."""
         rec = self._open_record()
         self._check_owner(rec.leases.get(lease_id), allowed, "renew")
-        lease = rec.leases.renew(lease_id, duration, time.time())
+        lease = rec.leases.renew(lease_id, duration, clock.wall())
         log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at)
         await self._leases_changed()
         return lease
@@ -288,7 +287,7 @@ class Window:
 
     def status(self) -> dict[str, Any]:
         """Describe the window now: phase, leases, waiters, the last window, what is amiss."""
-        now = time.time()
+        now = clock.wall()
         return {
             "phase": str(self.phase),
             "window": self.record.to_dict(now) if self.record else None,
@@ -336,9 +335,9 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)
+        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
-                 waited_s=round(time.time() - w.since, 3))
+                 waited_s=round(clock.wall() - w.since, 3))
         try:
             await self._leases_changed()
         except asyncio.CancelledError:
@@ -378,7 +377,7 @@ class Window:
         rec.enter(phase)
         await self.persist(required)
         structlog.contextvars.bind_contextvars(phase=str(phase))
-        elapsed = round(time.time() - rec.opened_at, 3)
+        elapsed = round(clock.wall() - rec.opened_at, 3)
         log.info("phase_entered", elapsed_s=elapsed, stage=rec.timings[-1].stage)
         self.notify_status()
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
@@ -411,7 +410,7 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, time.time(), w.unit, w.uid, w.priority)) for w in waiters]
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)) for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
         """Enter READY and give every waiting acquire its lease."""
@@ -420,7 +419,7 @@ class Window:
         await self._leases_changed()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
-                     waited_s=round(time.time() - waiter.since, 3))
+                     waited_s=round(clock.wall() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -453,7 +452,7 @@ class Window:
             listener(record)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
-                 took_s=round((rec.closed_at or time.time()) - rec.opened_at, 3), switched_to=rec.switched_to)
+                 took_s=round((rec.closed_at or clock.wall()) - rec.opened_at, 3), switched_to=rec.switched_to)
         structlog.contextvars.unbind_contextvars("window_id", "phase")
         if switch_to is None:
             parking.watch(self)
@@ -479,7 +478,7 @@ class Window:
 
     def restore_baseline(self, reason: str) -> None:
         """Restore what the configuration describes, when no state could be read at all."""
-        self.baseline_restore = {"reason": reason, "at": time.time()}
+        self.baseline_restore = {"reason": reason, "at": clock.wall()}
         log.error("baseline_restore", reason=reason)
         rec = recovery.baseline_record(self)
         self.record, self.unknown_baseline = rec, rec
@@ -568,7 +567,7 @@ class Window:
             return
         rec.profile = queued[0].profile
         rec.kind = self.config.profile(rec.profile).kind
-        self.queue.take(rec.id, rec.profile, time.time())
+        self.queue.take(rec.id, rec.profile, clock.wall())
         self.tell_queue()
         await parking.stop_watching(self)  # the window takes the parked engine over, or removes it
         self._opening = asyncio.create_task(opening.open_window(self, rec), name="window-open")

@@ -14,10 +14,10 @@ carries on with the record it holds in memory.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuswapd import clock
 from gpuswapd.errors import GpuswapError, StateError
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
@@ -130,7 +130,7 @@ class StateWriter:
             delay = self._backoff[0]
             if self.error is not None:
                 log.info("state_writable_again", state_dir=str(self.store.dir),
-                         after_s=round(time.monotonic() - (self.failed_since or time.monotonic()), 1))
+                         after_s=round(clock.monotonic() - (self.failed_since or clock.monotonic()), 1))
                 self.error, self.failed_since = None, None
                 self.on_change()
             async with self._progress:
@@ -149,7 +149,7 @@ class StateWriter:
         first = self.error is None
         self.error = message
         if first:
-            self.failed_since = time.monotonic()
+            self.failed_since = clock.monotonic()
             log.error("state_write_failed", error=why, state_dir=str(self.store.dir))
             self.on_change()
         async with self._progress:

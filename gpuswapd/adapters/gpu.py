@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pynvml
 
+from gpuswapd import clock
 from gpuswapd.config import GpuConfig
 from gpuswapd.errors import GpuProbeError
 
@@ -122,7 +122,7 @@ class SmiProbe:
         except GpuProbeError:
             _kill_group(memory_proc)
             raise
-        deadline = time.monotonic() + self.timeout
+        deadline = clock.monotonic() + self.timeout
         try:
             memory = self._finish(memory_proc, memory_query, deadline)
             apps = self._finish(apps_proc, apps_query, deadline) if apps_proc is not None else ""
@@ -161,7 +161,7 @@ class SmiProbe:
         """Wait for one query until ``deadline`` and return its output; any failure is a GpuProbeError."""
         what = self._describe(query)
         try:
-            out, err_text = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            out, err_text = proc.communicate(timeout=max(0.0, deadline - clock.monotonic()))
         except subprocess.TimeoutExpired as err:
             _kill_group(proc)
             raise GpuProbeError(

@@ -13,13 +13,13 @@ import contextlib
 import json
 import math
 import shlex
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import httpx
 
+from gpuswapd import clock
 from gpuswapd.adapters.prometheus import scan_prometheus
 from gpuswapd.adapters.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 from gpuswapd.config import CompletionCheck, IdleConfig
@@ -87,21 +87,21 @@ class ModelHttp:
         abort: Callable[[], str | None] | None = None,
     ) -> float:
         """Poll ``url`` until it answers 200; return the seconds waited."""
-        started = time.monotonic()
+        started = clock.monotonic()
         deadline = started + timeout
         last = "no answer yet"
         while True:
             if abort is not None and (why := abort()) is not None:
                 raise EndpointError(why)
-            now = time.monotonic()
+            now = clock.monotonic()
             try:
                 status, said = await self._probe(url, max(0.05, min(2.0, deadline - now)))
                 last = said if status == 0 else f"HTTP {status}" + (f": {said}" if said else "")
             except EndpointError as err:  # slow or garbled while loading: keep polling
                 status, last = -1, _reason(err)
             if status == 200:
-                return time.monotonic() - started
-            now = time.monotonic()
+                return clock.monotonic() - started
+            now = clock.monotonic()
             if now >= deadline:
                 raise EndpointTimeout(
                     f"{url} did not answer 200 within {timeout:g}s (last: {last}); "
@@ -130,7 +130,7 @@ class ModelHttp:
             "stream_options": {"include_usage": True},
             **(sampling or {}),
         }
-        got = CompletionBuilder(time.monotonic(), f"POST {url}")
+        got = CompletionBuilder(clock.monotonic(), f"POST {url}")
         try:
             with _mapped("POST", url, timeout):
                 async with asyncio.timeout(timeout):
@@ -141,7 +141,7 @@ class ModelHttp:
                 f"{err.message} ({got.chunks} chunks so far{first}); the server is slow or "
                 "stuck: check its log, or raise the timeout"
             ) from err
-        return got.build(time.monotonic())
+        return got.build(clock.monotonic())
 
     async def _stream(
         self, url: str, body: dict[str, Any], seconds: float, got: CompletionBuilder
@@ -156,16 +156,16 @@ class ModelHttp:
                 await _raise_status("POST", url, response)
             if "text/event-stream" not in response.headers.get("content-type", ""):
                 # A server that ignored stream=true answers with one JSON object.
-                got.add(_json_object(await response.aread(), got.where), time.monotonic())
+                got.add(_json_object(await response.aread(), got.where), clock.monotonic())
                 return
             decoder = SseDecoder(got.where)
             async for line in response.aiter_lines():
                 for chunk in decoder.line(line):
-                    got.add(chunk, time.monotonic())
+                    got.add(chunk, clock.monotonic())
                 if decoder.done:
                     return
             for chunk in decoder.end():
-                got.add(chunk, time.monotonic())
+                got.add(chunk, clock.monotonic())
         if got.finish_reason is None:
             raise BadResponse(
                 f"{got.where}: the stream ended without [DONE] or a finish_reason after "
@@ -195,7 +195,7 @@ class ModelHttp:
 
     async def _answer(self, check: CompletionCheck, retry_until: float | None) -> Completion:
         """Run the check's completion, again every 0.1 s while it fails in a passing way."""
-        started = time.monotonic()
+        started = clock.monotonic()
         tries = 0
         while True:
             tries += 1
@@ -204,7 +204,7 @@ class ModelHttp:
                     check.url, check.model, check.prompt, check.max_tokens, check.timeout
                 )
             except EndpointError as err:
-                now = time.monotonic()
+                now = clock.monotonic()
                 if retry_until is None or now >= retry_until or not _worth_retrying(err):
                     if tries == 1:
                         raise

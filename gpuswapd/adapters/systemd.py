@@ -9,13 +9,13 @@ from __future__ import annotations
 import fnmatch
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
+from gpuswapd import clock
 from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
 from gpuswapd.adapters.unitstates import ACTIVE, JobResults, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
@@ -184,7 +184,7 @@ class Systemd:
         self._block_on_jobs("StopUnit", list(units), timeout)
 
     def _block_on_jobs(self, method: str, units: list[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         results: dict[str, str] = {}
         done = threading.Condition()
 
@@ -197,7 +197,7 @@ class Systemd:
         for _, path in queued:
             self.when_job_done(path, functools.partial(settle, path))
         with done:
-            done.wait_for(lambda: len(results) == len(queued), max(0.0, deadline - time.monotonic()))
+            done.wait_for(lambda: len(results) == len(queued), max(0.0, deadline - clock.monotonic()))
         failed = [f"{unit}: {results.get(path, 'timeout')}" for unit, path in queued if results.get(path) != "done"]
         if failed:
             raise JobFailed(f"{method} failed: {', '.join(failed)}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from gpuswapd import clock
 
 ACTIVE = frozenset({"active", "activating", "reloading"})
 
@@ -56,7 +57,7 @@ class JobResults:
 
     def removed(self, path: str, result: str) -> None:
         """Record that a job ended (called from the GLib thread)."""
-        now = time.monotonic()
+        now = clock.monotonic()
         with self._lock:
             callback = self._waiting.pop(path, None)
             if callback is None:

@@ -26,7 +26,7 @@ import pytest
 
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import setup_logging
-from gpuswapd.outside import _ERRORS, CALLS, Deadlines, Outside, close_unawaited
+from gpuswapd.outside import _ERRORS, CALLS, Deadlines, Late, Outside, close_unawaited
 from gpuswapd.phases import Phase
 from gpuswapd.recovery import recover_at_start
 from gpuswapd.state import Document, Loaded, decode
@@ -95,7 +95,7 @@ class Cell:
                 raise OSError(errno.ENOSPC, "No space left on device")
             raise _ERRORS[system](f"injected: {f}")
         # A hung call still does its work, late: a thread stuck past its deadline, an answer that never comes.
-        return _late if asynchronous else _stuck
+        return _late if asynchronous else Late(HANG_S)
 
     def check_clear(self, clears: bool, data: bytes) -> None:
         """The store's hook: a cleared record must find the world restored."""
@@ -103,13 +103,6 @@ class Cell:
             snap = without_parked(self, self.world.snapshot(), decode(data))
             if snap != self.expected:
                 self.problems.append(f"record cleared before the world was restored: {snap}")
-
-
-def _stuck(work: Callable[[], Any]) -> Callable[[], Any]:
-    def stuck() -> Any:
-        time.sleep(HANG_S)
-        return work()
-    return stuck
 
 
 async def _late(awaitable: Awaitable[Any]) -> Any:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from gpuswapd.errors import DockerUnavailable, GpuProbeError
-from gpuswapd.outside import Deadlines, Lane, Outside, _Workers
+from gpuswapd.outside import Deadlines, Lane, Outside
+from gpuswapd.workers import Threads
 
 
 def run(coro: Any) -> Any:
@@ -62,13 +63,13 @@ def test_an_unregistered_call_fails_loudly() -> None:
 
 
 def test_workers_that_ended_when_idle_are_started_again() -> None:
-    workers = _Workers("test", 1)
+    workers = Threads("test", 1)
     workers.IDLE_S = 0.02  # type: ignore[misc]
     done: list[int] = []
     for round_ in range(5):
         event = threading.Event()
         for n in range(3):  # more jobs than workers: they queue
-            workers.submit(lambda n=n, event=event: (done.append(n), n == 2 and event.set()))
+            workers.submit(lambda n=n, event=event: (done.append(n), n == 2 and event.set()), lambda *_: None)
         assert event.wait(2), f"round {round_}: a job was never run"
         time.sleep(0.06)  # the worker ends, idle
     assert len(done) == 15
