@@ -9,12 +9,13 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 import structlog
 
 from gpuswapd import __version__, instances
 from gpuswapd.adapters.docker import Docker
-from gpuswapd.adapters.gpu import make_probe
+from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
@@ -41,10 +42,29 @@ EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
 SHUTDOWN_BOUND_S = 600.0
 
 
+@dataclass
+class Systems:
+    """The outside systems one gpuswapd talks to (the simulation hands in fakes of each)."""
+
+    systemd: Systemd
+    docker: Docker
+    http: ModelHttp
+    probe: GpuProbe | None
+    store: StateStore
+
+    @classmethod
+    def real(cls, config: Config) -> Systems:
+        """Connect the real adapters of this configuration (nothing is called yet)."""
+        d = config.daemon
+        return cls(Systemd(call_timeout=d.call_timeout), Docker(timeout=d.call_timeout), ModelHttp(),
+                   make_probe(config.gpu), StateStore(d.state_dir))
+
+
 class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
-    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE) -> None:
+    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE,
+                 systems: Systems | None = None) -> None:
         self.config = config
         self.instance = instance
         self.notifier = Notifier()
@@ -53,11 +73,12 @@ class Daemon:
         # error, which says what happened, usually comes first.
         self.outside = Outside(Deadlines(systemd=d.call_timeout + 5.0, docker=d.call_timeout + 5.0,
                                          state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0))
-        self.systemd = Systemd(call_timeout=d.call_timeout)
-        self.docker = Docker(timeout=d.call_timeout)
-        self.http = ModelHttp()
-        self.store = StateStore(config.daemon.state_dir)
-        self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)
+        systems = systems or Systems.real(config)
+        self.systemd = systems.systemd
+        self.docker = systems.docker
+        self.http = systems.http
+        self.store = systems.store
+        self.vram = Vram(systems.probe, self.systemd, self.outside)
         self.resident = Resident(config, self.systemd, self.http, self.outside)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
@@ -91,8 +112,7 @@ class Daemon:
         except GpuswapError as err:
             print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
             return 1
-        # Reconcile before serving: nobody sees a container no record knows about.
-        await recover_at_start(self.window)
+        await self.begin()
         await self.server.start(sock)
         self.notifier.send(ready="1")
         self.window.notify_status()
@@ -107,15 +127,8 @@ class Daemon:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
         self.store.prepare()
         raise_fd_limit(self.config.daemon.max_clients)
-        await self.outside.systemd.call("connect", self.systemd.connect)
+        await self.connect()
         loop = asyncio.get_running_loop()
-
-        def on_state(unit: str, state: str) -> None:  # called from the GLib thread
-            if state in ("inactive", "failed"):
-                loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
-
-        await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
-        await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.observers.start()
@@ -126,6 +139,23 @@ class Daemon:
             sock = own_socket(d.socket, d.socket_group, 0o666 if d.status_public else 0o660)
             self._own_socket = d.socket
         return sock
+
+    async def connect(self) -> None:
+        """Connect to systemd, follow the units' states, and check the configured images."""
+        await self.outside.systemd.call("connect", self.systemd.connect)
+        loop = asyncio.get_running_loop()
+
+        def on_state(unit: str, state: str) -> None:  # called from the GLib thread
+            if state in ("inactive", "failed"):
+                loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
+
+        await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
+        await self._check_image()
+
+    async def begin(self) -> None:
+        """Take up what an earlier gpuswapd left, before serving anyone."""
+        # Reconcile before serving: nobody sees a container no record knows about.
+        await recover_at_start(self.window)
 
     async def _check_image(self) -> None:
         """Refuse to start on a configured image that Docker does not have; Docker may be down."""

@@ -129,9 +129,20 @@ class Server:
         task.add_done_callback(self._clients.discard)
 
     async def _handle(self, conn: socket.socket, peer: Peer) -> None:
-        writer: asyncio.StreamWriter | None = None
         try:
             reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
+        except BaseException as err:
+            self.admission.leave(peer)
+            conn.close()
+            if not isinstance(err, Exception):
+                raise
+            log.debug("client_dropped", error=repr(err))
+            return
+        await self.serve_connection(peer, reader, writer)
+
+    async def serve_connection(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one admitted client's requests until it hangs up (the simulation's streams too)."""
+        try:
             await self._serve(peer, reader, writer)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
             log.debug("client_dropped", error=repr(err))
@@ -141,12 +152,9 @@ class Server:
             log.exception("client_handler_crashed")
         finally:
             self.admission.leave(peer)
-            if writer is None:
-                conn.close()
-            else:
-                writer.close()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.wait_closed(), 1)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
 
     async def _identify(self, peer: Peer) -> Peer:
         """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
