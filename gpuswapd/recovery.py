@@ -51,6 +51,14 @@ async def recover_at_start(window: Window) -> None:
         window.restore_baseline(f"no copy of the state could be read ({problem})")
         return  # the baseline takes the configured engine down itself
     record = document.window if document is not None else None
+    # What the document holds is in memory before anything is written again: every write from
+    # here on (the one that drops the queue, say) keeps the window and the parked engine.
+    window.record = record
+    if document is not None and document.parked is not None:
+        try:
+            window.parked = parking.Parked.from_dict(document.parked)
+        except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
+            log.error("parked_state_unreadable", error=str(err))
     if document is not None and document.queue:
         # Waiting requests are not kept across a restart: their clients saw the connection drop.
         log.warning("queue_dropped", waiting=len(document.queue),
@@ -58,11 +66,6 @@ async def recover_at_start(window: Window) -> None:
                     reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
         window.writer.request()
     await _learn_history(window)
-    if document is not None and document.parked is not None:
-        try:
-            window.parked = parking.Parked.from_dict(document.parked)
-        except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
-            log.error("parked_state_unreadable", error=str(err))
     if record is not None:
         window.recover(record)
     # Reconcile before serving: nobody sees an engine no record knows about.
