@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fnmatch
 import gc
 import inspect
 import json
@@ -33,8 +34,9 @@ from gpuswapd.peers import Peer
 from gpuswapd.phases import Phase
 from gpuswapd.protocol import encode
 from tests.simulation.history import Setup
-from tests.simulation.loop import Deadlock, VirtualClock, VirtualLoop
+from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop
 from tests.simulation.streams import Connection
+from tests.simulation import world as world_module
 from tests.simulation.world import GiB, EngineSpec, Unit, World
 
 RESIDENT_BYTES = 21 * GiB
@@ -123,7 +125,13 @@ class SimPool:
                 done(result, None)
 
         if late > 0:
-            loop.call_later(late, run)
+            def late_run() -> None:
+                world_module.LATE[0] = True  # what a call that outlived its deadline does now is not gpuswapd's choice
+                try:
+                    run()
+                finally:
+                    world_module.LATE[0] = False
+            loop.call_later(late, late_run)
         else:
             loop.call_soon(run)
 
@@ -212,6 +220,7 @@ class Client:
     granted_at: float = 0.0
     released: bool = False
     releasing: bool = False
+    release_sent: bool = False  # a release went out (whatever became of its reply)
     revoked: bool = False
     running: bool = False  # its command (run) or its service (unit) runs
     renewer: int | None = None
@@ -340,9 +349,13 @@ class Run:
         self.host = Host(self)
         self.clients: dict[str, Client] = {}
         self.leases: dict[str, Client] = {}
+        self.requests: list[tuple[Client, Connection, str]] = []
+        self.unjudged: dict[str, Client] = {}  # leases gone while their window still closes
+        self.ending = False
         self.lease_expiry: dict[str, float] = {}
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
+        self.baseline_restores: list[float] = []
         self.notices: dict[str, bool] = {}  # window -> the preemptor could open at its notice
         self.loop: VirtualLoop | None = None
         self.graveyard = graveyard
@@ -391,6 +404,8 @@ class Run:
 
     def window_finished(self, record: dict[str, Any]) -> None:
         self.windows += 1
+        if record.get("baseline") is not None:
+            self.baseline_restores.append(self.clock.now)
         self.finished[str(record.get("id"))] = record
         self.note(f"  window {record.get('id')} finished: {record.get('outcome')} (profile {record.get('profile')})")
 
@@ -490,6 +505,8 @@ class Run:
         c.reply = message
         if not message["ok"]:
             self.note(f"  {c.id}: refused: {message['error'].get('code')}: {message['error'].get('message')[:160]}")
+            if message["error"].get("code") == "wont_fit":
+                self._check_wont_fit(c, message["error"].get("message", ""))
             if c.unit is not None:  # ExecStartPre failed: the unit does not start
                 c.running = False
                 self.world.systemd.crash(c.unit)
@@ -502,6 +519,9 @@ class Run:
         self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - self.clock.wall() + self.clock.now
         self.leases[c.lease] = c
         self.note(f"  {c.id}: lease {c.lease} on window {c.window} ({message.get('profile')})")
+        if self.ending and c.spec.get("for") == "infinity" and c.kind == "acquire":
+            c.releasing = c.release_sent = True  # its Epilog, once the history is over
+            self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
         if c.kind == "run":
             c.running = True
             if message.get("kind") == "bare":
@@ -512,6 +532,16 @@ class Run:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._command_ends(c))
         elif c.unit is not None:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._unit_ends(c))
+
+    def _check_wont_fit(self, c: Client, why: str) -> None:
+        """Invariant 10: "won't fit" is said only of memory that others than gpuswapd's own hold."""
+        card = self.world.card
+        card.free()  # settle what has come free
+        theirs = sum(h.bytes for name, h in card.holdings.items() if not name.startswith(("engine:", "strata.")))
+        needs = self.config.profile(c.spec["profile"]).needs
+        if card.total - theirs >= needs:
+            self.violate("10", f"client {c.id} was refused wont_fit for profile {c.spec['profile']!r}, but only "
+                               f"gpuswapd's own processes hold the memory ({card.describe()}): {why[:200]}")
 
     def _allocate(self, c: Client) -> None:
         """A bare window's command takes its memory; holders that overcommit among themselves are their own fault."""
@@ -572,7 +602,7 @@ class Run:
     def release(self, c: Client) -> None:
         if c.lease is None or c.released:
             return
-        c.releasing = True
+        c.releasing = c.release_sent = True
         self.request(c, {"op": "release", "lease": c.lease}, self._released)
 
     def _released(self, c: Client, reply: dict[str, Any]) -> None:
@@ -584,10 +614,13 @@ class Run:
         """Send one request on a connection of its own, as a second gpuswapctl of the same client would."""
         conn = self.host.connect(c.peer)
         conn.send(encode(request))
+        self.requests.append((c, conn, request["op"]))
 
         async def answer() -> None:
             line = await conn.readline()
             conn.hang_up()
+            with contextlib.suppress(ValueError):
+                self.requests.remove((c, conn, request["op"]))
             if line:
                 then(c, json.loads(line))
             elif request["op"] == "release":
@@ -630,6 +663,7 @@ class Run:
         c = self._client(e)
         if c is not None and c.unit is not None:
             if c.conn is not None and c.finals == 0:
+                c.hung_up = True
                 c.conn.hang_up()  # its ExecStartPre was still waiting: killed with the unit
             self._unit_ends(c)
 
@@ -679,15 +713,23 @@ class Run:
         self.request(root, {"op": "park", "remove": True}, lambda c, r: None)
 
     def dropped(self, conn: Connection, why: str) -> None:
+        for c, request_conn, op in [r for r in self.requests if r[1] is conn]:
+            self.requests.remove((c, request_conn, op))
+            if op == "release":
+                c.releasing = False  # gpuswapctl release exits 3: the daemon went away
         for c in self.clients.values():
             if c.conn is conn and c.dropped is None:
                 c.dropped = why
+                if c.unit is not None and c.finals == 0:  # its ExecStartPre exits 3: the unit fails to start
+                    c.running = False
+                    self.world.systemd.crash(c.unit)
 
     # -- the end --------------------------------------------------------------------------------
 
     def end(self) -> None:
         """Heal every fault, let every lease for infinity go, then wait until all is quiet."""
         self.note("the history is over: every fault heals")
+        self.ending = True
         self.faults.heal()
         self.world.docker.images |= {"hyperqwen:latest", "qwen-eval:latest"}
         self.world.store.broken_until = 0.0
@@ -700,7 +742,7 @@ class Run:
                 elif c.kind == "unit":
                     self._unit_ends(c)
                 else:
-                    c.releasing = True
+                    c.releasing = c.release_sent = True
                     self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
         self.world.scheduler.after(5.0, self.quiesce)
 
@@ -769,7 +811,7 @@ class Run:
         data = self.world.store.current
         return data is not None and b'"window":null' not in data
 
-    def _check_leases(self, daemon: Daemon) -> None:
+    def _check_leases(self, daemon: Daemon, final: bool = False) -> None:
         now = self.clock.now
         rec = daemon.window.record
         current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
@@ -780,7 +822,12 @@ class Run:
             if lease_id in current:
                 continue
             del self.leases[lease_id]
+            self.unjudged[lease_id] = c
+        for lease_id, c in list(self.unjudged.items()):
             why = self._why_ended(c, lease_id, now)
+            if why is None and str(c.window) not in self.finished and not final:
+                continue  # its window is still closing: its outcome says whether that was a failure
+            del self.unjudged[lease_id]
             if why is None:
                 self.violate("4", f"lease {lease_id} of client {c.id} ({c.spec['as']}, window {c.window}) ended "
                                   f"for no reason: not released, not expired (expires at "
@@ -791,7 +838,7 @@ class Run:
                 self.note(f"  lease {lease_id} of {c.id} ended: {why}")
 
     def _why_ended(self, c: Client, lease_id: str, now: float) -> str | None:
-        if c.released or c.releasing:
+        if c.released or c.release_sent:
             return "released"
         if now + 1e-6 >= self.lease_expiry.get(lease_id, math.inf) - 0.01:
             return "expired"
@@ -799,6 +846,11 @@ class Run:
             return "its unit stopped"
         if any(t >= c.granted_at for t in self.shutdowns):
             return "gpuswapd shut down"
+        daemon = self.host.daemon
+        if any(t >= c.granted_at for t in self.baseline_restores) or (
+                daemon is not None and daemon.window.baseline_restore is not None
+                and daemon.window.baseline_restore["at"] - EPOCH >= c.granted_at):
+            return "no state could be read: the baseline was restored"
         record = self.finished.get(str(c.window)) or self._window_in_memory(c.window)
         if record is None:
             return None
@@ -862,6 +914,7 @@ class Run:
     def final_checks(self) -> None:
         world, daemon = self.world, self.host.daemon
         assert daemon is not None
+        self._check_leases(daemon, final=True)
         if not world.resident_serves():
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("1", f"quiet, but the resident is not up: {states}")
@@ -869,8 +922,11 @@ class Run:
         if restarted > 0 and not any(t >= restarted and who == "resident" for t, who in world.http.completions):
             self.violate("1", f"quiet, but the resident was not verified after its last start at {restarted:.1f}s")
         timers = {name: t.active for name, t in world.systemd.timer_units.items()}
-        if timers != self.initial_timers:
-            wrong = {n: ("active" if a else "inactive") for n, a in timers.items() if a != self.initial_timers[n]}
+        expected = dict(self.initial_timers)
+        if self.baseline_restores:  # documented: the baseline starts every matching timer, even one that was off
+            expected.update({name: True for name in expected if fnmatch.fnmatchcase(name, "agent-*.timer")})
+        if timers != expected:
+            wrong = {n: ("active" if a else "inactive") for n, a in timers.items() if a != expected[n]}
             self.violate("1", f"quiet, but timers are not as they were: {wrong}")
         document = world.store.document()
         if daemon.window.record is not None or (document is not None and document.window is not None):
