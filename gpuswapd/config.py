@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import typing
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,6 +290,7 @@ class ParkConfig:
     level: int = _key(_int(1, 2), 1)
     keep: float = _key(_span(1.0), 7200.0)
     host_ram_needs: int = _key(_size, 0)
+    settle: float = _key(_span(0.0), 10.0)  # how long a sleeping engine's memory may take to come free
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,6 +502,7 @@ def _check(config: Config, source: str) -> None:
     if d.max_clients_per_uid > d.max_clients:
         raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
     containers: dict[str, str] = {}
+    ports: dict[tuple[str, int | None], tuple[str, bool]] = {}
     for p in config.all_profiles():
         where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
         if p.kind == "bare":
@@ -515,6 +518,16 @@ def _check(config: Config, source: str) -> None:
         if p.engine.park.mode == "sleep" and config.gpu.probe == "none":
             raise ConfigError(f"{source}: {where}.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a "
                               "reading of free VRAM proves the resident fits beside a sleeping engine")
+        # A parked engine keeps listening: another profile's engine could not take its port.
+        url = urllib.parse.urlsplit(p.engine.health_url)
+        port = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        parks = p.engine.park.mode == "sleep"
+        if port in ports and (parks or ports[port][1]):
+            other, _ = ports[port]
+            raise ConfigError(f"{source}: {where}.health_url: port {port[1]} of {port[0]} is also {other}'s, and "
+                              "with park.mode = \"sleep\" a parked engine keeps it while the other boots: give each "
+                              "engine profile its own port")
+        ports.setdefault(port, (where, parks))
     _check_metrics(config.metrics, source)
     _check_hooks(config.hooks, source)
 

@@ -79,6 +79,9 @@ class Engine(Protocol):
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the engine and free the GPU (removing what bring_up created)."""
 
+    async def pids(self) -> list[int]:
+        """List the host pids of the engine's processes (empty if it does not run or nobody can say)."""
+
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Remove this instance's engines that belong to no window in ``keep``."""
 
@@ -399,6 +402,15 @@ class ContainerEngine:
             return False
         return status == 200 and self._exit is None
 
+    async def pids(self) -> list[int]:
+        """List the host pids of the container's processes (``docker top``): the card lists them."""
+        try:
+            return await self._docker("top", self.docker.top, self.name)
+        except GpuswapError as err:
+            log.warning("engine_pids_unknown", container=self.name, error=err.message,
+                        consequence="its memory on the card counts as another process's until it is free")
+            return []
+
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the container (SIGTERM, then SIGKILL after stop_timeout) and remove it if created."""
         await reap(self._watch)
@@ -459,6 +471,10 @@ class BareEngine:
 
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Nothing to take down."""
+
+    async def pids(self) -> list[int]:
+        """List nothing: the holders' processes are their own."""
+        return []
 
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Nothing of a bare window's is left in Docker."""

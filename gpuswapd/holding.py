@@ -98,6 +98,7 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             await w.enter(rec, Phase.WARMING, required=False)
             await w.engine.warm()
             await opening.learn_canary(w, rec)
+            await opening.learn_pids(w, rec)
         except GpuswapError as err:
             reason = err.message
             log.error("engine_restart_failed", restart=rec.restarts, error=reason)

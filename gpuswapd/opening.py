@@ -52,10 +52,11 @@ async def _check_and_drain(op: Opening) -> None:
     w, cfg = op.window, op.window.config
     op.parked = await _usable_parked(w, op.rec)
     preflight = w.engine.preflight() if op.parked is None else _nothing()
+    going = frozenset(op.rec.freeing)  # the engine the last window took down: its memory is coming free
     if op.rec.switched_from:  # the timers are paused and the resident is down already
-        await together(preflight, check_fit(w, op.needs))
+        await together(preflight, check_fit(w, op.needs, going))
         return
-    _, _, op.timers = await together(preflight, check_fit(w, op.needs), w.resident.timers())
+    _, _, op.timers = await together(preflight, check_fit(w, op.needs, going), w.resident.timers())
     await together(w.resident.wait_jobs(op.timers, clock.monotonic() + cfg.timers.wait_for_jobs),
                    w.resident.drain())
 
@@ -75,7 +76,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     why: str | None
     if parked.profile != rec.profile:
         try:
-            await check_fit(w, w.profile.needs)
+            await check_fit(w, w.profile.needs, frozenset(rec.freeing))
             return None
         except WontFit as err:
             why = f"the window of profile {rec.profile!r} does not fit beside it ({err.message})"
@@ -86,18 +87,23 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     if not await parking.remove(w, f"it cannot be woken: {why}"):
         raise DockerError(f"the parked engine {parked.container.get('name')} cannot be woken ({why}) and could not "
                           "be removed: see the log (journalctl -u gpuswapd)")
+    rec.freeing = sorted({*rec.freeing, *parked.pids})  # its memory is coming free now, like any engine's
     return None
 
 
-async def check_fit(w: Window, need: int | None = None) -> None:
-    """Refuse a window the card cannot hold: other processes keep more than it leaves free."""
+async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = frozenset()) -> None:
+    """Refuse a window the card cannot hold: other processes keep more than it leaves free.
+
+    The resident's units and ``going`` (the pids of gpuswapd's engines being taken down) come
+    free; the window waits for them in WAITING_VRAM. Only everyone else's memory stays.
+    """
     need = w.profile.needs if need is None else need
     # With the resident up the card is mostly taken, so the process list is nearly always needed:
     # read it in the same go (this read is also the check that the probe answers at all).
     reading, units = await together(w.vram.read(processes=True), w.resident.closure())
     if reading is None or reading.free_bytes >= need:
         return  # it fits already (or there is no probe to ask)
-    fit = await predict_fit(w.vram, reading, units)
+    fit = await predict_fit(w.vram, reading, units, going)
     if not fit.fits(need):
         raise WontFit(fit.misfit(need, units))
 
@@ -121,6 +127,7 @@ async def _stop_resident(op: Opening) -> None:
 async def _wait_vram(op: Opening) -> None:
     gpu = op.window.config.gpu
     await op.window.vram.wait_free(op.needs, gpu.release_timeout)
+    op.rec.freeing = []  # whatever was being freed is free
 
 
 async def _boot(op: Opening) -> None:
@@ -139,6 +146,13 @@ async def _boot(op: Opening) -> None:
 async def _warm(op: Opening) -> None:
     await op.window.engine.warm()
     await learn_canary(op.window, op.rec)
+    await learn_pids(op.window, op.rec)
+
+
+async def learn_pids(w: Window, rec: WindowRecord) -> None:
+    """Record the serving engine's processes: the card lists their memory under these pids."""
+    if rec.container is not None:
+        rec.container = {**rec.container, "pids": await w.engine.pids()}
 
 
 async def learn_canary(w: Window, rec: WindowRecord) -> None:

@@ -60,6 +60,11 @@ class WindowRecord:
     saved: dict[str, Any] | None = None
     # A preemption: who asked, at what priority, when the leases are revoked (at ``deadline``).
     preempted: dict[str, Any] | None = None
+    # Host pids of engines gpuswapd took down for this window (its own, or the one it switched
+    # from): the card may list them, and their memory, until it comes free. Never strangers.
+    freeing: list[int] = field(default_factory=list)
+    # Switched to from a bare window: the holders' processes of that window may still hold memory.
+    after_bare: bool = False
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
@@ -111,7 +116,7 @@ class WindowRecord:
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
             "start": self.start, "profile": self.profile, "kind": self.kind,
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
-            "preempted": self.preempted,
+            "preempted": self.preempted, "freeing": self.freeing, "after_bare": self.after_bare,
         }
 
     @classmethod
@@ -133,7 +138,8 @@ class WindowRecord:
             baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
             profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
-            saved=d.table("saved"), preempted=d.table("preempted"),
+            saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
+            after_bare=d.flag("after_bare"),
         )
 
 
@@ -182,6 +188,18 @@ class _Fields:
         if not all(isinstance(v, str) for v in value):
             raise ValueError(f"{self.where}.{key}: expected a list of strings")
         return list(value)
+
+    def pids(self, key: str) -> list[int]:
+        value = self.items(key)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            raise ValueError(f"{self.where}.{key}: expected a list of process ids")
+        return list(value)
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key, True, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}.{key}: expected true or false")
+        return value
 
     def table(self, key: str) -> dict[str, Any] | None:
         value = self._get(key, True)

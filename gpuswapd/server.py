@@ -124,7 +124,19 @@ class Server:
         if refusal is not None:
             _refuse(conn, refusal)
             return
-        task = spawn(self._handle(conn, peer), "client")
+        self._track(spawn(self._handle(conn, peer), "client"))
+
+    def serve_streams(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+        """Serve a connection given as streams (the simulation's), unless the caps refuse it; say why if so."""
+        refusal = self.admission.admit(peer)
+        if refusal is not None:
+            writer.write(encode(error_reply(TooManyClients(refusal))))
+            writer.close()
+            return refusal
+        self._track(spawn(self.serve_connection(peer, reader, writer), "client"))
+        return None
+
+    def _track(self, task: asyncio.Task[None]) -> None:
         self._clients.add(task)
         task.add_done_callback(self._clients.discard)
 

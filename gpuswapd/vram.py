@@ -86,12 +86,16 @@ class Holder:
 
 @dataclass(frozen=True)
 class Fit:
-    """What the card would have free once the window has stopped the units it stops."""
+    """What the card would have free once the window has stopped the units it stops.
+
+    Memory of gpuswapd's own engines that are being taken down (``ours``) comes free too, however
+    long the driver still lists it: only the others' processes stay.
+    """
 
     total_bytes: int
     free_bytes: int
-    freed_bytes: int  # held by processes of the units the window stops
-    others: tuple[Holder, ...]  # processes outside those units
+    freed_bytes: int  # held by processes of the units the window stops, or of gpuswapd's engines going
+    others: tuple[Holder, ...]  # everyone else's processes
 
     @property
     def held_by_others(self) -> int:
@@ -116,10 +120,13 @@ class Fit:
                 f"{held}; stop them, or lower gpu.window_needs")
 
 
-async def predict_fit(vram: Vram, reading: VramReading, units: list[str]) -> Fit:
-    """Split the card's users into the units the window stops and everyone else."""
+async def predict_fit(vram: Vram, reading: VramReading, units: list[str], ours: frozenset[int] = frozenset()) -> Fit:
+    """Split the card's users into what comes free (the units the window stops, ``ours``) and everyone else."""
     freed, others = 0, []
     for proc in reading.processes:
+        if proc.pid in ours:
+            freed += proc.used_bytes
+            continue
         unit = await vram.unit_of(proc.pid)
         if unit is not None and unit in units:
             freed += proc.used_bytes

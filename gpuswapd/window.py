@@ -465,6 +465,8 @@ class Window:
         nxt.profile, nxt.kind = profile, self.config.profile(profile).kind
         nxt.timers, nxt.units = list(rec.timers), list(rec.units)
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
+        # The engine it took down is still being freed: the next window waits for it, never blames it.
+        nxt.freeing, nxt.after_bare = list(rec.freeing), rec.kind == "bare" or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, "closed", switch_to=nxt)
 

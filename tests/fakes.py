@@ -103,6 +103,7 @@ FAKE_CONFIG = parse_config(CONFIG, "<fake>")
 PARK_CONFIG = parse_config(CONFIG + """
 [window.park]
 mode = "sleep"
+settle = "100ms"
 """, "<fake, park = sleep>")
 PROFILES = f"""
 [profiles.eval]
@@ -463,6 +464,11 @@ class FakeDocker:
     def logs_tail(self, name: str, lines: int = 20) -> str:
         """Return the log's end."""
         return "EngineDeadError\n"
+
+    def top(self, name: str) -> list[int]:
+        """List the host pids of a running container's processes."""
+        c = self.containers.get(name)
+        return [self.engine_pid] if c is not None and c.status == "running" else []
 
     def find(self, labels: dict[str, str]) -> list[ContainerState]:
         """List containers carrying all these labels."""

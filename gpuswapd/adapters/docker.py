@@ -209,6 +209,22 @@ def read_env_file(path: str) -> dict[str, str]:
     return out
 
 
+def pids_of(listing: Any) -> list[int]:
+    """Read the PID column of ``docker top`` (its columns depend on the ps options)."""
+    if not isinstance(listing, dict):
+        return []
+    titles = listing.get("Titles") or []
+    column = titles.index("PID") if "PID" in titles else None
+    out = []
+    for row in listing.get("Processes") or []:
+        if column is not None and column < len(row):
+            try:
+                out.append(int(row[column]))
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
 def _environment(spec: ContainerConfig) -> list[str]:
     """Merge the ``env`` table over the env file, as ``KEY=VALUE`` strings."""
     merged = read_env_file(spec.env_file) if spec.env_file else {}
@@ -347,6 +363,19 @@ class Docker:
                 f"container {name!r} was removed while gpuswapd waited for it to exit"
             )
         return None if state.running else state
+
+    @_docker_errors("list the processes of")
+    def top(self, name: str) -> list[int]:
+        """List the host pids of the container's processes (``docker top``); none if it does not run."""
+        try:
+            listing = self._api().top(name)
+        except docker.errors.NotFound:
+            return []
+        except docker.errors.APIError as err:
+            if getattr(err, "status_code", None) == 409:  # "is not running"
+                return []
+            raise
+        return pids_of(listing)
 
     @_docker_errors("read the logs of")
     def logs_tail(self, name: str, lines: int = 20) -> str:

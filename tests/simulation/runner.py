@@ -33,11 +33,11 @@ from gpuswapd.outside import _ERRORS, Late, close_unawaited
 from gpuswapd.peers import Peer
 from gpuswapd.phases import Phase
 from gpuswapd.protocol import encode
+from tests.simulation import world as world_module
 from tests.simulation.history import Setup
 from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop
 from tests.simulation.streams import Connection
-from tests.simulation import world as world_module
-from tests.simulation.world import GiB, EngineSpec, Unit, World
+from tests.simulation.world import EngineSpec, GiB, Unit, World
 
 RESIDENT_BYTES = 21 * GiB
 ENGINE_BYTES = int(19.5 * GiB)
@@ -337,7 +337,8 @@ class Host:
 class Run:
     """One history being played."""
 
-    def __init__(self, setup: Setup, events: list[dict[str, Any]], record: Record, graveyard: list[VirtualLoop]) -> None:
+    def __init__(self, setup: Setup, events: list[dict[str, Any]], record: Record,
+                 graveyard: list[VirtualLoop]) -> None:
         self.setup = setup
         self.events = events
         self.record = record
@@ -516,7 +517,7 @@ class Run:
         daemon = self.host.daemon
         c.window = daemon.window.record.id if daemon is not None and daemon.window.record is not None else None
         expires = lease.get("expires_at")
-        self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - self.clock.wall() + self.clock.now
+        self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
         self.leases[c.lease] = c
         self.note(f"  {c.id}: lease {c.lease} on window {c.window} ({message.get('profile')})")
         if self.ending and c.spec.get("for") == "infinity" and c.kind == "acquire":
@@ -578,7 +579,7 @@ class Run:
     def _renewed(self, c: Client, reply: dict[str, Any]) -> None:
         if reply.get("ok") and c.lease is not None:
             expires = reply["lease"].get("expires_at")
-            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - self.clock.wall() + self.clock.now
+            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
 
     def _command_ends(self, c: Client) -> None:
         if not c.running:
@@ -905,7 +906,8 @@ class Run:
                 return  # written to a client that does not read
             if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:
                 return
-            got = "no reply yet" if c.reply is None else f"{c.reply['error'].get('code')}: {c.reply['error'].get('message')}"
+            error = (c.reply or {}).get("error") or {}
+            got = "no reply yet" if c.reply is None else f"{error.get('code')}: {error.get('message')}"
             self.violate("5", f"client {c.id} asked READY window {window} of profile {e['profile']!r} for a lease "
                               f"and was not granted one at once ({got})")
 

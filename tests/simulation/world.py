@@ -28,7 +28,14 @@ from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
-from gpuswapd.errors import BadResponse, ContainerNotFound, DockerError, EndpointUnreachable, ImageNotFound, UnitNotFound
+from gpuswapd.errors import (
+    BadResponse,
+    ContainerNotFound,
+    DockerError,
+    EndpointUnreachable,
+    ImageNotFound,
+    UnitNotFound,
+)
 from gpuswapd.state import Document, Loaded, decode
 from tests.simulation.loop import VirtualClock
 
@@ -125,8 +132,9 @@ class Card:
         """Take memory for a process starting now; False (an out-of-memory, recorded) if it does not fit."""
         free = self.free()
         if free < size:
-            (self.late_ooms if LATE[0] else self.ooms).append(f"at {self.clock.now:.1f}s {name} needed {size / GiB:.1f} GiB with "
-                             f"{free / GiB:.1f} GiB free (held: {self.describe()})")
+            (self.late_ooms if LATE[0] else self.ooms).append(
+                f"at {self.clock.now:.1f}s {name} needed {size / GiB:.1f} GiB with {free / GiB:.1f} GiB free "
+                f"(held: {self.describe()})")
             return False
         self.holdings[name] = Holding(pid, size)
         return True
@@ -579,6 +587,11 @@ class Docker:
                 self.exit_waiters.remove(waiter)
                 if not waiter[1].done():
                     waiter[1].set_exception(ContainerNotFound(f"container {name!r} was removed"))
+
+    def top(self, name: str) -> list[int]:
+        """List the host pids of a running container's processes."""
+        c = self.containers.get(name)
+        return [c.pid] if c is not None and c.status == "running" else []
 
     def logs_tail(self, name: str, lines: int = 20) -> str:
         """Return the log's end."""

@@ -252,7 +252,8 @@ def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> 
 @pytest.mark.parametrize(("needs", "stays"), [("21GiB", True), ("23.5GiB", False)])
 def test_a_parked_engine_of_another_profile_stays_only_if_the_next_window_fits(needs: str, stays: bool) -> None:
     profiles = PROFILES.replace('kind = "engine"\n', f'kind = "engine"\nneeds = "{needs}"\n', 1)
-    fw = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\n' + profiles, "<park+profiles>"))
+    fw = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\nsettle = "100ms"\n' + profiles,
+                                      "<park+profiles>"))
 
     async def main() -> None:
         async with running(fw.window()) as w:
