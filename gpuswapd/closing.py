@@ -56,6 +56,7 @@ def switch_target(w: Window, rec: WindowRecord) -> str | None:
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="closed")
+    w.end_watchers("the window closed")
     await w.persist(required=False)
     nxt = switch_target(w, rec)
     # Parked only if what comes next fits beside it: the resident, or the next window.
@@ -115,6 +116,8 @@ async def _resident_fits(w: Window) -> bool:
 
 async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
     gpu = w.config.gpu
+    if await w.resident.all_active(rec.units):
+        return  # it is back already (a close carried on after a restart): its own memory is no wait
     await _parked_leaves_room(w)
     deadline = clock.monotonic() + gpu.release_timeout
     attempt = 0

@@ -52,8 +52,8 @@ CANARY_SAMPLING = {"temperature": 0, "seed": 0}
 class Engine(Protocol):
     """What a window needs of its engine."""
 
-    async def preflight(self) -> None:
-        """Check, changing nothing, that the engine could come up now."""
+    async def preflight(self, check_port: bool = True) -> None:
+        """Check, changing nothing, that the engine could come up now (its port too, unless told not to)."""
 
     async def bring_up(self, window_id: str) -> dict[str, Any]:
         """Start the engine; return what must be recorded to take it down later."""
@@ -127,7 +127,7 @@ class ContainerEngine:
         lane = self.outside.docker
         return await lane.call_within(deadline or lane.deadline, name, func, *args)
 
-    async def preflight(self) -> None:
+    async def preflight(self, check_port: bool = True) -> None:
         """Check Docker, the image or container, the env file, and that the engine's port is free."""
         c = self.config.container
         await self._docker("ping", self.docker.ping)
@@ -148,7 +148,7 @@ class ContainerEngine:
                 raise ContainerNotFound(f"no container named {c.name!r} (window.container.create = false)")
             if state.running:
                 raise DockerError(f"container {c.name!r} is already running: stop it first (`docker stop {c.name}`)")
-        port = self._port()
+        port = self._port() if check_port else None
         if port is not None and await _port_taken(port):
             raise WindowError(f"port {port} of {self.config.health_url} is already in use by something "
                               f"else: `ss -ltnp 'sport = :{port}'` shows what")
@@ -437,7 +437,7 @@ class BareEngine:
     processes are theirs to watch), and there is nothing to take down.
     """
 
-    async def preflight(self) -> None:
+    async def preflight(self, check_port: bool = True) -> None:
         """Nothing to check: no container, no port."""
 
     async def bring_up(self, window_id: str) -> dict[str, Any]:

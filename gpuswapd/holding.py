@@ -55,6 +55,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
             for lease in expired:
                 log.info("lease_expired", lease=lease.id, holder=lease.holder)
             if expired:
+                w.end_watchers("expired")
                 await w.persist(required=False)
             if len(rec.leases):
                 linger_from = None

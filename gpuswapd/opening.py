@@ -65,6 +65,15 @@ async def _nothing() -> None:
     return None
 
 
+async def preflight(w: Window, profile: str) -> None:
+    """Check, changing nothing, that a window of ``profile`` could bring its engine up (a parked one is woken)."""
+    parked = w.parked
+    if parked is not None and parked.profile == profile:
+        return
+    # Its port may be the open window's engine's until that one is gone: DRAINING checks it then.
+    await w.engine_of(profile).preflight(check_port=False)
+
+
 async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     """Return the parked engine if this window can wake it; remove it (resident untouched) if not.
 

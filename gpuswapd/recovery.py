@@ -94,6 +94,13 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(clock.wall())
+    if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):
+        # The resident it stopped is up again: the close finished but its end was never written
+        # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
+        log.warning("window_stale", window=rec.id, units=rec.units,
+                    reason="its resident is up again: its close finished but was not recorded")
+        await closing.close(w, rec, "recovered")
+        return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
             rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):

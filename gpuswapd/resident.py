@@ -93,6 +93,13 @@ class Resident:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
         return await self.outside.systemd.call("closure", self.systemd.stop_closure, self.config.resident.units)
 
+    async def all_active(self, units: list[str]) -> bool:
+        """Tell whether every one of these units is up now (False when systemd cannot say)."""
+        try:
+            return set(units) <= set(await self.closure())
+        except GpuswapError:
+            return False
+
     async def stop(self, units: list[str]) -> None:
         """Stop the units together; systemd stops dependents first (the reverse of After=)."""
         started = clock.monotonic()

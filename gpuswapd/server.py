@@ -371,11 +371,13 @@ class Server:
         The lease is not bound to the connection: renew and release come on connections of their own.
         """
         self.window.lease_watchers[lease_id] = tell
+        self.window.end_watchers("ended")  # it may have ended already
         try:
             while await reader.read(4096):
                 pass  # the client says nothing more; anything it sends is ignored
         finally:
-            self.window.lease_watchers.pop(lease_id, None)
+            if self.window.lease_watchers.get(lease_id) is tell:
+                del self.window.lease_watchers[lease_id]
 
 
 def _pending(sock: socket.socket, most: int) -> list[socket.socket]:

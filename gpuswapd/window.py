@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import clock, closing, holding, opening, parking, recovery
+from gpuswapd import clock, closing, holding, opening, parking, preempting, recovery
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -158,9 +158,10 @@ class Window:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
         rec, now = self.record, clock.wall()
-        # A window being preempted takes no new leases: they would only be revoked.
+        # A window being preempted takes no new leases: they would only be revoked. Once the
+        # preemption is abandoned (its request went away), it takes them again.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and rec.preempted is None and self.queue.blocked(profile, now) is None)
+                 and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
         waiter = Waiter(holder, duration, unit, uid, profile, listener, priority)
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
@@ -174,6 +175,10 @@ class Window:
         if not joins and len(self.queue.queued()) >= self.config.daemon.max_queue:
             raise QueueFull(f"the queue is full: {self.config.daemon.max_queue} requests wait already "
                             "(daemon.max_queue); try again later")
+        if not joins and rec is not None and rec.profile != profile:
+            # It would wait behind another window: say now if it could never open (an image pruned
+            # while gpuswapd runs, an env file gone), not after that window has closed for it.
+            await opening.preflight(self, profile)
         waiter.window = rec.id if joins and rec is not None else None
         self.queue.waiters.append(waiter)
         if listener is not None:
@@ -261,16 +266,23 @@ class Window:
         for lease in gone:
             log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="unit_gone", unit=unit)
         if gone:
-            await self._leases_changed()
+            await self._leases_changed(f"its unit {unit} stopped")
         return gone
 
     async def renew(self, lease_id: str, duration: float, allowed: Owner | None = None) -> Lease:
         """Extend a lease to end ``duration`` seconds from now."""
         rec = self._open_record()
-        self._check_owner(rec.leases.get(lease_id), allowed, "renew")
-        lease = rec.leases.renew(lease_id, duration, clock.wall())
+        lease = rec.leases.get(lease_id)
+        self._check_owner(lease, allowed, "renew")
+        was = lease.expires_at
+        rec.leases.renew(lease_id, duration, clock.wall())
+        try:
+            await self._recorded(f"the renewal of lease {lease_id}")
+        except BaseException:
+            lease.expires_at = was  # it still ends when it did
+            raise
         log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at)
-        await self._leases_changed()
+        self.wake.set()
         return lease
 
     @staticmethod
@@ -336,14 +348,24 @@ class Window:
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
         lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)
+        try:
+            # A lease is granted once it is on disk: one that is not would be gone after a crash.
+            await self._recorded(f"the lease for {w.holder}")
+        except BaseException:
+            self._drop_lease(lease)  # its client is gone, or it could not be recorded
+            raise
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
                  waited_s=round(clock.wall() - w.since, 3))
-        try:
-            await self._leases_changed()
-        except asyncio.CancelledError:
-            self._drop_lease(lease)  # its client is gone: the lease must not outlive it
-            raise
+        self.wake.set()
         return lease
+
+    async def _recorded(self, what: str) -> None:
+        """Write the state now; StateError (naming ``what``) if it cannot be."""
+        try:
+            await self.writer.save()
+        except StateError as err:
+            raise StateError(f"{what} could not be recorded, so it is not granted: {err.message}; "
+                             "try again once the state directory is writable (gpuswapctl status)") from err
 
     def _drop_lease(self, lease: Lease) -> None:
         """End a lease whose client went away before it heard of it (no waiting: it is cancelled)."""
@@ -354,8 +376,9 @@ class Window:
             self.wake.set()
             self.writer.request()
 
-    async def _leases_changed(self) -> None:
+    async def _leases_changed(self, reason: str = "released") -> None:
         self.wake.set()
+        self.end_watchers(reason)
         await self.persist(required=False)
 
     # -- what the steps share ----------------------------------------------------------------
@@ -383,10 +406,22 @@ class Window:
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
         await failpoint(f"{phase}:closing" if rec.closing and phase is not Phase.CLOSING else str(phase))
 
-    def tell_holders(self, event: dict[str, Any]) -> None:
-        """Send an event to every lease holder whose client still holds its connection open."""
-        for listener in list(self.lease_watchers.values()):
+    def tell_holders(self, event: dict[str, Any], leases: list[Lease] | None = None) -> None:
+        """Send an event to the held connections of these leases (by default, every lease of the open window)."""
+        if leases is None:
+            self.end_watchers("ended")
+            listeners = list(self.lease_watchers.values())
+        else:
+            listeners = [self.lease_watchers[x.id] for x in leases if x.id in self.lease_watchers]
+        for listener in listeners:
             listener(event)
+
+    def end_watchers(self, reason: str) -> None:
+        """Tell the held connections of leases that have ended why, and stop telling them anything else."""
+        live = {lease.id for lease in self.leases()}
+        for lease_id in [x for x in self.lease_watchers if x not in live]:
+            listener = self.lease_watchers.pop(lease_id)
+            listener({"event": "lease_ended", "lease": lease_id, "reason": reason})
 
     def tell(self, event: dict[str, Any]) -> None:
         """Send an event to every client waiting for the window."""
@@ -413,10 +448,20 @@ class Window:
         return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)) for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
-        """Enter READY and give every waiting acquire its lease."""
+        """Enter READY and give every waiting acquire its lease, once the leases are on disk."""
         await self.enter(rec, Phase.READY, required=not rec.restarts)
         granted = self.grant_waiters(rec)
-        await self._leases_changed()
+        if granted:
+            try:
+                await self._recorded(f"the lease of {granted[0][0].holder}" if len(granted) == 1 else
+                                     f"the leases of {len(granted)} waiting clients")
+            except StateError as err:
+                for waiter, lease in granted:
+                    rec.leases.release(lease.id)
+                    if not waiter.future.done():
+                        waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
+                granted = []
+        self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
                      waited_s=round(clock.wall() - waiter.since, 3))
@@ -424,6 +469,14 @@ class Window:
                 self._drop_lease(lease)
             else:
                 waiter.future.set_result(lease)
+
+    def refuse(self, waiter: Waiter, err: GpuswapError) -> None:
+        """Fail one queued request with ``err`` (it could never be served)."""
+        self.queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(err)
+        self.writer.request()
+        self.tell_queue()
 
     def fail_waiters(self, err: GpuswapError, window: str | None = None) -> None:
         """Fail the acquires that joined ``window`` with ``err`` (None: every waiting acquire)."""
@@ -445,6 +498,7 @@ class Window:
         rec.switched_to = switch_to.id if switch_to is not None else None
         rec.enter(Phase.IDLE)
         self.last, self.record = rec, switch_to
+        self.end_watchers(f"its window {rec.id} ended ({outcome})")
         record = rec.to_dict()
         self.writer.add_history(record)
         self.times.learn(record)
@@ -591,10 +645,14 @@ class Window:
                                    "the resident is being restored (see journalctl -u gpuswapd)")
         finally:
             self._opening = None
+        if failure is None:
+            try:
+                await self.ready(rec)
+            except StateError as err:  # READY could not be recorded: nobody gets a lease a crash would lose
+                failure = err
         if failure is not None:
             await self._fail_opening(rec, failure)
             return
-        await self.ready(rec)
         await holding.hold_then_close(self, rec)
 
     async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:

@@ -335,7 +335,7 @@ def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directl
             with pytest.raises(NotReady):  # a window being preempted takes no new leases
                 await w.acquire("late", 60, wait=False)
             lease = await urgent
-            assert [e["event"] for e in told] == ["preempting", "preempted"]
+            assert [e["event"] for e in told] == ["preempting", "preempted", "lease_ended"]
             assert w.record is not None and w.record.kind == "bare" and w.record.switched_from
             assert len(fw.systemd.started) == starts  # the resident was not started in between
             assert w.last is not None and w.last.preempted is not None and w.last.preempted["revoked_at"]
