@@ -197,7 +197,7 @@ def draw_events(rng: random.Random, setup: Setup, count: int) -> list[dict[str, 
                      "for": "infinity" if infinite else rng.choice((20.0, 60.0, 180.0, 600.0)),
                      "wait": rng.random() < 0.9,
                      "timeout": rng.choice((30.0, 120.0)) if rng.random() < 0.1 else None,
-                     "reads": rng.random() < 0.96,
+                     "reads": rng.random() < 0.92,
                      "cmd_s": rng.choice((5.0, 30.0, 120.0, 400.0)),
                      "ignores_term": rng.random() < 0.15, "term_s": rng.choice((0.5, 3.0)),
                      "bare_gib": rng.choice((4.0, 12.0, 18.0))}

@@ -321,10 +321,11 @@ class Host:
         for conn in self.connections:
             if conn.open:
                 self.run.dropped(conn, "shutdown")
-        await daemon.shutdown()
+        status = await daemon.shutdown()
         if self.daemon is not daemon:
             return
-        self.run.note("gpuswapd exited")
+        self.run.note(f"gpuswapd exited with status {status}")
+        self.run.check_exit(daemon, status)
         for conn in self.connections:
             if conn.open:
                 self.run.dropped(conn, "shutdown")
@@ -357,7 +358,8 @@ class Run:
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
         self.baseline_restores: list[float] = []
-        self.notices: dict[str, bool] = {}  # window -> the preemptor could open at its notice
+        self.images_gone: list[tuple[float, float, str]] = []
+        self.env_unreadable: list[tuple[float, float]] = []
         self.loop: VirtualLoop | None = None
         self.graveyard = graveyard
         self.done = False
@@ -684,9 +686,11 @@ class Run:
         if image is not None and image in self.world.docker.images:
             self.world.docker.images.discard(image)
             self.world.scheduler.after(float(e["for"]), lambda: self.world.docker.images.add(image))
+            self.images_gone.append((self.clock.now, self.clock.now + float(e["for"]), image))
 
     def _do_env_unreadable(self, e: dict[str, Any]) -> None:
         self.faults.env_until = self.clock.now + float(e["for"])
+        self.env_unreadable.append((self.clock.now, self.faults.env_until))
 
     def _do_state_broken(self, e: dict[str, Any]) -> None:
         self.world.store.broken_until = self.clock.now + float(e["for"])
@@ -725,12 +729,28 @@ class Run:
                     c.running = False
                     self.world.systemd.crash(c.unit)
 
+    def check_exit(self, daemon: Daemon, status: int | None) -> None:
+        """Invariant 11: on_shutdown = "restore" exits with the resident back, or with a status that says not."""
+        if status:
+            return
+        world = self.world
+        document = world.store.document()
+        paused = [t for t, active in self.initial_timers.items() if active and not world.systemd.timer_units[t].active]
+        if not world.resident_serves() or paused or (document is not None and document.window is not None):
+            states = {u: world.systemd.units[u].active_state for u in world.resident_units}
+            self.violate("11", f"gpuswapd shut down with on_shutdown = \"restore\" and exited 0, but the resident is "
+                               f"{states}, timers still paused: {paused}, a window on disk: "
+                               f"{document is not None and document.window is not None}")
+
     # -- the end --------------------------------------------------------------------------------
 
     def end(self) -> None:
         """Heal every fault, let every lease for infinity go, then wait until all is quiet."""
         self.note("the history is over: every fault heals")
         self.ending = True
+        now = self.clock.now
+        self.images_gone = [(a, min(b, now), img) for a, b, img in self.images_gone]
+        self.env_unreadable = [(a, min(b, now)) for a, b in self.env_unreadable]
         self.faults.heal()
         self.world.docker.images |= {"hyperqwen:latest", "qwen-eval:latest"}
         self.world.store.broken_until = 0.0
@@ -858,7 +878,7 @@ class Run:
         preempted = record.get("preempted") or {}
         if preempted.get("revoked_at") is not None and any(h.get("lease") == lease_id
                                                            for h in preempted.get("holders") or []):
-            if not self.notices.get(str(c.window), True):
+            if not self._could_open(str(preempted.get("profile")), float(preempted.get("at") or 0) - EPOCH):
                 self.violate("4", f"lease {lease_id} of client {c.id} was revoked for preemptor "
                                   f"{preempted.get('by')} (profile {preempted.get('profile')}), which could not "
                                   "open a window when it was noticed (its image or env file was missing)")
@@ -867,6 +887,13 @@ class Run:
                                                                           "baseline_restored"):
             return f"its window failed ({record.get('outcome')})"
         return None
+
+    def _could_open(self, profile: str, at: float) -> bool:
+        """Tell whether a window of ``profile`` had its image and env file at virtual time ``at``."""
+        image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(profile)
+        gone = any(img == image and start <= at < end for start, end, img in self.images_gone)
+        unreadable = profile == "default" and any(start <= at < end for start, end in self.env_unreadable)
+        return not gone and not unreadable
 
     def _window_in_memory(self, window: str | None) -> dict[str, Any] | None:
         daemon = self.host.daemon
