@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class Interrupted(Exception):
-    """Closing stopped part-way because gpuswapd is stopping; the record stays for the next start."""
+    """Closing stopped part-way because gpuswapd gives up (its shutdown bound ran out); the record stays."""
 
 
 def engine_left(rec: WindowRecord) -> bool:
@@ -68,6 +68,7 @@ async def _take_down(w: Window, rec: WindowRecord) -> None:
     going = [*((rec.container or {}).get("pids") or []), *await w.engine.pids()]
     if not await parking.try_park(w, rec, need):
         rec.freeing = sorted({*rec.freeing, *going})
+        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == "engine")
         await w.persist(required=False)
         await _retry_take_down(w, rec, clock.monotonic() + w.backoffs.take_down_for)
 
@@ -141,7 +142,7 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
                 log.warning("vram_unknown_restoring_anyway", error=err.message)
                 return
             log.warning("vram_unknown_before_restore", error=err.message, attempt=attempt)
-            await _pause(w, min(_backoff(w.backoffs.restore, attempt), max(0.0, deadline - clock.monotonic())))
+            await _pause(w, min(backoff(w.backoffs.restore, attempt), max(0.0, deadline - clock.monotonic())))
 
 
 async def _parked_leaves_room(w: Window) -> None:
@@ -208,14 +209,15 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             await _degraded(w, rec, err, attempt)
 
 
-def _backoff(bounds: tuple[float, float], attempt: int) -> float:
+def backoff(bounds: tuple[float, float], attempt: int) -> float:
+    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap."""
     first, cap = bounds
     return float(min(cap, first * 2 ** max(0, attempt - 1)))
 
 
 async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
     """Wait in DEGRADED before the next try; nobody gets a window meanwhile."""
-    delay = _backoff(w.backoffs.restore, attempt)
+    delay = backoff(w.backoffs.restore, attempt)
     rec.degraded = err.message
     log.error("restore_failed", error=err.message, retry_in_s=delay)
     if attempt == 1:
@@ -243,8 +245,11 @@ async def _resume(w: Window, rec: WindowRecord) -> None:
 
 
 async def _pause(w: Window, seconds: float) -> None:
-    """Wait before a retry; when gpuswapd is stopping, leave the record for the next start."""
-    if await sleep_unless(w.stopping, seconds):
+    """Wait before a retry; when gpuswapd gives up (its shutdown bound ran out), leave the record for the next start.
+
+    A shutdown that restores (on_shutdown = "restore") retries like any close: only ``abort`` ends it.
+    """
+    if await sleep_unless(w.abort, seconds):
         raise Interrupted
 
 
@@ -336,9 +341,9 @@ async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
 
 
 async def _until(w: Window, aw: Awaitable[None]) -> None:
-    """Await something long, unless gpuswapd stops first (then the record stays)."""
+    """Await something long, unless gpuswapd gives up first (then the record stays)."""
     task = asyncio.ensure_future(aw)
-    stop = asyncio.ensure_future(w.stopping.wait())
+    stop = asyncio.ensure_future(w.abort.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled: the long wait is not left running without an owner

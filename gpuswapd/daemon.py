@@ -39,7 +39,10 @@ from gpuswapd.vram import Vram
 from gpuswapd.window import Window
 
 EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
+# The shutdown's close, then the last write, must end within the units' TimeoutStopSec= (11min),
+# or systemd kills gpuswapd in the middle of it (a test checks the units against these).
 SHUTDOWN_BOUND_S = 600.0
+WRITER_STOP_S = 10.0
 
 
 @dataclass
@@ -120,8 +123,7 @@ class Daemon:
         watchdog = spawn(self._feed_watchdog(), "watchdog")
         await self._stop.wait()
         watchdog.cancel()
-        await self.shutdown()
-        return 0
+        return await self.shutdown()
 
     async def startup(self) -> socket.socket:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
@@ -198,23 +200,29 @@ class Daemon:
             )
         return stopping
 
-    async def shutdown(self) -> None:
-        """Stop serving; restore the resident first when ``on_shutdown = "restore"``."""
+    async def shutdown(self) -> int:
+        """Stop serving; restore the resident first when ``on_shutdown = "restore"``; return the exit status.
+
+        The status is non-zero when the GPU could not be given back within the bound, or the
+        state could not be written: the record then stays for the next start to finish.
+        """
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
-        try:
-            await asyncio.wait_for(self.window.shutdown(restore=restore), SHUTDOWN_BOUND_S)
-        except TimeoutError:
-            log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
-        await self.window.writer.stop(timeout=10.0)
+        given_back = await self.window.shutdown(restore=restore, bound=SHUTDOWN_BOUND_S)
+        saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()
         await self.http.aclose()
         self.systemd.close()
         if self._own_socket is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._own_socket)
-        log.info("gpuswapd_stopped")
+        if given_back and saved:
+            log.info("gpuswapd_stopped")
+            return 0
+        log.error("gpuswapd_stopped", given_back=given_back, state_saved=saved,
+                  consequence="the next start of gpuswapd finishes the restore from the state it finds")
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

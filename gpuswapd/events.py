@@ -42,7 +42,7 @@ KNOWN_EVENTS = frozenset({
     "engine_pids_unknown", "engine_recovered", "engine_restart_failed", "engine_restarted",
     "engine_sleep_unavailable", "engine_started", "engine_stopped", "engine_take_down_failed",
     "engine_take_down_pending", "engine_verified", "engine_wake_failed", "engine_warmup", "engine_watch_lost",
-    "engine_watch_restarted", "engine_woken", "forced_exit", "gpuswapd_ready", "gpuswapd_stopped",
+    "engine_watch_restarted", "engine_woken", "fit_unsure", "forced_exit", "gpuswapd_ready", "gpuswapd_stopped",
     "history_unreadable", "late_calls_pending", "late_calls_reconciled", "lease_ended", "lease_expired",
     "lease_granted", "lease_released", "lease_renewed", "orphan_check_failed", "orphan_engine_removed",
     "orphan_sweep_failed", "outside_call_hung", "outside_call_returned", "park_level_lowered",

@@ -71,7 +71,9 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
     Its image and env file must be there, and it must fit on the card beside what stays once this
     window's engine is gone: revoking work for a window that then fails helps nobody.
     """
-    going = {*rec.freeing, *((rec.container or {}).get("pids") or [])}
+    live = await w.engine.pids() if rec.kind == "engine" else []
+    going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
+    unsure = rec.freeing_unknown or (rec.kind == "engine" and not going)
     need = w.config.profile(by.profile).needs
     parked = w.parked
     if parked is not None and parked.profile == by.profile:
@@ -80,7 +82,7 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
         going |= set(parked.pids)  # removed if the window does not fit beside it
     try:
         await opening.preflight(w, by.profile)
-        await opening.check_fit(w, need, frozenset(going))
+        await opening.check_fit(w, need, frozenset(going), unsure)
     except GpuswapError as err:
         log.warning("preemptor_refused", by=by.holder, profile=by.profile, error=err.message, window=rec.id)
         w.refuse(by, GpuswapError.from_dict({**err.to_dict(), "message": (

@@ -63,6 +63,7 @@ class WindowRecord:
     # Host pids of engines gpuswapd took down for this window (its own, or the one it switched
     # from): the card may list them, and their memory, until it comes free. Never strangers.
     freeing: list[int] = field(default_factory=list)
+    freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
     # Switched to from a bare window: the holders' processes of that window may still hold memory.
     after_bare: bool = False
 
@@ -116,7 +117,8 @@ class WindowRecord:
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
             "start": self.start, "profile": self.profile, "kind": self.kind,
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
-            "preempted": self.preempted, "freeing": self.freeing, "after_bare": self.after_bare,
+            "preempted": self.preempted, "freeing": self.freeing,
+            "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
         }
 
     @classmethod
@@ -139,7 +141,7 @@ class WindowRecord:
             profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
             saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
-            after_bare=d.flag("after_bare"),
+            freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
         )
 
 

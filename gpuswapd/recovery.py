@@ -150,7 +150,26 @@ async def restore_baseline(w: Window, rec: WindowRecord) -> None:
     rec.units, rec.timers = await _baseline_targets(w)
     w.unknown_baseline = None
     await w.persist(required=False)
+    await _other_engines_down(w)
     await closing.close(w, rec, "baseline_restored")
+
+
+async def _other_engines_down(w: Window) -> None:
+    """Take down every other engine profile's container too: which one held the card is unknown."""
+    for profile in w.config.engine_profiles():
+        if profile.name == DEFAULT_PROFILE:
+            continue  # the record's own: the close takes it down
+        c = profile.engine.container
+        attempt = 0
+        while True:
+            try:
+                await w.engine_of(profile.name).take_down({"name": c.name, "created": c.create})
+                break
+            except GpuswapError as err:
+                attempt += 1
+                delay = closing.backoff(w.backoffs.take_down, attempt)
+                log.error("engine_take_down_failed", container=c.name, error=err.message, retry_in_s=delay)
+                await asyncio.sleep(delay)
 
 
 async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:

@@ -100,7 +100,8 @@ class Window:
         self.parked: parking.Parked | None = None  # the engine asleep between windows
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
+        self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
@@ -520,7 +521,8 @@ class Window:
         nxt.timers, nxt.units = list(rec.timers), list(rec.units)
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
         # The engine it took down is still being freed: the next window waits for it, never blames it.
-        nxt.freeing, nxt.after_bare = list(rec.freeing), rec.kind == "bare" or rec.after_bare
+        nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
+        nxt.after_bare = rec.kind == "bare" or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, "closed", switch_to=nxt)
 
@@ -666,24 +668,40 @@ class Window:
 
     # -- shutdown --------------------------------------------------------------------------
 
-    async def shutdown(self, restore: bool) -> None:
-        """Stop serving the window; with ``restore``, close it and give the GPU back first."""
+    async def shutdown(self, restore: bool, bound: float = math.inf) -> bool:
+        """Stop serving the window; with ``restore``, close it and give the GPU back first.
+
+        The close retries as it always does, for up to ``bound`` seconds; then gpuswapd gives up
+        and the record stays for the next start. Tell whether the GPU was given back.
+        """
         self.stopping.set()
         self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
                                    "acquire again once it is back"))
         driver = self._driver
         await parking.stop_watching(self)
         if not restore:
+            self.abort.set()
             if driver is not None:
                 driver.cancel()
                 await asyncio.wait({driver})
-            return  # a parked engine stays parked, for the next start to adopt
+            return True  # a parked engine stays parked, for the next start to adopt
         if self._opening is not None:
             self._opening.cancel()
         self.wake.set()
         if driver is not None:
-            await asyncio.wait({driver})
-        await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
+            await asyncio.wait({driver}, timeout=None if math.isinf(bound) else bound)
+            if not driver.done():
+                log.error("shutdown_bound_reached", bound_s=bound, phase=str(self.phase),
+                          consequence="the window is left for the next start of gpuswapd to finish")
+                self.abort.set()  # its next pause ends it, with the record kept
+                await asyncio.wait({driver}, timeout=10.0)
+                if not driver.done():
+                    driver.cancel()
+                    await asyncio.wait({driver})
+                return False
+        if self.record is not None:
+            return False  # the close was left part-way (it said so in the log)
+        return await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
 
 
 def _backoff(bounds: tuple[float, float], attempt: int) -> float:

@@ -420,6 +420,7 @@ class Run:
     def abandon(self) -> None:
         """End this incarnation's loop: its tasks never run again."""
         assert self.loop is not None
+        self.world.scheduler.detach()
         self.loop.stop()
 
     def play(self) -> Outcome:
@@ -836,9 +837,6 @@ class Run:
         now = self.clock.now
         rec = daemon.window.record
         current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
-        for lease_id, x in current.items():
-            if lease_id in self.lease_expiry:
-                self.lease_expiry[lease_id] = x.expires_at - self.clock.wall() + now
         for lease_id, c in list(self.leases.items()):
             if lease_id in current:
                 continue
@@ -922,8 +920,9 @@ class Run:
             return
         if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.wall()) is not None:
             return
-        if self.faults.active(("systemd", "state")) or self.clock.now < self.world.store.broken_until:
-            return
+        if self.faults.active(("systemd", "state")) or self.clock.now < self.world.store.broken_until \
+                or not w.writer.writable or {"systemd", "state"} & set(daemon.outside.hung()):
+            return  # a grant waits for its write: a failing or hung state directory delays it
         window = rec.id
 
         def granted() -> None:

@@ -79,7 +79,13 @@ class Scheduler:
         if action is not None:
             self._pending.pop(action, None)
 
+    def detach(self) -> None:
+        """The loop is abandoned: what it would still run this turn waits for the next loop."""
+        self.loop = None
+
     def _fire(self, action: int) -> None:
+        if self.loop is None or self.loop is not asyncio.get_running_loop():
+            return  # a dead loop's turn: the action stays pending for the next one
         entry = self._pending.pop(action, None)
         if entry is not None:
             entry[1]()
