@@ -231,8 +231,11 @@ def draw_events(rng: random.Random, setup: Setup, count: int) -> list[dict[str, 
                      "again_after": rng.choice((1.0, 3.0, 6.0)) if rng.random() < 0.3 else None}
         elif roll < 0.94:
             event = {"do": "shutdown", "restart_after": rng.choice((1.0, 5.0))}
-        elif roll < 0.96:
+        elif roll < 0.955:
             event = {"do": "park_remove"}
+        elif roll < 0.975:
+            # A burst of clients that ask and give up at once (a retry loop with a short --timeout).
+            event = {"do": "churn", "n": rng.choice((20, 60, 150)), "profile": rng.choice(profiles)}
         else:
             event = {"do": "release", "id": rng.choice(clients)}
         event["at"] = t

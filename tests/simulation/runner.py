@@ -73,6 +73,7 @@ class Outcome:
     events: int
     windows: int
     virtual_s: float
+    buffered: int = 0
 
 
 class Record:
@@ -83,6 +84,7 @@ class Record:
         self.tracing = tracing
         self.trace: list[str] = []
         self.violations: dict[str, Violation] = {}
+        self.buffered = 0  # the most gpuswapd kept unread for one client
 
     def note(self, what: str) -> None:
         if self.tracing:
@@ -164,12 +166,16 @@ class Faults:
         self.run = run
         self.calls: dict[tuple[str, str], list[Fault]] = {}
         self.env_until = 0.0
+        self.fired: dict[str, float] = {}
 
     def add(self, system: str, call: str, kind: str, times: int) -> None:
         self.calls.setdefault((system, call), []).append(Fault(kind, times, self.run.clock.now + FAULT_HEALS_S))
 
     def active(self, systems: tuple[str, ...]) -> bool:
+        """Tell whether a fault of these systems may fire now, or fired recently (a hung call is still out)."""
         now = self.run.clock.now
+        if any(now - self.fired.get(system, -1e9) < HANG_LATE_S + 5 for system in systems):
+            return True
         return any(f.until > now and f.times > 0 for (s, _), fs in self.calls.items() if s in systems for f in fs)
 
     def heal(self) -> None:
@@ -187,6 +193,7 @@ class Faults:
             return None
         fault = pending[0]
         fault.times -= 1
+        self.fired[system] = now
         self.run.note(f"fault fires: {system}.{call} {fault.kind}")
         if fault.kind == "raise":
             if system == "state":
@@ -444,7 +451,7 @@ class Run:
             if self.clock.now > self.ended_at + QUIET_WITHIN_S + 60:
                 self.done = True
         return Outcome(sorted(self.record.violations.values(), key=lambda v: v.at), self.record.trace,
-                       len(self.events), self.windows, self.clock.now)
+                       len(self.events), self.windows, self.clock.now, self.record.buffered)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -714,6 +721,17 @@ class Run:
         if self.host.state == "up":
             tasks.spawn(self.host.shutdown(float(e["restart_after"])), "sim-shutdown")
 
+    def _do_churn(self, e: dict[str, Any]) -> None:
+        """Clients that queue and hang up, one after another, 0.2 s each."""
+        for n in range(int(e["n"])):
+            self.world.scheduler.after(0.2 * n, lambda n=n: self._churn_one(e, n))
+
+    def _churn_one(self, e: dict[str, Any], n: int) -> None:
+        peer = Peer(next(self._pids), *UIDS["bob"])
+        conn = self.host.connect(peer)
+        conn.send(encode({"op": "acquire", "profile": e["profile"], "for": "60s", "timeout": "1s"}))
+        self.world.scheduler.after(0.1, conn.hang_up)
+
     def _do_park_remove(self, e: dict[str, Any]) -> None:
         root = Client("operator", {"as": "root", "kind": "acquire"}, Peer(next(self._pids), 0, 0))
         self.request(root, {"op": "park", "remove": True}, lambda c, r: None)
@@ -819,6 +837,7 @@ class Run:
             self.violate("2", f"the resident is down ({states}) with no window record in memory or on disk "
                               f"(gpuswapd {self.host.state})")
         for conn in self.host.connections:
+            self.record.buffered = max(self.record.buffered, conn.buffered())
             if conn.buffered() > BUFFER_BOUND:
                 who = next((c.id for c in self.clients.values() if conn in c.conns), "?")
                 self.violate("6", f"gpuswapd keeps {conn.buffered()} bytes unread by client {who} "
@@ -887,7 +906,13 @@ class Run:
         return None
 
     def _could_open(self, profile: str, at: float) -> bool:
-        """Tell whether a window of ``profile`` had its image and env file at virtual time ``at``."""
+        """Tell whether a window of ``profile`` could open at virtual time ``at``: its image and env file, or asleep."""
+        name = self.container_of(profile)
+        docker = self.world.docker
+        slept = max((t for n, t in docker.slept if n == name and t <= at), default=None)
+        if slept is not None and not any(n == name and slept < t <= at for n, t in docker.woke) and \
+                not any(n == name and slept < t <= at for t, n in docker.removed):
+            return True  # parked: it is woken, not created
         image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(profile)
         gone = any(img == image and start <= at < end for start, end, img in self.images_gone)
         unreadable = profile == "default" and any(start <= at < end for start, end in self.env_unreadable)
@@ -1040,13 +1065,13 @@ def seams(record: Record) -> Iterator[list[VirtualLoop]]:
         yield graveyard
     finally:
         asyncio.set_event_loop(None)
-        for loop in graveyard:
-            _forget_tasks(loop)
-            loop.close()
-        graveyard.clear()
         record.tracing = False
         with warnings.catch_warnings():  # "coroutine ... was never awaited": the dead ones' leftovers
             warnings.simplefilter("ignore")
+            for loop in graveyard:
+                _forget_tasks(loop)
+                loop.close()
+            graveyard.clear()
             gc.collect()
         gc.enable()
         clock.reset()

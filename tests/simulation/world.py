@@ -221,6 +221,7 @@ class Timer:
     every_s: float
     runs_s: float
     next_run: int | None = None
+    job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
 
 
 class Systemd:
@@ -355,7 +356,16 @@ class Systemd:
     def _queue(self, method: str, name: str) -> str:
         path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
         if name in self.timer_units:
-            self.world.scheduler.after(0.01, lambda: self._timer_job(method, name, path))
+            timer = self.timer_units[name]
+            if timer.job is not None and timer.job[0] == method:
+                timer.job[2].append(path)  # merged into the pending job of the same kind
+                return path
+            if timer.job is not None:  # the opposite job replaces the pending one
+                self.world.scheduler.cancel(timer.job[1])
+                for old in timer.job[2]:
+                    self.jobs.removed(old, "canceled")
+            action = self.world.scheduler.after(0.01, lambda: self._timer_job(method, name))
+            timer.job = (method, action, [path])
             return path
         unit = self.units.get(name)
         if unit is None:
@@ -461,15 +471,18 @@ class Systemd:
 
     # -- timers and their agent jobs ----------------------------------------------------------
 
-    def _timer_job(self, method: str, name: str, path: str) -> None:
+    def _timer_job(self, method: str, name: str) -> None:
         timer = self.timer_units[name]
+        assert timer.job is not None
+        paths, timer.job = timer.job[2], None
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None
         if timer.active:
             self._schedule_timer(timer)
         self.history.append((self.world.clock.now, name, "active" if timer.active else "inactive"))
-        self.jobs.removed(path, "done")
+        for path in paths:
+            self.jobs.removed(path, "done")
 
     def _schedule_timer(self, timer: Timer) -> None:
         timer.next_run = self.world.scheduler.after(timer.every_s, lambda: self._run_agent(timer))
@@ -537,6 +550,8 @@ class Docker:
         self._pids = itertools.count(8_000_000)
         self.garble_wakes = 0
         self.removed: list[tuple[float, str]] = []
+        self.slept: list[tuple[str, float]] = []  # (container, when it went to sleep)
+        self.woke: list[tuple[str, float]] = []
 
     def ping(self) -> None:
         """Answer."""
@@ -655,6 +670,7 @@ class Docker:
         if c.status == "running" and c.sleeping is None:
             self.world.card.shrink(c.key, self.specs[name].residual)
             c.sleeping = level
+            self.slept.append((name, self.world.clock.now))
 
     def wake(self, name: str) -> bool:
         """Wake the engine: it takes its memory back, or stays asleep (False) if there is no room."""
@@ -664,6 +680,7 @@ class Docker:
         if not self.world.card.grow(c.key, c.vram):
             return False
         c.sleeping = None
+        self.woke.append((name, self.world.clock.now))
         c.garbled = self.garble_wakes > 0
         self.garble_wakes -= c.garbled
         return True
