@@ -127,7 +127,7 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
             await w.vram.wait_free(gpu.resident_needs, max(0.1, deadline - clock.monotonic()))
             return
         except VramTimeout as err:
-            if rec.kind == "bare" or rec.after_bare:  # the holders' processes: _restore waits in DEGRADED
+            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
                 log.error("vram_held_after_bare_window", error=err.message)
                 return
             # Starting the resident is still the best move: llama.cpp fits itself to what is
@@ -197,7 +197,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
-            if rec.kind == "bare" or rec.after_bare:
+            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
+                # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
             await w.resident.start(rec.units)
             await w.resident.verify()

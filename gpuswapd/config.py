@@ -196,6 +196,7 @@ class DaemonConfig:
     priority_max_nonroot: int = _key(_int(-1000, 1000), 0)
     aging: float = _key(_span(0.0), 600.0)
     preempt_grace: float = _key(_span(0.0), 30.0)
+    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd checks the resident is up (0: never)
     never_stop: list[str] = _key(_unit_patterns, ["gpuswapd.service", "gpuswapd.socket", "gpuswapd@*.service",
                                                   "gpuswapd@*.socket"])
 

@@ -34,7 +34,7 @@ from gpuswapd.recovery import recover_at_start
 from gpuswapd.resident import Resident
 from gpuswapd.server import Server
 from gpuswapd.state import StateStore
-from gpuswapd.tasks import spawn
+from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.vram import Vram
 from gpuswapd.window import Window
 
@@ -102,6 +102,7 @@ class Daemon:
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
+        self._reconciler: asyncio.Task[None] | None = None
         self._signals = 0
         self._own_socket: str | None = None
 
@@ -150,14 +151,26 @@ class Daemon:
         def on_state(unit: str, state: str) -> None:  # called from the GLib thread
             if state in ("inactive", "failed"):
                 loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
+            loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
         await self._check_image()
 
     async def begin(self) -> None:
-        """Take up what an earlier gpuswapd left, before serving anyone."""
+        """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
         # Reconcile before serving: nobody sees a container no record knows about.
         await recover_at_start(self.window)
+        if self.config.daemon.reconcile > 0:
+            self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
+
+    async def _reconcile(self, every: float) -> None:
+        """While no window is open, bring the resident back if it was found down (not by its operator)."""
+        while not self.window.stopping.is_set():
+            await sleep_unless(self.window.stopping, every)
+            try:
+                await self.window.reconcile()
+            except GpuswapError as err:  # systemd cannot say now: ask again next time
+                log.warning("reconcile_failed", error=err.message)
 
     async def _check_image(self) -> None:
         """Refuse to start on a configured image that Docker does not have; Docker may be down."""
@@ -209,6 +222,7 @@ class Daemon:
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
+        await reap(self._reconciler)
         given_back = await self.window.shutdown(restore=restore, bound=SHUTDOWN_BOUND_S)
         saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()

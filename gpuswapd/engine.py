@@ -85,6 +85,9 @@ class Engine(Protocol):
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Remove this instance's engines that belong to no window in ``keep``."""
 
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name the windows of this instance's running engines that belong to no window in ``keep``."""
+
     async def offers_sleep(self) -> bool:
         """Tell whether the engine serves sleep mode (asked once it serves)."""
 
@@ -348,6 +351,13 @@ class ContainerEngine:
             gone.append(state.name)
         return gone
 
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name the windows of this instance's running containers that belong to no window in ``keep``."""
+        return [str(state.labels.get(WINDOW_LABEL)) for state in await self._docker("find", self.docker.find,
+                                                                                     {MANAGED_LABEL: "1"})
+                if self._ours(state.labels) and state.running and state.labels.get(WINDOW_LABEL)
+                and state.labels.get(WINDOW_LABEL) not in keep]
+
     async def wait_serving(self, timeout: float) -> float:
         """Poll health until 200 within ``timeout``; a container that exits fails at once."""
         try:
@@ -478,6 +488,10 @@ class BareEngine:
 
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Nothing of a bare window's is left in Docker."""
+        return []
+
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name nothing: a bare window leaves nothing in Docker."""
         return []
 
     async def offers_sleep(self) -> bool:

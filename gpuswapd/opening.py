@@ -114,9 +114,11 @@ async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = 
     need = w.profile.needs if need is None else need
     # With the resident up the card is mostly taken, so the process list is nearly always needed:
     # read it in the same go (this read is also the check that the probe answers at all).
-    reading, units = await together(w.vram.read(processes=True), w.resident.closure())
+    reading, running = await together(w.vram.read(processes=True), w.resident.closure())
     if reading is None or reading.free_bytes >= need:
         return  # it fits already (or there is no probe to ask)
+    # The resident's own processes are no stranger's, whatever state their unit is in (stopping, say).
+    units = [*running, *(u for u in w.config.resident.units if u not in running)]
     fit = await predict_fit(w.vram, reading, units, going)
     if fit.fits(need):
         return
@@ -139,9 +141,15 @@ async def _pause_timers(op: Opening) -> None:
 
 async def _stop_resident(op: Opening) -> None:
     w, rec = op.window, op.rec
-    rec.units = await w.resident.closure()
+    running = await w.resident.closure()
+    # A resident unit that is down though nobody holds it down (it failed) comes back with the
+    # rest when the window closes: the window ends at the baseline, not at what it found.
+    fallen = await w.resident.fallen(running, set(w.held_down))
+    if fallen:
+        log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
+    rec.units = [*running, *fallen]
     await w.persist(required=True)
-    await w.resident.stop(rec.units)
+    await w.resident.stop(running)
 
 
 async def _wait_vram(op: Opening) -> None:

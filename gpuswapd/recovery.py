@@ -54,6 +54,8 @@ async def recover_at_start(window: Window) -> None:
     # What the document holds is in memory before anything is written again: every write from
     # here on (the one that drops the queue, say) keeps the window and the parked engine.
     window.record = record
+    if document is not None:
+        window.held_down = dict(document.held_down)
     if document is not None and document.parked is not None:
         try:
             window.parked = parking.Parked.from_dict(document.parked)
@@ -68,6 +70,12 @@ async def recover_at_start(window: Window) -> None:
     await _learn_history(window)
     if record is not None:
         window.recover(record)
+    elif (lost := await _lost_window(window)) is not None:
+        # Its engine still runs, but no record of it was kept and history never saw it close:
+        # what it stopped is unknown, so the configuration's baseline comes back.
+        window.restore_baseline(f"the engine of window {lost} was still running, but no record of that window "
+                                "was kept", cause="lost_record")
+        return  # the baseline takes every engine down itself
     # Reconcile before serving: nobody sees an engine no record knows about.
     try:
         await window.engine_of(DEFAULT_PROFILE).remove_orphans(window.engines_kept())
@@ -111,11 +119,23 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "recovered")
 
 
+async def _lost_window(w: Window) -> str | None:
+    """Name a window whose engine runs orphaned though history never saw it close (a lost record)."""
+    try:
+        orphans = await w.engine_of(DEFAULT_PROFILE).orphaned(w.engines_kept())
+    except (GpuswapError, asyncio.CancelledError) as err:
+        log.warning("orphan_check_failed", error=_why(err, w), retry="in the background")
+        return None
+    return next((win for win in orphans if win not in w.closed_windows), None)
+
+
 async def _learn_history(w: Window) -> None:
-    """Learn open and restore times from the history (queue ETAs, what a switch saves)."""
+    """Learn open and restore times from the history (queue ETAs, what a switch saves), and which windows closed."""
     try:
         for record in await w.outside.state.call("read_history", w.store.history, 200):
             w.times.learn(record)
+            if isinstance(record.get("id"), str):
+                w.closed_windows.add(record["id"])
     except (GpuswapError, OSError, asyncio.CancelledError) as err:  # an interruption at start: noted only
         log.warning("history_unreadable", error=_why(err, w),
                     consequence="queue ETAs are unknown until windows have opened")

@@ -35,7 +35,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.timespan import format_span
-from gpuswapd.watch import Watchers
+from gpuswapd.watch import MAX_BUFFERED, Watchers
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
@@ -72,6 +72,7 @@ class Server:
         self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[Any]] = set()
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
+        self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
 
     def _in_group(self, peer: Peer) -> bool:
         group = self.config.daemon.socket_group
@@ -322,8 +323,16 @@ class Server:
         started = clock.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
-            if not writer.is_closing():
-                writer.write(encode(event))
+            if writer.is_closing():
+                return
+            if writer.transport.get_write_buffer_size() > self.max_buffered:
+                # A client that does not read its progress would make gpuswapd buffer without end:
+                # cut it, which withdraws its request (as a hang-up does).
+                log.warning("client_dropped_unread", holder=req.holder or peer.holder,
+                            reason=f"it left more than {self.max_buffered} bytes of progress unread")
+                writer.transport.abort()
+                return
+            writer.write(encode(event))
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,

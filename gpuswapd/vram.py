@@ -137,7 +137,8 @@ async def predict_fit(vram: Vram, reading: VramReading, units: list[str], ours: 
         except GpuswapError:
             unknown.append(Holder(proc.pid, proc.used_bytes, None))
             continue
-        if unit is not None and unit in units:
+        # A process in no unit at all has exited: the driver lists it until its memory is free.
+        if unit is None or unit in units:
             freed += proc.used_bytes
         else:
             others.append(Holder(proc.pid, proc.used_bytes, unit))

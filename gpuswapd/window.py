@@ -90,6 +90,7 @@ class Window:
         self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
         self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
+        self.closed_windows: set[str] = set()  # ids history shows closed (an orphan of another is a lost record)
         self._listeners: set[Listener] = set()
         self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
         self._driver: asyncio.Task[None] | None = None
@@ -98,6 +99,7 @@ class Window:
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.parked: parking.Parked | None = None  # the engine asleep between windows
+        self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
@@ -108,7 +110,7 @@ class Window:
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.queued()])
+                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down))
 
     @property
     def profile(self) -> Profile:
@@ -501,6 +503,7 @@ class Window:
         self.last, self.record = rec, switch_to
         self.end_watchers(f"its window {rec.id} ended ({outcome})")
         record = rec.to_dict()
+        self.closed_windows.add(rec.id)
         self.writer.add_history(record)
         self.times.learn(record)
         for listener in self.finished:
@@ -534,10 +537,47 @@ class Window:
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
         self._drive(recovery.adopt_or_roll_back(self, rec))
 
-    def restore_baseline(self, reason: str) -> None:
-        """Restore what the configuration describes, when no state could be read at all."""
-        self.baseline_restore = {"reason": reason, "at": clock.wall()}
-        log.error("baseline_restore", reason=reason)
+    def resident_state(self, unit: str, state: str) -> None:
+        """Follow the resident's units: one its operator stops while no window is open stays down.
+
+        gpuswapd stops the resident only inside a window, and only through jobs of its own; a
+        stop with neither is its operator's (``systemctl stop strata``), and the reconcile
+        leaves that unit down until it is started again (any other state lifts the hold). A unit
+        that fails is no such stop: the reconcile brings it back.
+        """
+        if unit not in self.config.resident.units:
+            return  # a dependent (llama-swap) follows its resident: it is never held down by itself
+        if state != "inactive" and unit in self.held_down:  # started again (or tried to): no longer held
+            del self.held_down[unit]
+            log.info("resident_hold_lifted", unit=unit, state=state)
+            self.writer.request()
+        elif (state == "inactive" and self.record is None and not self.resident.jobs_running
+              and unit not in self.held_down and not self.stopping.is_set()):
+            self.held_down[unit] = clock.wall()
+            log.warning("resident_held_down", unit=unit, reason="it was stopped while no window was open, not by "
+                        "gpuswapd: it is left down until it is started again (systemctl start)")
+            self.writer.request()
+
+    async def reconcile(self) -> None:
+        """Restore the baseline if the resident is down while no window is open and nobody holds it down."""
+        if self.stopping.is_set() or self.record is not None or len(self.queue) or self._driver is not None:
+            return
+        states = await self.resident.states(self.config.resident.units)
+        if any(state in ("activating", "deactivating", "reloading") for state in states.values()):
+            return  # someone is starting or stopping it right now: look again next time
+        for unit, state in states.items():
+            if state != "inactive" and unit in self.held_down:  # started (or failed) while nobody watched
+                self.resident_state(unit, state)
+        down = [u for u, state in states.items() if state in ("inactive", "failed") and u not in self.held_down]
+        if down and self.record is None and self._driver is None and not len(self.queue):
+            self.restore_baseline("the resident was found down while no window was open ("
+                                  + ", ".join(f"{u} {states[u]}" for u in down) + ", not stopped by its operator)",
+                                  cause="found_down")
+
+    def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
+        """Restore what the configuration describes: no state could be read, or it was found broken."""
+        self.baseline_restore = {"reason": reason, "at": clock.wall(), "cause": cause}
+        log.error("baseline_restore", reason=reason, cause=cause)
         rec = recovery.baseline_record(self)
         self.record, self.unknown_baseline = rec, rec
         self.hung_mark = closing.hung_mark(self)

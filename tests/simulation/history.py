@@ -233,6 +233,10 @@ def draw_events(rng: random.Random, setup: Setup, count: int) -> list[dict[str, 
             event = {"do": "shutdown", "restart_after": rng.choice((1.0, 5.0))}
         elif roll < 0.955:
             event = {"do": "park_remove"}
+        elif roll < 0.962:
+            event = {"do": "operator_stop", "for": rng.choice((30.0, 200.0))}
+        elif roll < 0.968:
+            event = {"do": "resident_crash"}
         elif roll < 0.975:
             # A burst of clients that ask and give up at once (a retry loop with a short --timeout).
             event = {"do": "churn", "n": rng.choice((20, 60, 150)), "profile": rng.choice(profiles)}

@@ -44,7 +44,8 @@ ENGINE_BYTES = int(19.5 * GiB)
 TOTAL_BYTES = 24 * GiB
 CHECK_EVERY_S = 1.0
 QUIET_WITHIN_S = 6 * 3600.0
-BUFFER_BOUND = 20 * 1024  # what the daemon may keep unread for one client (the simulation's cap is 16 KiB)
+SERVER_CAP = 16 * 1024  # the socket server's cap on what one client leaves unread, smaller than in service
+BUFFER_BOUND = SERVER_CAP + 4 * 1024  # the cap and one line more
 UIDS = {"root": (0, 0), "alice": (50001, 0), "bob": (50002, 0), "eve": (50003, 50003)}
 FAULT_HEALS_S = 120.0
 HANG_LATE_S = 90.0  # a hung blocking call answers this late: past every lane's deadline
@@ -272,12 +273,14 @@ class Host:
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
                                                     run.world.card, run.world.store))  # type: ignore[arg-type]
         daemon.outside.inject(run.faults.inject)
+        daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
         daemon.window.finished.append(run.window_finished)
         try:
             await daemon.connect()
         except (ConfigError, GpuswapError) as err:
             run.note(f"gpuswapd did not start: {err.message}")
+            run.world.systemd.watchers = []  # the process that registered them has exited
             self.state = "down"
             run.world.scheduler.after(10.0, self.start)  # systemd (or its operator, once fixed) starts it again
             return
@@ -361,9 +364,13 @@ class Run:
         self.requests: list[tuple[Client, Connection, str]] = []
         self.unjudged: dict[str, Client] = {}  # leases gone while their window still closes
         self.ending = False
+        self.quiet_since: float | None = None
+        self.idle_since: float | None = None
         self.lease_expiry: dict[str, float] = {}
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
+        self.held: list[list[float]] = []  # [stopped, started]: the operator held the resident down
+        self.crashes: list[float] = []
         self.baseline_restores: list[float] = []
         self.images_gone: list[tuple[float, float, str]] = []
         self.env_unreadable: list[tuple[float, float]] = []
@@ -562,6 +569,7 @@ class Run:
             self.note(f"  {c.id}: its command does not allocate: the bare window's holders would overcommit")
             return
         c.vram_key = f"run:{c.id}"
+        self.world.systemd.scopes[c.peer.pid] = "session-2.scope"
         self.world.card.claim(c.vram_key, c.peer.pid, want)
 
     def _told(self, c: Client, message: dict[str, Any]) -> None:
@@ -599,6 +607,7 @@ class Run:
         self.world.scheduler.cancel(c.ender)
         if c.vram_key is not None:
             self.world.card.release(c.vram_key)
+            self.world.systemd.scopes.pop(c.peer.pid, None)
         self.note(f"  {c.id}: its command ended")
         if not c.revoked and not c.hung_up and c.lease is not None:
             self.release(c)
@@ -732,6 +741,36 @@ class Run:
         conn.send(encode({"op": "acquire", "profile": e["profile"], "for": "60s", "timeout": "1s"}))
         self.world.scheduler.after(0.1, conn.hang_up)
 
+    def _do_operator_stop(self, e: dict[str, Any]) -> None:
+        """The operator stops the resident (systemctl stop strata) while no window is open, and starts it later."""
+        daemon = self.host.daemon
+        if self.host.state != "up" or daemon is None or daemon.window.record is not None \
+                or not self.world.resident_serves():
+            return
+        self.world.systemd.queue_jobs("StopUnit", ["strata.service"])
+        self.held.append([self.clock.now, math.inf])
+        self.world.scheduler.after(float(e["for"]), self._operator_starts)
+
+    def _operator_starts(self) -> None:
+        if not self.held or not math.isinf(self.held[-1][1]):
+            return
+        daemon = self.host.daemon
+        if daemon is None or daemon.window.record is not None or self._disk_window() or \
+                self.clock.now < self.held[-1][0] + self.setup.exit_lag + 1.0:
+            self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
+            return
+        self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
+        self.world.systemd.queue_jobs("StartUnit", ["llama-swap.service"])
+        # Its start takes a moment, and if it fails the reconcile brings it back in its own time.
+        self.held[-1][1] = self.clock.now + self.config.daemon.reconcile + 60.0
+
+    def _do_resident_crash(self, e: dict[str, Any]) -> None:
+        """The resident's server dies by itself (it fails); gpuswapd's reconcile brings it back."""
+        unit = self.world.systemd.units["strata.service"]
+        if unit.active_state == "active":
+            self.world.systemd._exit(unit, "failed")
+            self.crashes.append(self.clock.now)
+
     def _do_park_remove(self, e: dict[str, Any]) -> None:
         root = Client("operator", {"as": "root", "kind": "acquire"}, Peer(next(self._pids), 0, 0))
         self.request(root, {"op": "park", "remove": True}, lambda c, r: None)
@@ -752,6 +791,10 @@ class Run:
         """Invariant 11: on_shutdown = "restore" exits with the resident back, or with a status that says not."""
         if status:
             return
+        now = self.clock.now
+        if any(start <= now <= end for start, end in self.held) or any(
+                now - t <= self.config.daemon.reconcile + 60.0 for t in self.crashes):
+            return  # its operator holds it down, or it crashed just now: not the window's to give back
         world = self.world
         document = world.store.document()
         paused = [t for t, active in self.initial_timers.items() if active and not world.systemd.timer_units[t].active]
@@ -771,6 +814,7 @@ class Run:
         self.images_gone = [(a, min(b, now), img) for a, b, img in self.images_gone]
         self.env_unreadable = [(a, min(b, now)) for a, b in self.env_unreadable]
         self.faults.heal()
+        self._operator_starts()
         self.world.docker.images |= {"hyperqwen:latest", "qwen-eval:latest"}
         self.world.store.broken_until = 0.0
         self.world.systemd.fail_starts.clear()
@@ -788,7 +832,12 @@ class Run:
 
     def quiesce(self) -> None:
         why = self.busy()
-        if why is None:
+        if why is not None:
+            self.quiet_since = None
+        elif self.quiet_since is None:
+            self.quiet_since = self.clock.now
+        # Quiet means it stayed so long enough for the reconcile to have looked once (and acted).
+        if why is None and self.clock.now - (self.quiet_since or 0.0) >= self.config.daemon.reconcile + 60.0:
             self.final_checks()
             self.done = True
             self.abandon()
@@ -832,7 +881,19 @@ class Run:
         daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
         on_disk = self._disk_window()
         in_memory = daemon is not None and daemon.window.record is not None
-        if not world.resident_up() and not in_memory and not on_disk:
+        now = self.clock.now
+        if in_memory or on_disk:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        held = any(start <= now <= end for start, end in self.held)
+        # A resident that crashed (or whose operator's start failed) comes back within the reconcile's
+        # bound of gpuswapd being idle; while systemd is hung, nothing can start it.
+        grace = self.config.daemon.reconcile + 60.0
+        crashed = bool(self.crashes or self.held) and (
+            any(now - t <= grace for t in self.crashes) or now - (self.idle_since or now) <= grace
+            or self.faults.active(("systemd",)))
+        if not world.resident_up() and not in_memory and not on_disk and not held and not crashed:
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("2", f"the resident is down ({states}) with no window record in memory or on disk "
                               f"(gpuswapd {self.host.state})")

@@ -236,6 +236,9 @@ class Systemd:
         self._paths = itertools.count(1)
         self._pids = itertools.count(7_000_000)
         self.fail_starts: dict[str, int] = {}
+        self.scopes: dict[int, str] = {}  # live processes outside gpuswapd's units: a user's session
+        self.operator_jobs: set[str] = set()  # units whose pending start their operator asked for
+        self.operator_started: list[float] = []
         self.history: list[tuple[float, str, str]] = []  # (time, unit, state): what went on
 
     def add(self, unit: Unit) -> None:
@@ -338,9 +341,15 @@ class Systemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a process."""
-        return next((u.name for u in self.units.values() if u.pid == pid and pid
+        """Name the unit of a live process (None: it is gone), as GetUnitByPID does."""
+        unit = next((u.name for u in self.units.values() if u.pid == pid and pid
                      and u.active_state in ("active", "activating", "deactivating")), None)
+        if unit is not None:
+            return unit
+        for c in self.world.docker.containers.values():
+            if c.pid == pid and c.status == "running":
+                return f"docker-{c.name}.scope"
+        return self.scopes.get(pid)
 
     def control_group(self, unit: str) -> str | None:
         """Return a unit's cgroup."""
@@ -425,6 +434,9 @@ class Systemd:
             self._finish(unit, "failed")
             return
         unit.started_at.append(self.world.clock.now)
+        if unit.name in self.operator_jobs:
+            self.operator_jobs.discard(unit.name)
+            self.operator_started.append(self.world.clock.now)
         self._set(unit, "active")
         self._finish(unit, "done")
 
@@ -438,13 +450,13 @@ class Systemd:
         self._exit(unit)
         self._finish(unit, "done")
 
-    def _exit(self, unit: Unit) -> None:
+    def _exit(self, unit: Unit, state: str = "inactive") -> None:
         if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
             self.world.card.release(self._key(unit))
         for dep in self._dependents(unit.name):
             if self.units[dep].active_state in ("active", "activating", "deactivating"):
                 self._stop_now(self.units[dep])
-        self._set(unit, "inactive")
+        self._set(unit, state)
 
     def _set(self, unit: Unit, state: str) -> None:
         if unit.active_state == state:
@@ -892,8 +904,10 @@ class World:
         return all(self.systemd.units[u].active_state in ("active", "activating") for u in self.resident_units)
 
     def last_resident_start(self) -> float:
-        """Return when the resident's units last became active (0 if never restarted)."""
-        return max((max(self.systemd.units[u].started_at, default=0.0) for u in self.resident_units), default=0.0)
+        """Return when gpuswapd last made the resident's units active (0 if never); its operator's starts aside."""
+        mine = [t for u in self.resident_units for t in self.systemd.units[u].started_at
+                if t not in self.systemd.operator_started]
+        return max(mine, default=0.0)
 
     def new_incarnation(self, loop: asyncio.AbstractEventLoop) -> None:
         """A daemon starts (its predecessor is dead): forget what the dead one registered."""
