@@ -291,7 +291,7 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
             if engine_left(rec) and remover is None:
                 remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
             if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
-                w.switch(rec, nxt)
+                w.switch(rec, nxt, outcome)
                 return
         if remover is not None and not remover.done():
             rec.degraded = (f"the resident is back, but the engine {(rec.container or {}).get('name')} could not be "
@@ -302,6 +302,10 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
                 raise Interrupted
             rec.degraded = None
         await _reconcile_late_calls(w, rec)
+        if not rec.units:
+            # Nothing to restore now, but the resident may start any time (its operator, the
+            # reconcile): a parked engine must leave it room all the same.
+            await _parked_leaves_room(w)
     except Interrupted:
         log.warning("window_left_for_next_start", window=rec.id, phase=str(rec.phase))
         return

@@ -517,8 +517,8 @@ class Window:
         else:
             self.writer.request()
 
-    def switch(self, rec: WindowRecord, profile: str) -> None:
-        """Close ``rec`` straight into a window of ``profile``, keeping the resident down."""
+    def switch(self, rec: WindowRecord, profile: str, outcome: str = "closed") -> None:
+        """Close ``rec`` (with ``outcome``) straight into a window of ``profile``, keeping the resident down."""
         nxt = WindowRecord.new()
         nxt.profile, nxt.kind = profile, self.config.profile(profile).kind
         nxt.timers, nxt.units = list(rec.timers), list(rec.units)
@@ -527,7 +527,7 @@ class Window:
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
         nxt.after_bare = rec.kind == "bare" or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
-        self.finish(rec, "closed", switch_to=nxt)
+        self.finish(rec, outcome, switch_to=nxt)
 
     # -- the driver ------------------------------------------------------------------------
 

@@ -327,8 +327,11 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a process."""
-        return next((u.name for u in self.units.values() if u.pid == pid and pid), None)
+        """Name the unit of a live process (None: it is gone); a process on the card outside these units is a session's."""
+        unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
+        if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
+            return "session-1.scope"
+        return unit
 
     def control_group(self, unit: str) -> str | None:
         """Return a unit's cgroup."""

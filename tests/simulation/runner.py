@@ -481,8 +481,8 @@ class Run:
             pid, (uid, gid) = self.world.systemd.units[unit].pid, UIDS["alice"]
         else:
             pid, (uid, gid) = next(self._pids), UIDS[who]
-        if who == "unit" or e["kind"] == "run":
-            e = {**e, "reads": True}  # only a plain acquire may be a client that never reads
+        if who == "unit" or e["kind"] == "run" or e["for"] == "infinity":
+            e = {**e, "reads": True}  # only a plain acquire for a while may be a client that never reads
         c = Client(e["id"], e, Peer(pid, uid, gid), unit=unit, running=unit is not None)
         self.clients[c.id] = c
         request: dict[str, Any] = {"op": "acquire", "profile": e["profile"], "priority": e["priority"],
@@ -706,11 +706,12 @@ class Run:
             self.images_gone.append((self.clock.now, self.clock.now + float(e["for"]), image))
 
     def _do_env_unreadable(self, e: dict[str, Any]) -> None:
-        self.faults.env_until = self.clock.now + float(e["for"])
+        self.faults.env_until = max(self.faults.env_until, self.clock.now + float(e["for"]))
         self.env_unreadable.append((self.clock.now, self.faults.env_until))
 
     def _do_state_broken(self, e: dict[str, Any]) -> None:
         self.world.store.broken_until = self.clock.now + float(e["for"])
+        self.world.store.broken_since = self.clock.now
         self.world.store.broken_errno = errno.ENOSPC if e["errno"] == "ENOSPC" else errno.EACCES
 
     def _do_resident_start_fails(self, e: dict[str, Any]) -> None:
@@ -756,7 +757,7 @@ class Run:
             return
         daemon = self.host.daemon
         if daemon is None or daemon.window.record is not None or self._disk_window() or \
-                self.clock.now < self.held[-1][0] + self.setup.exit_lag + 1.0:
+                self.world.card.free() < RESIDENT_BYTES:
             self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
             return
         self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
@@ -1011,9 +1012,13 @@ class Run:
             return  # a grant waits for its write: a failing or hung state directory delays it
         window = rec.id
 
+        asked = self.clock.now
+
         def granted() -> None:
             if c.reply is not None and c.reply.get("ok"):
                 return
+            if self.world.store.broken_since >= asked or self.faults.active(("systemd", "state")):
+                return  # the state directory broke meanwhile: the grant waits for (or fails on) its write
             if c.conn is not None and not c.spec.get("reads", True) and b'"ok":true' in c.conn.pending:
                 return  # written to a client that does not read
             if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:

@@ -835,6 +835,7 @@ class Store:
         self.previous: bytes | None = None
         self.history_records: list[dict[str, Any]] = []
         self.broken_until = 0.0
+        self.broken_since = -1.0
         self.broken_errno = errno.ENOSPC
         self.writes = 0
 
