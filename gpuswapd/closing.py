@@ -165,6 +165,24 @@ async def _parked_leaves_room(w: Window) -> None:
                             f"(residual {format_size(parked.residual_bytes)})")
 
 
+async def _let_exited_go(w: Window) -> None:
+    """Wait, up to the release timeout, until processes that have exited no longer hold memory.
+
+    A resident that failed or crashed leaves its memory listed for a while: starting it again at
+    once would run it into its own dying process's memory.
+    """
+    need = w.config.gpu.resident_needs
+    deadline = clock.monotonic() + w.config.gpu.release_timeout
+    while clock.monotonic() < deadline:
+        reading = await w.vram.read(processes=True)
+        if reading is None or reading.free_bytes >= need:
+            return
+        exited = [p for p in reading.processes if await w.vram.unit_of(p.pid) is None]
+        if not exited:
+            return
+        await _pause(w, 0.25)
+
+
 async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
     """Refuse to start the resident into memory that a bare window's holders still hold.
 
@@ -197,6 +215,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
+            if attempt > 1:
+                await _let_exited_go(w)  # a start that failed may have left a dying process behind
             if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
