@@ -144,7 +144,12 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
                     settle_s=settle)
         return False
     before = c.get("free_before_boot")
-    if isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
+    pids = set(c.get("pids") or [])
+    listed = await w.vram.read(processes=True) if pids else None
+    held = [p.used_bytes for p in listed.processes if p.pid in pids] if listed is not None else []
+    if held:  # what the card lists under the engine's own processes
+        residual = sum(held)
+    elif isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
         residual = max(0, int(before) - reading.free_bytes)
     else:  # woken from park: it holds what it held before
         residual = int(c.get("residual_bytes") or 0)

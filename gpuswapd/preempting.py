@@ -73,7 +73,8 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
     """
     live = await w.engine.pids() if rec.kind == "engine" else []
     going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
-    unsure = rec.freeing_unknown or (rec.kind == "engine" and not going)
+    # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
+    unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
     need = w.config.profile(by.profile).needs
     parked = w.parked
     if parked is not None and parked.profile == by.profile:

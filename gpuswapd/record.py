@@ -66,6 +66,8 @@ class WindowRecord:
     freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
     # Switched to from a bare window: the holders' processes of that window may still hold memory.
     after_bare: bool = False
+    # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
+    sealed: bool = field(default=False, compare=False)
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
@@ -79,8 +81,8 @@ class WindowRecord:
 
     @property
     def closing(self) -> bool:
-        """Tell whether the window has started closing (or rolling back)."""
-        return any(t.stage == "close" for t in self.timings)
+        """Tell whether the window has started closing (or rolling back), or is about to."""
+        return self.sealed or any(t.stage == "close" for t in self.timings)
 
     def enter(self, phase: Phase, now: float | None = None) -> None:
         """Move to ``phase`` (checked against the transition table) and time it."""

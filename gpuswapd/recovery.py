@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock, closing, holding, parking
+from gpuswapd import clock, closing, holding, opening, parking
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -113,6 +113,8 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     if rec.phase is Phase.READY and len(rec.leases) and (
             rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
         log.info("window_adopted", leases=len(rec.leases))
+        if rec.kind == "engine":
+            await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
         w.notify_status()
         await holding.hold_then_close(w, rec)
         return

@@ -701,6 +701,8 @@ class Window:
         rec.fail(err)
         log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase, profile=rec.profile)
         self.fail_waiters(err, rec.id)
+        if rec.phase is Phase.IDLE:  # it never began (its last client went away at once)
+            rec.enter(Phase.DRAINING)
         if rec.phase is Phase.DRAINING and not rec.switched_from:  # nothing was changed yet
             self.finish(rec, "refused")
         else:

@@ -972,8 +972,8 @@ class Run:
         name = self.container_of(profile)
         docker = self.world.docker
         slept = max((t for n, t in docker.slept if n == name and t <= at), default=None)
-        if slept is not None and not any(n == name and slept < t <= at for n, t in docker.woke) and \
-                not any(n == name and slept < t <= at for t, n in docker.removed):
+        if slept is not None and not any(n == name and slept < t < at - 1e-3 for n, t in docker.woke) and \
+                not any(n == name and slept < t < at - 1e-3 for t, n in docker.removed):
             return True  # parked: it is woken, not created
         image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(profile)
         gone = any(img == image and start <= at < end for start, end, img in self.images_gone)
