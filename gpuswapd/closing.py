@@ -215,8 +215,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
-            if attempt > 1:
-                await _let_exited_go(w)  # a start that failed may have left a dying process behind
+            # A process that just exited (a holder's, a start that failed) is still freeing its memory.
+            await _let_exited_go(w)
             if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
