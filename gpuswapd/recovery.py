@@ -91,6 +91,10 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(clock.wall())
+    for lease in rec.leases.matching(lambda x: x.bound):
+        # Bound to a connection of the gpuswapd that stopped: that connection is gone.
+        rec.leases.release(lease.id)
+        log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
             rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):

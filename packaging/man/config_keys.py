@@ -208,7 +208,7 @@ def all_keys(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[tuple
     """Yield every key's dotted name and field, in the order of the dataclasses."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in ("source", "profiles"):
+        if f.name in ("source", "profiles", "gateway_configured"):
             continue
         if "parse" in f.metadata:
             yield prefix + f.name, f
@@ -220,7 +220,7 @@ def sections(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[str]:
     """Yield the dotted name of every TOML table, in order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name not in ("source", "profiles") and "parse" not in f.metadata:
+        if f.name not in ("source", "profiles", "gateway_configured") and "parse" not in f.metadata:
             yield prefix + f.name
             yield from sections(hints[f.name], f"{prefix}{f.name}.")
 

@@ -41,7 +41,7 @@ def _keys(table: dict, prefix: str = "") -> set[str]:
 def _fields(cls: type, prefix: str = "") -> set[str]:
     out = set()
     for f in dataclasses.fields(cls):
-        if f.name in ("source", "profiles"):
+        if f.name in ("source", "profiles", "gateway_configured"):
             continue
         if "parse" in f.metadata:
             out.add(prefix + f.name)
