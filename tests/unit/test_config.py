@@ -157,7 +157,7 @@ def test_check_config_warns_about_an_engine_without_sleep_mode() -> None:
     ("[resident.idle]\nkind = 'gateway-ish'", "resident.idle.kind"),
 ])
 def test_gateway_keys_name_the_key(patch: str, names: str) -> None:
-    header, _, body = patch.partition("\n")
+    header = patch.partition("\n")[0]
     text = MINIMAL.replace(header, patch) if header in MINIMAL else MINIMAL + "\n" + patch
     with pytest.raises(ConfigError, match=names):
         parse_config(text, "test.toml")
