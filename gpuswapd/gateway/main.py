@@ -123,3 +123,7 @@ def main(argv: list[str] | None = None) -> int:
              serves={t.name: [n for n, x in app.tenants.served() if x is t] for t in app.tenants.engines.values()})
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+if __name__ == "__main__":  # python -m gpuswapd.gateway.main: an interpreter without the console script
+    sys.exit(main())
