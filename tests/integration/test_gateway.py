@@ -23,6 +23,7 @@ from openai import OpenAI
 from tests.integration.test_faults import _acquire_in_background
 from tests.integration.test_profiles import wait_for, with_profiles
 from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.stack import llama
 from tests.stack.config import stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.gateway import URL, RunningGateway, gateway_sections, get, install_units, request
@@ -188,6 +189,49 @@ def test_a_client_that_hangs_up_while_waiting_leaves_nothing(gpuswapd: Start, ga
     assert daemon.logged("window_abandoned")
     assert_resident_back(probe)
     assert get("/health")[1]["waiting"] == 0
+
+
+def test_resident_requests_in_flight_hold_the_drain_and_new_ones_wait_for_the_swap_back(
+        gpuswapd: Start, gateway: Gate, probe: Probe, world: Stack) -> None:
+    world.use_model(llama.ensure_model(world.cache, "slow"))
+    world.restart_resident()
+    daemon = gpuswapd(**{**gateway_sections(), "resident__idle": {"kind": "gateway", "wait": "90s"}})
+    gateway(daemon)
+    ended: dict[str, float] = {}
+
+    def long_resident_stream() -> None:
+        with httpx.Client(timeout=120) as http, http.stream(
+                "POST", f"{URL}/v1/chat/completions",
+                json={"model": "strata", "stream": True, "max_tokens": 48, "stream_options": {"include_usage": True},
+                      "messages": [{"role": "user", "content": "write a long story"}]}) as resp:
+            ended["usage"] = float(any(e.get("usage") for e in _events("\n".join(resp.iter_lines()))))
+        ended["at"] = time.time()
+
+    streaming = threading.Thread(target=long_resident_stream)
+    streaming.start()
+    wait_for(lambda: get("/health")[1]["resident_in_flight"] == 1, "the resident request to be in flight", 20)
+    engine: dict[str, Any] = {}
+    opener = threading.Thread(target=lambda: engine.update(r=request(
+        "POST", "/v1/chat/completions",
+        {"model": "hyperqwen", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})))
+    opener.start()
+    wait_for(lambda: daemon.status()["phase"] == "DRAINING", "the drain", 30)
+    # During the drain a new resident request waits (it would keep the drain going for ever).
+    late: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: late.update(r=request("POST", "/v1/chat/completions", CHAT_STRATA)))
+    waiter.start()
+    streaming.join(120)
+    assert ended.get("usage") == 1.0, ended  # the request in flight was answered whole
+    opener.join(120)
+    assert engine["r"][0] == 200, engine
+    stopped = int(probe.prop("strata.service", "InactiveEnterTimestamp")) / 1e6
+    assert stopped > ended["at"] - 0.5, (stopped, ended)  # the resident stopped only after it was answered
+    # The engine's request ended and only the gateway's idle lease keeps the window: the waiting
+    # resident request swaps it back and is answered by the resident.
+    waiter.join(120)
+    assert late["r"][0] == 200, late
+    assert daemon.status()["phase"] == "IDLE" and daemon.status()["last"]["outcome"] == "closed"
+    assert_resident_back(probe)
 
 
 def test_sigkill_of_the_gateway_mid_window_ends_its_lease(gpuswapd: Start, gateway: Gate, probe: Probe) -> None:
