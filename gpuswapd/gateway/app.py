@@ -42,7 +42,7 @@ from gpuswapd.gateway.meters import UNKNOWN_MODEL, Meters
 from gpuswapd.gateway.tenants import RESIDENT, Tenant, Tenants
 from gpuswapd.gateway.upstream import WRITE_S, Answer, Upstream
 from gpuswapd.logs import log
-from gpuswapd.tasks import reap, spawn, uncancel
+from gpuswapd.tasks import in_daemon_thread, reap, spawn, uncancel
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -52,6 +52,7 @@ Send = Callable[[Message], Awaitable[None]]
 MODEL_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 BODY_S = 60.0  # the whole request body must arrive within this
 MODELS_FRESH_S = 10.0  # the resident's model list is read again at most this often
+SAVE_S = 5.0
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
        (b"x-accel-buffering", b"no")]
@@ -325,8 +326,13 @@ class Gateway:
             log.info("gateway_resident_models_unread", url=url, error=err.message)
             return
         entries = listing.get("data") if isinstance(listing, dict) else None
-        if isinstance(entries, list):
-            self.tenants.learn([str(e["id"]) for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)])
+        if not isinstance(entries, list):
+            return
+        if self.tenants.learn([str(e["id"]) for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]):
+            # Off the event loop, and never waited for long: a hung disk must not hold the requests.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SAVE_S):
+                    await in_daemon_thread(self.tenants.save, name="gateway-save-models")
 
     def _event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "window_finished" and not event.get("switched_to"):

@@ -71,8 +71,8 @@ class Tenants:
         out = [(name, self.resident) for name in self.resident_names if name not in self._serves]
         return out + list(self._serves.items())
 
-    def learn(self, names: list[str]) -> None:
-        """Take the names the resident lists now, and remember them."""
+    def learn(self, names: list[str]) -> bool:
+        """Take the names the resident lists now; tell whether they changed (then ``save`` them)."""
         for name in names:
             if name in self._serves and name not in self._warned:
                 self._warned.add(name)
@@ -80,16 +80,21 @@ class Tenants:
                             reason="the resident lists a name a profile serves: requests for it open the profile")
         known = sorted({self._verify_model, *names})
         if known == self.resident_names:
-            return
+            return False
         self.resident_names = known
         log.info("gateway_resident_models", models=known)
-        if self._file is not None:
-            try:
-                tmp = self._file.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"models": known}))
-                tmp.replace(self._file)
-            except OSError as err:
-                log.warning("gateway_models_not_saved", file=str(self._file), error=str(err))
+        return True
+
+    def save(self) -> None:
+        """Remember the resident's names in the state directory (a blocking write: run it off the loop)."""
+        if self._file is None:
+            return
+        try:
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"models": self.resident_names}))
+            tmp.replace(self._file)
+        except OSError as err:
+            log.warning("gateway_models_not_saved", file=str(self._file), error=str(err))
 
     def _remembered(self) -> list[str]:
         names: list[str] = []

@@ -254,7 +254,8 @@ def test_models_lists_every_tenant_and_what_is_on_the_card() -> None:
 def test_the_resident_names_come_from_its_model_list_and_are_remembered(tmp_path: Any) -> None:
     config = parse_config(CONFIG)
     tenants = Tenants(config, str(tmp_path))
-    tenants.learn(["strata", "coder-7b", "hyperqwen"])
+    assert tenants.learn(["strata", "coder-7b", "hyperqwen"])
+    tenants.save()
     again = Tenants(config, str(tmp_path))
     assert again.route("coder-7b") is again.resident
     assert again.route("hyperqwen") is again.engines["default"]  # a profile's name stays the profile's
