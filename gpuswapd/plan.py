@@ -39,7 +39,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
 
     units = await attempt("units", resident.closure())
     timers = await attempt("timers", resident.timers()) or []
-    idle = resident.outside.http.run("idle", resident.http.idle(config.resident.idle))
+    idle = resident.outside.http.run("idle", resident.http.idle(config.idle_probe()))
     busy = await attempt("resident idle probe", idle)
     if start == "cold":
         await attempt("engine", engine.preflight())

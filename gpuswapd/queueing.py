@@ -41,6 +41,7 @@ class Waiter:
     priority: int = 0
     since: float = field(default_factory=clock.wall)
     window: str | None = None  # the window it joined; None while it queues for a later one
+    bound: bool = False  # its lease ends with its connection ("bind": "connection")
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,6 +56,7 @@ class Times:
     def __init__(self) -> None:
         self._open: dict[str, deque[float]] = {}
         self._restore: deque[float] = deque(maxlen=TIMES_KEPT)
+        self._close: deque[float] = deque(maxlen=TIMES_KEPT)
 
     def learn(self, record: dict[str, Any]) -> None:
         """Take the timings of one finished window (a history record)."""
@@ -68,6 +70,14 @@ class Times:
                     and t.get("stage") == "close" and isinstance(t.get("took_s"), (int, float))]
         if restored and record.get("outcome") == "closed" and not record.get("degraded"):
             self._restore.append(sum(restored))
+        closed = [float(t["took_s"]) for t in timings if t.get("stage") == "close"
+                  and isinstance(t.get("took_s"), (int, float))]
+        if closed and restored and record.get("outcome") == "closed" and not record.get("switched_to"):
+            self._close.append(sum(closed))
+
+    def close_time(self) -> float | None:
+        """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
+        return float(statistics.median(self._close)) if self._close else None
 
     def open_time(self, profile: str) -> float | None:
         """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""

@@ -240,6 +240,9 @@ def _lease(data: Any, where: str) -> Lease:
     d = _Fields(data, where)
     uid = d.number("uid", optional=True)
     expires_at = _infinite(d.number("expires_at", optional=True))
+    bind = d.text("bind", optional=True)
+    if bind not in (None, "connection"):
+        raise ValueError(f"{where}.bind: expected null or 'connection', got {bind!r}")
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
-                 int(d.number("priority", default=0)))
+                 int(d.number("priority", default=0)), bind == "connection")

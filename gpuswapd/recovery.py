@@ -102,6 +102,10 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(clock.wall())
+    for lease in rec.leases.matching(lambda x: x.bound):
+        # Bound to a connection of the gpuswapd that stopped: that connection is gone.
+        rec.leases.release(lease.id)
+        log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
     if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):
         # The resident it stopped is up again: the close finished but its end was never written
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.

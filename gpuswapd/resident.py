@@ -32,11 +32,11 @@ class Resident:
 
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
-        idle = self.config.resident.idle
+        idle = self.config.idle_probe()
         deadline = clock.monotonic() + idle.wait
         while True:
             try:
-                busy = await self.outside.http.run("idle", self.http.idle(idle))
+                busy = await self.outside.http.run("idle", self.http.idle(idle, draining=True))
             except EndpointUnreachable as err:
                 # Nothing listens: nothing is in flight (the resident may be down already). A probe
                 # that answers wrongly is another matter: that fails the window below.

@@ -336,7 +336,7 @@ class Server:
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority))
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
         retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
@@ -369,24 +369,29 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
-        if req.hold:
-            await self._hold(lease.id, reader, progress)
+        if req.hold or req.bind:
+            await self._hold(lease, reader, progress)
         return None
 
-    async def _hold(self, lease_id: str, reader: asyncio.StreamReader,
-                    tell: Callable[[dict[str, Any]], None]) -> None:
+    async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[dict[str, Any]], None]) -> None:
         """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
 
-        The lease is not bound to the connection: renew and release come on connections of their own.
+        Renew and release come on connections of their own. A lease bound to this connection
+        (``"bind": "connection"``) ends when the client hangs up, or dies: not when gpuswapd itself
+        stops (a lease it keeps across a restart is ended at the next start, its connection gone).
         """
-        self.window.lease_watchers[lease_id] = tell
+        self.window.lease_watchers[lease.id] = tell
         self.window.end_watchers("ended")  # it may have ended already
         try:
-            while await reader.read(4096):
-                pass  # the client says nothing more; anything it sends is ignored
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(4096):
+                    pass  # the client says nothing more; anything it sends is ignored
         finally:
-            if self.window.lease_watchers.get(lease_id) is tell:
-                del self.window.lease_watchers[lease_id]
+            if self.window.lease_watchers.get(lease.id) is tell:
+                del self.window.lease_watchers[lease.id]
+        if lease.bound and lease.id in {x.id for x in self.window.leases()}:
+            with contextlib.suppress(GpuswapError):
+                await asyncio.shield(self.window.release(lease.id, reason="its connection ended"))
 
 
 def _pending(sock: socket.socket, most: int) -> list[socket.socket]:

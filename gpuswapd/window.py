@@ -149,7 +149,7 @@ class Window:
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
                       wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE,
-                      priority: int = 0) -> Lease:
+                      priority: int = 0, bound: bool = False) -> Lease:
         """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
 
         A request for the open window's profile joins it, unless a queued request for another
@@ -165,7 +165,7 @@ class Window:
         # preemption is abandoned (its request went away), it takes them again.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
                  and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         if rec is not None and rec.degraded:
@@ -247,7 +247,7 @@ class Window:
                                           "phase": str(self.record.phase)} if self.record is not None else None})
 
     async def release(self, lease_id: str | None = None, match: Owner | None = None,
-                      allowed: Owner | None = None) -> list[Lease]:
+                      allowed: Owner | None = None, reason: str | None = None) -> list[Lease]:
         """End a lease by id (if ``allowed``), or every lease ``match`` accepts."""
         rec = self._open_record()
         if lease_id is not None:
@@ -256,7 +256,10 @@ class Window:
         else:
             gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(match or (lambda _: False))]
         for lease in gone:
-            log.info("lease_released", lease=lease.id, holder=lease.holder)
+            if reason is None:
+                log.info("lease_released", lease=lease.id, holder=lease.holder)
+            else:
+                log.info("lease_released", lease=lease.id, holder=lease.holder, reason=reason)
         await self._leases_changed()
         return gone
 
@@ -315,7 +318,34 @@ class Window:
             "hung": self.outside.status(),
             "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
+            "resident_back": self.resident_back(now),
         }
+
+    def resident_back(self, now: float) -> dict[str, Any] | None:
+        """Estimate when the resident serves again: the last lease's expiry, the linger, the measured close.
+
+        None while no window is open (it serves now) and when there is no estimate: a lease for
+        infinity, or another profile's request queued (a direct switch keeps the resident down).
+        """
+        rec = self.record
+        if rec is None:
+            return None
+        close_s = self.times.close_time()
+        if rec.closing:
+            started = next(t.started_at for t in rec.timings if t.stage == "close")
+            at = max(now, started + (close_s or 0.0))
+        else:
+            if any(w.profile != rec.profile for w in self.queue.queued(now)):
+                return None
+            ends = [lease.expires_at for lease in rec.leases.all()]
+            if rec.phase is not Phase.READY:  # still opening: those who wait hold it from READY on
+                opened = self.times.open_time(rec.profile) or 0.0
+                ends += [max(now, rec.opened_at + opened) + w.duration for w in self.queue.joined(rec.id)]
+            if not all(math.isfinite(end) for end in ends):
+                return None
+            at = max([now, *ends]) + self.config.daemon.linger + (close_s or 0.0)
+        return {"at": round(at, 3), "in_s": round(at - now, 3),
+                "close_s": None if close_s is None else round(close_s, 3)}
 
     async def remove_parked(self) -> dict[str, Any]:
         """Remove the parked engine now (``gpuswapctl park --remove``); say what was removed."""
@@ -350,7 +380,7 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)
+        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound)
         try:
             # A lease is granted once it is on disk: one that is not would be gone after a crash.
             await self._recorded(f"the lease for {w.holder}")
@@ -448,7 +478,8 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)) for w in waiters]
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound))
+                for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
         """Enter READY and give every waiting acquire its lease, once the leases are on disk."""

@@ -579,7 +579,7 @@ class FakeHttp:
                     raise
                 await asyncio.sleep(0.005)
 
-    async def idle(self, idle: Any, timeout: float = 10.0) -> Busy:
+    async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
         """Say the resident is idle."""
         return Busy(False, "idle")
 

@@ -118,7 +118,11 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         if window.get("error"):
             out.write(f"error: {window['error']['message']}\n")
         for lease in window["leases"]:
-            out.write(f"  lease {lease['id']}  {lease['holder']:<30} {_left(lease)}\n")
+            bound = ", ends with its connection" if lease.get("bind") == "connection" else ""
+            out.write(f"  lease {lease['id']}  {lease['holder']:<30} {_left(lease)}{bound}\n")
+        back = reply.get("resident_back")
+        if back:
+            out.write(f"resident back in about {format_span(max(1, round(back['in_s'])))}\n")
     if reply.get("waiting"):
         out.write(f"waiting: {reply['waiting']} acquire(s)\n")
     for entry in reply.get("queue") or []:

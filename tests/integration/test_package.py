@@ -32,6 +32,10 @@ BUILD_BUDGET_S = 180  # without the one-time download of the build tools
 EXPECTED = {
     "usr/bin/gpuswapd": None,
     "usr/bin/gpuswapctl": None,
+    "usr/bin/gpuswapd-gateway": None,
+    "usr/lib/systemd/system/gpuswapd-gateway.service": "units/gpuswapd-gateway.service",
+    "usr/lib/systemd/system/gpuswapd-gateway.socket": "units/gpuswapd-gateway.socket",
+    "usr/share/man/man8/gpuswapd-gateway.8.gz": "packaging/man/gpuswapd-gateway.8",
     "usr/lib/systemd/system/gpuswapd.service": "units/gpuswapd.service",
     "usr/lib/systemd/system/gpuswapd.socket": "units/gpuswapd.socket",
     "usr/lib/systemd/system/gpuswapd@.service": "units/gpuswapd@.service",
@@ -145,7 +149,7 @@ def test_package_holds_the_python_package_and_nothing_stray(built: Built) -> Non
         assert name.split("/")[0] in ("usr", "etc"), name
         assert "/tests/" not in name and "/packaging/" not in name, name
     # The scripts run the system's python, not a build-time virtualenv or scratch directory.
-    for script in ("usr/bin/gpuswapd", "usr/bin/gpuswapctl"):
+    for script in ("usr/bin/gpuswapd", "usr/bin/gpuswapctl", "usr/bin/gpuswapd-gateway"):
         shebang = built.read(script).split(b"\n", 1)[0].decode()
         assert re.fullmatch(r"#!/usr/bin/python3?(\.\d+)?", shebang), f"{script}: {shebang}"
 
@@ -157,7 +161,8 @@ def test_pkginfo_marks_the_config_as_backup_and_lists_the_dependencies(built: Bu
     assert info["arch"] == ["any"]
     assert info["backup"] == ["etc/gpuswapd/gpuswapd.toml"]
     assert set(info["depend"]) == {"python", "python-gobject", "python-pydbus", "python-httpx", "python-docker",
-                                   "python-structlog", "python-nvidia-ml-py", "python-prometheus_client"}
+                                   "python-structlog", "python-nvidia-ml-py", "python-prometheus_client",
+                                   "python-uvicorn", "python-httptools", "python-uvloop"}
     assert {d.split(":")[0] for d in info["optdepend"]} == {"docker", "nvidia-utils"}
 
 
@@ -171,7 +176,7 @@ def test_installed_units_verify_against_the_package_tree(built: Built, tmp_path:
                          filter="tar")
     proc = subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket", "gpuswapd@0.service",
-         "gpuswapd@0.socket"],
+         "gpuswapd@0.socket", "gpuswapd-gateway.service", "gpuswapd-gateway.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(root / "usr/share/man")},
     )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr

@@ -783,7 +783,7 @@ class Http:
                     raise
                 await asyncio.sleep(min(self.RETRY_S, max(0.0, retry_until - self.world.clock.now)))
 
-    async def idle(self, idle: Any, timeout: float = 10.0) -> Busy:
+    async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
         """Say whether an agent job is using the resident now."""
         await asyncio.sleep(0)
         if not self.world.resident_serves():
