@@ -492,7 +492,7 @@ class Run:
         if e["for"] == "infinity":  # as a Slurm Prolog takes it: by a holder name its Epilog releases
             request["holder"] = f"slurm-job-{c.id}"
         if c.kind == "run":
-            request["hold"] = True
+            request["bind"] = "connection"  # as gpuswapctl run asks: the lease ends with its connection
         c.conn = self.host.connect(c.peer)
         c.conns.append(c.conn)
         c.conn.send(encode(request))
@@ -940,6 +940,8 @@ class Run:
     def _why_ended(self, c: Client, lease_id: str, now: float) -> str | None:
         if c.released or c.release_sent:
             return "released"
+        if c.kind == "run" and c.conn is not None and (c.hung_up or c.dropped is not None or not c.conn.open):
+            return "its bound connection ended"
         if now + 1e-6 >= self.lease_expiry.get(lease_id, math.inf) - 0.01:
             return "expired"
         if c.unit is not None and self.world.systemd.units[c.unit].active_state not in ("active", "activating"):
