@@ -21,7 +21,7 @@ cycles, and pooled over every cycle's samples. Then the daemon's resident memory
 interval (1 s) and the shipped default (10 s), alternating: gpuswapd is restarted with the other
 interval between slices (``on_shutdown = "keep"``: the new one adopts the window), and each slice
 of ``--idle``/cycles seconds is measured from the threads' run time (/proc/PID/task/*/schedstat,
-nanoseconds), scaled to one minute.
+nanoseconds, read every 0.25 s so that a thread that ends keeps its time), scaled to one minute.
 
 What bounds the result: nothing of the simulator (the window is open and nothing changes); the
 clients share this machine's CPUs with the daemon, and on few cores they slow it down too. The
@@ -41,6 +41,7 @@ import resource
 import socket as socketlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ async def statuses(socket: str, clients: int, seconds: float, persistent: bool) 
     return latencies, len(latencies) / took
 
 
-def flooded_status(socket: str, connections: int, samples: int = 50) -> list[float]:
+def flooded_status(socket: str, connections: int, failed: list[str], samples: int = 50) -> list[float]:
     """Measure root's status latency while ``nobody`` holds ``connections`` open to the daemon."""
     ready_r, ready_w = os.pipe()
     done_r, done_w = os.pipe()
@@ -174,21 +175,28 @@ def flooded_status(socket: str, connections: int, samples: int = 50) -> list[flo
     try:
         if os.read(ready_r, 1) != b"x":
             raise RuntimeError(f"the flood of {connections} connections could not be opened")
-        return asyncio.run(_status_samples(socket, samples))
+        return asyncio.run(_status_samples(socket, samples, failed))
     finally:
         os.close(done_w)
         os.waitpid(pid, 0)
         os.close(ready_r)
 
 
-async def _status_samples(socket: str, samples: int) -> list[float]:
+async def _status_samples(socket: str, samples: int, failed: list[str]) -> list[float]:
+    """Time root's status requests; a request that gets no answer goes to ``failed`` (a figure too)."""
     out = []
     for _ in range(samples):
         started = time.perf_counter()
-        reader, writer = await asyncio.open_unix_connection(socket)
-        await _send(writer, {"op": "status"})
-        await _reply(reader)
-        writer.close()
+        try:
+            reader, writer = await asyncio.open_unix_connection(socket)
+            try:
+                await _send(writer, {"op": "status"})
+                await _reply(reader)
+            finally:
+                writer.close()
+        except (ConnectionError, ProtocolError) as err:
+            failed.append(f"{time.strftime('%H:%M:%S')}: {err!r}")
+            continue
         out.append(time.perf_counter() - started)
     return out
 
@@ -209,26 +217,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def run_time(pid: int) -> float:
-    """Sum the run time of a process's threads, in seconds, to the nanosecond (schedstat).
-
-    Finer than ``cpu_seconds`` (10 ms ticks), so a slice of a few seconds at rest can be measured;
-    a thread that ends within the slice takes its time with it (gpuswapd's threads are long-lived).
-    """
-    total = 0
+def _thread_times(pid: int) -> dict[str, int]:
+    """Each thread's run time so far, in nanoseconds (schedstat)."""
+    out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            out[task.name] = int((task / "schedstat").read_text().split()[0])
         except (OSError, IndexError, ValueError):
             continue  # it ended meanwhile
-    return total / 1e9
+    return out
+
+
+def cpu_over(pids: list[int], seconds: float, every: float = 0.25,
+             during: Callable[[], object] | None = None) -> list[float]:
+    """Return the CPU seconds each process's threads run over ``seconds``, to the nanosecond.
+
+    Finer than ``cpu_seconds`` (10 ms ticks), so a slice of a few seconds at rest can be measured.
+    The threads are read every ``every`` seconds: a thread that ends meanwhile keeps the time it was
+    last seen with (it loses at most its last ``every``), one that starts counts from zero.
+    ``during`` runs once the first reading is taken (a scrape, say).
+    """
+    first = [_thread_times(pid) for pid in pids]
+    last = [dict(f) for f in first]
+    started = time.monotonic()
+    if during is not None:
+        during()
+    while (left := started + seconds - time.monotonic()) > 0:
+        time.sleep(min(every, left))
+        for seen, pid in zip(last, pids, strict=True):
+            seen.update(_thread_times(pid))
+    return [sum(ns - f.get(tid, 0) for tid, ns in seen.items()) / 1e9 for f, seen in zip(first, last, strict=True)]
 
 
 def idle_cpu(pid: int, seconds: float) -> float:
     """Return the CPU seconds the process spends over ``seconds`` of rest, scaled to one minute."""
-    before = run_time(pid)
-    time.sleep(seconds)
-    return (run_time(pid) - before) * 60.0 / seconds
+    return cpu_over([pid], seconds)[0] * 60.0 / seconds
 
 
 def ms(values: list[float], p: float) -> float:
@@ -236,8 +259,10 @@ def ms(values: list[float], p: float) -> float:
     return percentile(values, p) * 1000
 
 
-def latency(lat: list[float], **more: float) -> dict[str, float]:
+def latency(lat: list[float], **more: Any) -> dict[str, Any]:
     """One run's latency figures, in milliseconds."""
+    if not lat:
+        return {"n": 0, **more}
     return {"n": len(lat), "p50_ms": ms(lat, 50), "p99_ms": ms(lat, 99), "max_ms": max(lat) * 1000, **more}
 
 
@@ -264,7 +289,12 @@ def load_variants(socket: str, seconds: float, flood: int) -> list[tuple[str, An
                 lat, rps = asyncio.run(statuses(socket, c, seconds, keep))
                 return latency(lat, rps=rps)
             variants.append((f"{kind}/{clients}", one))
-    variants.append(("status_under_flood", lambda: latency(flooded_status(socket, flood, samples=20))))
+    def flooded() -> dict[str, float]:
+        failed: list[str] = []
+        lat = flooded_status(socket, flood, failed, samples=20)
+        return latency(lat, failed=len(failed), errors=failed)
+
+    variants.append(("status_under_flood", flooded))
     return variants
 
 
@@ -329,9 +359,13 @@ def analyse(r: dict[str, Any]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for name, runs in r["load"].items():
         for key in ("p50_ms", "p99_ms", "max_ms", "rps"):
-            if key in runs[0]:
-                stats[f"{name}.{key}"] = spread([x[key] for x in runs])
+            values = [x[key] for x in runs if key in x]
+            if values:
+                stats[f"{name}.{key}"] = spread(values)
         stats[f"{name}.samples"] = sum(x["n"] for x in runs)
+        if any("failed" in x for x in runs):
+            stats[f"{name}.failed"] = sum(x["failed"] for x in runs)
+            stats[f"{name}.errors"] = [e for x in runs for e in x["errors"]]
     for name, slices in r["idle"].items():
         stats[f"idle.{name}"] = spread(slices)
     return stats
@@ -347,6 +381,10 @@ def print_report(r: dict[str, Any], stats: dict[str, Any]) -> None:
     cycles = len(next(iter(r["load"].values())))
     print(table(f"\nlease and status with a window READY, per cycle, {cycles} cycles (ms; rps: requests/s); "
                 f"flood: {r['flood']} connections of nobody", SPREAD_HEADER, rows))
+    failed = stats.get("status_under_flood.failed", 0)
+    print(f"root's status requests under the flood that got no answer: {failed} of "
+          f"{failed + stats['status_under_flood.samples']}" + "".join(f"\n  {e}" for e in
+                                                                  stats.get("status_under_flood.errors", [])))
     print(table("\ngpuswapd at rest with the window open: CPU seconds per minute, per slice",
                 SPREAD_HEADER, [spread_row(f"watch_interval {name}", stats[f"idle.{name}"]) for name in r["idle"]]))
     rss, hwm = r["rss_kb_after_load"]["VmRSS"] / 1024, r["rss_kb_after_load"]["VmHWM"] / 1024

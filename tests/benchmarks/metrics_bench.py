@@ -7,13 +7,12 @@ own: one with ``[metrics] listen`` and ``textfile`` set, one with metrics off. E
 and closes one window (so every histogram has series and the textfile has been written). Then
 every cycle runs each variant once, in turn, as a slice of ``--scrape-every`` seconds:
 
-- **scraped**: Prometheus's scrape of ``/metrics`` once a slice (15 s is Prometheus's default;
-  0: no scrapes);
+- **scraped**: Prometheus's scrape of ``/metrics`` once a slice (15 s is Prometheus's default);
 - **scraped and watched**: the same, with a ``gpuswapctl watch`` connected to the metrics daemon
   for the slice.
 
 In every slice both daemons' CPU time is measured (the run time of their threads, to the
-nanosecond), so the metrics daemon's cost is compared with the plain one's in the same slice:
+nanosecond, read every 0.25 s), so the metrics daemon's cost is compared with the plain one's in the same slice:
 the difference, per slice, is what metrics (and a watcher) cost. Each cycle then times 20 scrapes.
 RSS (VmRSS, VmHWM of /proc/PID/status) is read at the end.
 
@@ -32,7 +31,7 @@ import time
 import urllib.request
 from typing import Any
 
-from tests.benchmarks.lease_bench import proc_status, run_time
+from tests.benchmarks.lease_bench import cpu_over, proc_status
 from tests.benchmarks.report import (
     SPREAD_HEADER,
     alternate,
@@ -96,14 +95,8 @@ def measure_slice(on: RunningDaemon, off: RunningDaemon, port: int, seconds: flo
     try:
         if watcher is not None:
             time.sleep(1.0)  # connected and subscribed before the slice
-        before = run_time(on.proc.pid), run_time(off.proc.pid)
-        started = time.monotonic()
-        if seconds > 0 and port:
-            scrape(port)
-        time.sleep(max(0.0, seconds - (time.monotonic() - started)))
-        took = time.monotonic() - started
-        return {"on": (run_time(on.proc.pid) - before[0]) * 60 / took,
-                "off": (run_time(off.proc.pid) - before[1]) * 60 / took}
+        on_s, off_s = cpu_over([on.proc.pid, off.proc.pid], seconds, during=lambda: scrape(port) if port else None)
+        return {"on": on_s * 60 / seconds, "off": off_s * 60 / seconds}
     finally:
         if watcher is not None:
             watcher.terminate()
@@ -189,10 +182,17 @@ def print_report(r: dict[str, Any], stats: dict[str, Any]) -> None:
                 [(w, v, t, "yes" if met else "NO") for w, v, t, met in checks]))
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the metrics benchmark."""
     cli = parser("metrics_bench", __doc__, cycles_of="a scraped slice, a scraped and watched one, 20 scrapes")
-    cli.add_argument("--scrape-every", type=float, default=15.0,
+    cli.add_argument("--scrape-every", type=_positive, default=15.0,
                      help="seconds between scrapes, and the length of a slice (default 15)")
     args = cli.parse_args(argv)
     result = measured("metrics_bench", run, args.cycles, args.scrape_every)
