@@ -1,6 +1,6 @@
 """How fast gpuswapd serves leases and status with a window open, and what it costs at rest.
 
-    .venv/bin/python -m tests.benchmarks.lease_bench [--cycles 10] [--seconds 3] [--idle 60] [--flood 2000]
+    .venv/bin/python -m tests.benchmarks.lease_bench [--cycles 10] [--seconds 3] [--slice 10] [--flood 2000]
 
 With a window READY on the test world (one lease held by the benchmark), over the real socket
 with raw asyncio clients (one JSON line per request, the protocol of gpuswapd/protocol.py), every
@@ -20,7 +20,8 @@ cycles, and pooled over every cycle's samples. Then the daemon's resident memory
 /proc/PID/status), and its CPU time at rest with the window open, for the test world's watch
 interval (1 s) and the shipped default (10 s), alternating: gpuswapd is restarted with the other
 interval between slices (``on_shutdown = "keep"``: the new one adopts the window), and each slice
-of ``--idle``/cycles seconds is measured from the threads' run time (/proc/PID/task/*/schedstat,
+of ``--slice`` seconds (10: the longer interval, so every slice holds as many of its probes
+whatever its phase) is measured from the threads' run time (/proc/PID/task/*/schedstat,
 nanoseconds, read every 0.25 s so that a thread that ends keeps its time), scaled to one minute.
 
 What bounds the result: nothing of the simulator (the window is open and nothing changes); the
@@ -238,6 +239,8 @@ def cpu_over(pids: list[int], seconds: float, every: float = 0.25,
     ``during`` runs once the first reading is taken (a scrape, say).
     """
     first = [_thread_times(pid) for pid in pids]
+    if not all(first):
+        raise StackError(f"cannot read the threads' run time of {pids} in /proc/PID/task/*/schedstat")
     last = [dict(f) for f in first]
     started = time.monotonic()
     if during is not None:
@@ -308,7 +311,7 @@ def _restart(stack: Stack, daemon: RunningDaemon, config: Path) -> RunningDaemon
     return new
 
 
-def run(cycles: int, seconds: float, idle: float, flood: int) -> dict[str, Any]:
+def run(cycles: int, seconds: float, slice_s: float, flood: int) -> dict[str, Any]:
     """Run every measurement; return them."""
     stack = Stack()
     result: dict[str, Any] = {"flood": flood}
@@ -329,7 +332,6 @@ def run(cycles: int, seconds: float, idle: float, flood: int) -> dict[str, Any]:
             # Load must not disturb the window: a starved event loop fails the engine's health watch.
             window = daemon.status()["window"]
             result["after_load"] = {"phase": window["phase"], "restarts": window["restarts"]}
-            slice_s = idle / cycles
             current = {"name": "1s"}
 
             def settle(name: str) -> None:
@@ -337,7 +339,7 @@ def run(cycles: int, seconds: float, idle: float, flood: int) -> dict[str, Any]:
                 if current["name"] != name:
                     daemon = _restart(stack, daemon, configs[name])
                     current["name"] = name
-                time.sleep(2.0)  # its start-up's work is done
+                time.sleep(1.0)  # its start-up's work is done
 
             def slice_of(name: str) -> float:
                 assert daemon.proc is not None and current["name"] == name
@@ -417,11 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     cli = parser("lease_bench", __doc__, cycles_of="every latency measurement, then a slice at rest per interval")
     cli.add_argument("--seconds", type=float, default=3.0,
                      help="length of each kind of status run, over all cycles (default 3)")
-    cli.add_argument("--idle", type=float, default=60.0,
-                     help="seconds of rest to measure CPU over, per watch interval, over all cycles (default 60)")
+    cli.add_argument("--slice", type=float, default=10.0,
+                     help="seconds of rest to measure CPU over, per watch interval and cycle (default 10)")
     cli.add_argument("--flood", type=int, default=FLOOD, help=f"connections of the flood (default {FLOOD})")
     args = cli.parse_args(argv)
-    result = measured("lease_bench", run, args.cycles, args.seconds, args.idle, args.flood,
+    result = measured("lease_bench", run, args.cycles, args.seconds, args.slice, args.flood,
                       errors=(StackError, ProtocolError))
     if result is None:
         return 1

@@ -27,7 +27,7 @@ SMOKE = {
                    ["re-open from park against cold, 1 cycles", "cold / warm, per cycle", "warm open overhead"]),
     "switch_bench": (["--lag", "0.1", "--boot-delay", "0.2"],
                      ["direct switch against closing to the resident, 1 cycles", "the direct switch saves"]),
-    "lease_bench": (["--seconds", "0.3", "--idle", "1", "--flood", "200"],
+    "lease_bench": (["--seconds", "0.3", "--slice", "1", "--flood", "200"],
                     ["join/100 p99_ms", "status_under_flood", "watch_interval 10s", "targets"]),
     "metrics_bench": (["--scrape-every", "1"], ["metrics on, scraped every 1s", "one scrape:", "targets"]),
 }
