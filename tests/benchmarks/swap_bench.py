@@ -454,6 +454,12 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
             naive = [c[f"{side}_s"] for c in v["naive"]]
             series[f"{side}.naive"] = naive
             series[f"{side}.naive_ratio"] = paired(naive, g_client, lambda a, b: a / b)
+    # The resident's restore (llama-server's load and first completion, on the CPU) varies by
+    # seconds from one close to the next on a loaded machine, in both variants: the rest of the
+    # close is compared apart.
+    series["close.overhead_outside_restore"] = paired(
+        [c["close_daemon_s"] - c["phases"].get("RESTORING", 0.0) for c in g],
+        [sum(c["close"].values()) - c["close"]["restore"] for c in d], lambda a, b: a - b)
     for phase, steps in PHASE_STEPS:
         gp = [c["phases"].get(phase, 0.0) for c in g]
         dp = [sum(c["open"].get(s, 0.0) + c["close"].get(s, 0.0) for s in steps) for c in d]
@@ -475,6 +481,7 @@ def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
                            ("direct", "direct: inherent time of the world"),
                            ("overhead", "overhead = gpuswapd - direct, per cycle"),
                            ("overhead_daemon", "overhead, daemon's record - direct"),
+                           ("overhead_outside_restore", "overhead but for the resident's restore (record)"),
                            ("naive", "naive_swap.sh"), ("naive_ratio", "naive / gpuswapd, per cycle (x)")):
             s = stats.get(f"{side}.{key}")
             if s and s["n"]:
