@@ -25,7 +25,7 @@ What bounds the result (constants of the simulated world, not of gpuswapd):
     The cold/warm ratio is mostly these constants (1.0 s against 0.3 s): it says how much a
     parked engine saves on this simulator, not on a real vLLM (minutes cold, seconds warm);
   - both: the VRAM release lag (0.5 s, or --lag) after the resident stops, the resident's load
-    and llama-swap's 0.25 s health poll at close, and the simulated nvidia-smi (~70 ms a read).
+    and llama-swap's 0.25 s health poll at close, and the simulated nvidia-smi (~60 ms a read).
 The direct warm variant pays these too: warm - direct warm is what gpuswapd adds.
 
 Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.

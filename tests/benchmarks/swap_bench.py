@@ -26,7 +26,7 @@ What bounds the result (constants of the simulated world, not of gpuswapd):
   - the engine's boot delay (ENGINE_BOOT_DELAY, 1.0 s, or --boot-delay), then 2 warmup and 1
     verify completions of 20 tokens, 3 a chunk, 5 ms between chunks;
   - the resident's load (llama-server with a tiny model) and llama-swap's 0.25 s health poll;
-  - the simulated nvidia-smi: a Python script, about 70 ms a read, which gpuswapd polls in
+  - the simulated nvidia-smi: a Python script, about 60 ms a read, which gpuswapd polls in
     WAITING_VRAM (NVML on a real card reads in about a millisecond).
 The direct variant pays all of these too: the overhead (gpuswapd - direct) is what gpuswapd adds.
 
@@ -305,7 +305,7 @@ def gpuswapd_cycle(daemon: RunningDaemon, events: Events, holder: str = HOLDER,
     if last["id"] != event["window"] or last["outcome"] != "closed" or last["error"]:
         raise StackError(f"the window did not close cleanly: {last['outcome']} {last['error']}\n{daemon.tail()}")
     phases = phase_times(last)
-    ready = next(t for t in last["timings"] if t["phase"] in ("READY",))
+    ready = next(t for t in last["timings"] if t["phase"] == "READY")
     closing = next(t for t in last["timings"] if t["phase"] == "CLOSING")
     return {"open_s": open_s, "close_s": close_s,
             "open_daemon_s": ready["started_at"] - last["opened_at"],

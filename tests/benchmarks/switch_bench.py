@@ -26,7 +26,7 @@ What bounds the result (constants of the simulated world, not of gpuswapd):
     verify completions: paid by both variants alike;
   - the resident's load and first completion (llama-server on the CPU with a tiny model) and
     llama-swap's 0.25 s health poll: paid only via the resident, so they set most of the saving;
-  - the simulated nvidia-smi, a Python script of ~70 ms a read, polled in WAITING_VRAM.
+  - the simulated nvidia-smi, a Python script of ~60 ms a read, polled in WAITING_VRAM.
 
 Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 """
@@ -67,9 +67,9 @@ def _open_a(daemon: RunningDaemon, events: Events) -> None:
     events.clear()
 
 
-def _close_b(daemon: RunningDaemon, events: Events) -> None:
+def _close_b(daemon: RunningDaemon, events: Events, window: str) -> None:
     Ready(daemon.socket).send(release("b"))
-    events.finished()
+    events.finished(window)
 
 
 def direct(daemon: RunningDaemon, events: Events) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def direct(daemon: RunningDaemon, events: Events) -> dict[str, Any]:
     window = daemon.status()["window"]
     if not window.get("switched_from"):
         raise StackError(f"the eval window did not switch directly:\n{daemon.tail()}")
-    _close_b(daemon, events)
+    _close_b(daemon, events, window["id"])
     return {"switch_s": got - started, "saved": window.get("saved")}
 
 
@@ -99,7 +99,7 @@ def via_resident(daemon: RunningDaemon, events: Events) -> dict[str, Any]:
     window = daemon.status()["window"]
     if window.get("switched_from"):
         raise StackError(f"the eval window switched directly, with nobody queued:\n{daemon.tail()}")
-    _close_b(daemon, events)
+    _close_b(daemon, events, window["id"])
     return {"switch_s": got - started, "close_s": finished - started}
 
 
