@@ -24,12 +24,14 @@ def test_skips_here():
 
 
 def _run(tmp_path: Path, allowlist: str, machine: str = "") -> subprocess.CompletedProcess[str]:
+    # In front of the caller's own path: makepkg's check() brings pytest on PYTHONPATH.
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     (tmp_path / "test_x.py").write_text(TESTS)
     (tmp_path / "allowed.txt").write_text(allowlist)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.skips", "--allowed-skips",
                            str(tmp_path / "allowed.txt"), "-q", "-p", "no:cacheprovider", "test_x.py"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "GPUSWAPD_TEST_MACHINE": machine})
+                          env={**os.environ, "GPUSWAPD_TEST_MACHINE": machine, "PYTHONPATH": path})
 
 
 def test_an_unlisted_skip_fails_the_run_and_a_listed_one_does_not(tmp_path: Path) -> None:
