@@ -186,6 +186,9 @@ class FakeSystemd:
         self._lock = threading.RLock()
         self._watchers: list[Any] = []
         self.started: list[str] = []  # every unit started, in order
+        # One sequence for this world's starts and completions, so their order can be checked.
+        self.moments = itertools.count(1)
+        self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
 
     def add_unit(self, unit: FakeUnit) -> None:
@@ -253,6 +256,7 @@ class FakeSystemd:
                 return "failed"
             unit.active_state = "active"
             self.started.append(name)
+            self.started_at.append((next(self.moments), name))
             return "done"
 
     def _stop(self, name: str) -> str:
@@ -491,6 +495,7 @@ class FakeHttp:
         self.systemd = systemd
         self.docker = docker
         self.completions: list[str] = []
+        self.completed_at: list[tuple[int, str]] = []  # (moment, url) of every completion
         self.garble_wakes = 0  # the next wakes answer differently
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
 
@@ -564,6 +569,7 @@ class FakeHttp:
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
         self.completions.append(url)
+        self.completed_at.append((next(self.systemd.moments), url))
         text = CANARY if sampling is not None else "ready"
         if c is not None and c.garbled:
             text = text[::-1]
