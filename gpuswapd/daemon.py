@@ -164,13 +164,16 @@ class Daemon:
             self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
 
     async def _reconcile(self, every: float) -> None:
-        """While no window is open, bring the resident back if it was found down (not by its operator)."""
+        """While no window is open, bring the resident back if it was found down (not by its operator).
+
+        The first look is at once: a gpuswapd that starts with the resident down brings it back.
+        """
         while not self.window.stopping.is_set():
-            await sleep_unless(self.window.stopping, every)
             try:
                 await self.window.reconcile()
             except GpuswapError as err:  # systemd cannot say now: ask again next time
                 log.warning("reconcile_failed", error=err.message)
+            await sleep_unless(self.window.stopping, every)
 
     async def _check_image(self) -> None:
         """Refuse to start on a configured image that Docker does not have; Docker may be down."""
@@ -220,6 +223,7 @@ class Daemon:
         state could not be written: the record then stays for the next start to finish.
         """
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
+        self.window.refuse_new()  # at once: the checks below may take a while
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         await reap(self._reconciler)

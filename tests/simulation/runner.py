@@ -883,7 +883,7 @@ class Run:
         on_disk = self._disk_window()
         in_memory = daemon is not None and daemon.window.record is not None
         now = self.clock.now
-        if in_memory or on_disk:
+        if in_memory or on_disk or self.host.state != "up":
             self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = now
@@ -1025,6 +1025,9 @@ class Run:
                 return  # written to a client that does not read
             if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:
                 return
+            now_rec = daemon.window.record
+            if now_rec is not rec or now_rec.phase is not Phase.READY or now_rec.closing:
+                return  # the window failed or began closing in that instant: the request went with it
             error = (c.reply or {}).get("error") or {}
             got = "no reply yet" if c.reply is None else f"{error.get('code')}: {error.get('message')}"
             self.violate("5", f"client {c.id} asked READY window {window} of profile {e['profile']!r} for a lease "
