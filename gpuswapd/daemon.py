@@ -103,6 +103,7 @@ class Daemon:
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
+        self.forced = False  # a second SIGTERM or SIGINT: give up the restore
         self._signals = 0
         self._own_socket: str | None = None
 
@@ -190,10 +191,16 @@ class Daemon:
             log.warning("docker_unavailable_at_start", error=err.message)
 
     def _on_signal(self, sig: int) -> None:
+        # As uvicorn's handle_exit: a handler only sets flags. The first signal stops gpuswapd the
+        # normal way (restoring the resident); a second one forces it: the close under way stops at
+        # its next wait, the record stays for the next start, and the exit status says so.
         self._signals += 1
         if self._signals > 1:
-            log.warning("forced_exit", signal=signal.Signals(sig).name)
-            sys.exit(1)  # a second signal: stop waiting for the restore
+            log.warning("forced_exit", signal=signal.Signals(sig).name,
+                        consequence="the window is left for the next start of gpuswapd to finish")
+            self.forced = True
+            self.window.abort.set()
+            return
         log.info("stopping", signal=signal.Signals(sig).name, on_shutdown=self.config.daemon.on_shutdown)
         self._stop.set()
 
@@ -235,7 +242,7 @@ class Daemon:
         if self._own_socket is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._own_socket)
-        if given_back and saved:
+        if given_back and saved and not self.forced:
             log.info("gpuswapd_stopped")
             return 0
         log.error("gpuswapd_stopped", given_back=given_back, state_saved=saved,
