@@ -208,6 +208,9 @@ class FakeSystemd:
     def connect(self) -> None:
         """Connect (nothing to do)."""
 
+    def close(self) -> None:
+        """Close (nothing to do)."""
+
     def watch_active_state(self, watcher: Any) -> None:
         """Remember who wants to hear of state changes."""
         self._watchers.append(watcher)
