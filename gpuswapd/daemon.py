@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, instances
+from gpuswapd import __version__, bootchecks, instances, knownbad
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -67,9 +67,10 @@ class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
     def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE,
-                 systems: Systems | None = None) -> None:
+                 systems: Systems | None = None, known_bad: knownbad.Table | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.known_bad = known_bad  # None: read at start
         self.notifier = Notifier()
         d = config.daemon
         # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
@@ -97,7 +98,7 @@ class Daemon:
             self.systemd,
             self.outside,
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
-                                      self.window.parked, config.profile(profile)),
+                                      self.window.parked, config.profile(profile), self.known_bad),
             instance=instance,
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
@@ -145,7 +146,7 @@ class Daemon:
         return sock
 
     async def connect(self) -> None:
-        """Connect to systemd, follow the units' states, and check the configured images."""
+        """Connect to systemd, follow the units' states, check the images and the engines' settings."""
         await self.outside.systemd.call("connect", self.systemd.connect)
         loop = asyncio.get_running_loop()
 
@@ -155,7 +156,8 @@ class Daemon:
             loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
-        await self._check_image()
+        docker_up = await self._check_image()
+        await self._check_engines(docker_up)
 
     async def begin(self) -> None:
         """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
@@ -176,8 +178,8 @@ class Daemon:
                 log.warning("reconcile_failed", error=err.message)
             await sleep_unless(self.window.stopping, every)
 
-    async def _check_image(self) -> None:
-        """Refuse to start on a configured image that Docker does not have; Docker may be down."""
+    async def _check_image(self) -> bool:
+        """Refuse to start on a configured image that Docker does not have; Docker may be down (False)."""
         try:
             await self.outside.docker.call("ping", self.docker.ping)
             for p in self.config.engine_profiles():
@@ -189,6 +191,22 @@ class Daemon:
                                       f"(`docker pull {c.image}` or `docker load` it)")
         except DockerUnavailable as err:
             log.warning("docker_unavailable_at_start", error=err.message)
+            return False
+        return True
+
+    async def _check_engines(self, ask_docker: bool) -> None:
+        """Warn of compile caches kept nowhere and known-bad settings; refuse a refusing row (exit 78)."""
+        if self.known_bad is None:
+            self.known_bad = knownbad.load_table()
+        refusals = []
+        for p in self.config.engine_profiles():
+            view = await self.window.engine_of(p.name).settings(ask_docker)
+            if view is not None:
+                found = bootchecks.check(p, view, self.known_bad)
+                bootchecks.log_check(found)
+                refusals += found.refusals()
+        if refusals:
+            raise ConfigError("; ".join(refusals))
 
     def _on_signal(self, sig: int) -> None:
         # As uvicorn's handle_exit: a handler only sets flags. The first signal stops gpuswapd the
@@ -275,16 +293,23 @@ def main(argv: list[str] | None = None) -> int:
             instance = instances.check_name(args.instance)
             path = args.config or str(instances.config_path(instance))
             config = instances.load_instance_config(path, instance)
+        table = knownbad.load_table()
     except ConfigError as err:
         print(f"gpuswapd: {err.message}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        checks = bootchecks.check_config(config, table)
         found = config_warnings(config) + (instances.warnings(config, instance) if args.instance else [])
-        for warning in found:
+        for warning in found + [w for c in checks for w in c.warnings()]:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
+        refusals = [r for c in checks for r in c.refusals()]
+        for refusal in refusals:
+            print(f"gpuswapd: {refusal}", file=sys.stderr)
+        if refusals:
+            return EX_CONFIG
         print(f"{path}: ok")
         return 0
     if args.instance is not None:
         # Every line an instance logs says which one: several share one journal.
         structlog.contextvars.bind_contextvars(instance=instance)
-    return asyncio.run(Daemon(config, bus, instance).run())
+    return asyncio.run(Daemon(config, bus, instance, known_bad=table).run())

@@ -320,6 +320,7 @@ class Window:
             "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
             "resident_back": self.resident_back(now),
+            "boots": self.times.boots(),  # per profile: each boot to healthy, as history has it
         }
 
     def resident_back(self, now: float) -> dict[str, Any] | None:
