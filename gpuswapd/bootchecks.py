@@ -101,8 +101,8 @@ def check_config(config: Config, table: Table) -> list[ProfileCheck]:
     return [check(p, configured_view(p), table) for p in config.engine_profiles()]
 
 
-def log_check(found: ProfileCheck) -> None:
-    """Log at start what a profile's check found: each warning, and each allowed row."""
+def log_check(found: ProfileCheck, log: Any = log) -> None:
+    """Log at start what a profile's check found: each warning, and each allowed row (``log``: a test's)."""
     warned = found.cache_warning()
     if warned is not None:
         log.warning("compile_cache_not_kept", profile=found.profile, detail=warned)
