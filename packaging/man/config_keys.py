@@ -166,6 +166,11 @@ MEANINGS: dict[str, str] = {
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
     **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
                                   if k == "url" else "") for k, v in _VERIFY.items()},
+    # The known-bad table (KNOWN-BAD SETTINGS below).
+    "window.allow_known_bad": "The ids of the known-bad rows (KNOWN-BAD SETTINGS) that this engine may match: "
+                              "such a row neither warns nor refuses for this profile, and gpuswapd logs at start "
+                              "that it is allowed (known_bad_allowed). An id no row has is a warning. Each engine "
+                              "profile has its own list; none is inherited from [window].",
     "metrics.listen": "host:port on which gpuswapd serves GET /metrics (Prometheus's text format) from its own "
                       "event loop, within the socket's connection caps and timeouts, e.g. \"127.0.0.1:9477\". "
                       "Port 0 is refused; a port that cannot be had stops the start (exit 78). Empty: off.",
