@@ -81,7 +81,14 @@ class EngineView:
 
 
 def from_config(c: ContainerConfig, file_env: dict[str, str]) -> EngineView:
-    """Describe the container as the configuration makes it (``file_env``: its env file, as read)."""
+    """Describe the container as the configuration makes it (``file_env``: its env file, as read).
+
+    An existing container (``create = false``) is started as it is: its environment, command and
+    mounts are Docker's to tell (``from_container``), and only its image is known here.
+    """
+    if not c.create:
+        return EngineView(image=c.image, env={}, argv=[], create=False,
+                          origin="the configuration (the existing container's own settings are Docker's to tell)")
     mounts = []
     for source, spec in c.volumes.items():
         target, _, options = spec.partition(":")

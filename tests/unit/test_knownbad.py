@@ -108,7 +108,10 @@ def test_a_read_only_cache_mount_keeps_nothing() -> None:
 
 
 def test_an_existing_container_keeps_its_own_filesystem_and_is_not_checked() -> None:
-    assert checked(config("create = false")).cache_warning() is None
+    found = checked(config('create = false\nenv = { DFLASH_TOKENS = "15", MAX_MODEL_LEN = "32768" }'))
+    assert found.cache_warning() is None
+    # gpuswapd starts it as it is: what the configuration says of its settings is not what it runs with.
+    assert found.matches == [] and found.view.env == {}
 
 
 def test_cache_paths_follow_home_xdg_and_a_non_root_user() -> None:
