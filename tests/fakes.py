@@ -334,7 +334,7 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a live process (None: it is gone); a process on the card outside these units is a session's."""
+        """Name the unit of a live process (None: it is gone); one on the card outside these units is a session's."""
         unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
         if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
             return "session-1.scope"
