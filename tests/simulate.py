@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             seed = args.replay
             setup, events = draw(seed, args.events)
-        if args.shrink_for:
+        if args.shrink_for and not fails(setup, events, args.shrink_for):
+            print(f"it does not break invariant {args.shrink_for}: nothing to shrink")
+        elif args.shrink_for:
             events = shrink(setup, events, args.shrink_for)
             print(f"shrunk to {len(events)} events:")
             for event in events:
