@@ -13,9 +13,10 @@ spread of the histories drawn and of the machine. The worker pool is started and
 the first cycle (its start-up, the workers' imports, is printed apart), so a cycle's time is the
 playing of its histories alone, from the first seed handed out to the last result back.
 
-Per cycle: its seconds, histories per second, events per second, and the virtual hours and
+Per cycle: its seconds, histories per second (wall), histories per CPU second of the workers
+(what the machine's other load does not move), events per second, and the virtual hours and
 windows its histories simulated. Over the run: the time for every history (the cycles' seconds
-added), one history's own time as its worker measured it (the spread over every history), the
+added), one history's own time and CPU time as its worker measured them (the spread over every history), the
 virtual time simulated against real time, and any invariant violated (seed and invariant; the
 simulation's own command, ``python -m tests.simulate --replay SEED``, shrinks and explains it).
 
@@ -58,6 +59,13 @@ from tests.simulate import run_seed
 CHUNKSIZE = 4  # as tests.simulate hands out its seeds
 
 
+def play(args: tuple[int, int]) -> tuple[Any, ...]:
+    """Play one seed with ``run_seed`` in a worker; add the CPU seconds it took there (not a neighbour's)."""
+    started = time.process_time()
+    out = run_seed(args)
+    return (*out, time.process_time() - started)
+
+
 def _ready(barrier: Any) -> None:
     """Start a worker: it has imported the simulation (with this module); play a short history, wait for the rest."""
     run_seed((0, 20))
@@ -81,13 +89,15 @@ def cycle(pool: Any, jobs: int, seeds: range, events: int) -> dict[str, Any]:
     # tests.simulate's chunks of 4, smaller when there are too few seeds to give every worker some.
     chunksize = max(1, min(CHUNKSIZE, len(seeds) // (4 * jobs)))
     started = time.perf_counter()
-    results = list(pool.imap_unordered(run_seed, [(seed, events) for seed in seeds], chunksize=chunksize))
+    results = list(pool.imap_unordered(play, [(seed, events) for seed in seeds], chunksize=chunksize))
     took = time.perf_counter() - started
-    violations = sorted((seed, v.invariant) for seed, found, _, _, _ in results for v in found)
+    violations = sorted((seed, v.invariant) for seed, found, *_ in results for v in found)
+    cpu = sum(r[5] for r in results)
     return {"seeds": [seeds.start, seeds.stop - 1], "histories": len(results), "seconds": took,
             "histories_per_s": len(results) / took, "events_per_s": len(results) * events / took,
             "virtual_h": sum(r[2] for r in results) / 3600, "windows": sum(r[3] for r in results),
-            "history_s": [r[4] for r in results], "violations": violations}
+            "history_s": [r[4] for r in results], "history_cpu_s": [r[5] for r in results],
+            "cpu_s": cpu, "histories_per_cpu_s": len(results) / cpu, "violations": violations}
 
 
 def run(cycles: int, seeds: int, events: int, start: int, jobs: int) -> dict[str, Any]:
@@ -103,14 +113,16 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     """Spread of each per-cycle figure, the totals, and one history's time over every history."""
     c = result["cycles"]
     stats: dict[str, Any] = {key: spread([x[key] for x in c])
-                             for key in ("seconds", "histories_per_s", "events_per_s", "virtual_h", "windows")}
+                             for key in ("seconds", "histories_per_s", "histories_per_cpu_s", "events_per_s",
+                                         "virtual_h", "windows")}
     total_s = sum(x["seconds"] for x in c)
     histories = sum(x["histories"] for x in c)
     virtual_h = sum(x["virtual_h"] for x in c)
     stats["history_s"] = spread([s for x in c for s in x["history_s"]])
+    stats["history_cpu_s"] = spread([s for x in c for s in x["history_cpu_s"]])
     stats["total"] = {"histories": histories, "seconds": total_s, "histories_per_s": histories / total_s,
                       "virtual_h": virtual_h, "windows": sum(x["windows"] for x in c),
-                      "virtual_per_real": virtual_h * 3600 / total_s}
+                      "virtual_per_real": virtual_h * 3600 / total_s, "cpu_s": sum(x["cpu_s"] for x in c)}
     stats["violations"] = [v for x in c for v in x["violations"]]
     return stats
 
@@ -120,16 +132,18 @@ def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
     n, events, cycles = result["seeds_per_cycle"], result["events"], len(result["cycles"])
     rows = [spread_row(f"seconds per cycle of {n} histories", stats["seconds"]),
             spread_row("histories per second", stats["histories_per_s"]),
+            spread_row("histories per CPU second of the workers", stats["histories_per_cpu_s"]),
             spread_row("events per second", stats["events_per_s"]),
             spread_row("virtual hours simulated per cycle", stats["virtual_h"]),
             spread_row("windows opened per cycle", stats["windows"]),
-            spread_row("one history, its worker's seconds (over every history)", stats["history_s"])]
+            spread_row("one history, its worker's seconds (over every history)", stats["history_s"]),
+            spread_row("one history, its worker's CPU seconds (over every history)", stats["history_cpu_s"])]
     print(table(f"\nthe deterministic simulation, {cycles} cycles of {n} histories of {events} events, "
                 f"{result['jobs']} worker process(es)", SPREAD_HEADER, rows))
     t = stats["total"]
     print(f"\n{t['histories']} histories of {events} events in {t['seconds']:.1f} s "
           f"({t['histories_per_s']:.1f} histories/s): {t['virtual_h']:.1f} virtual hours "
-          f"({t['virtual_per_real']:,.0f}x real time), {t['windows']} windows")
+          f"({t['virtual_per_real']:,.0f}x real time), {t['windows']} windows; the workers' CPU {t['cpu_s']:.1f} s")
     print(f"histories per second, per cycle: {figure(stats['histories_per_s'], '', 1)}")
     print(f"the worker pool's start-up (spawn, imports, one warm-up history each), not counted: "
           f"{result['pool_startup_s']:.2f} s; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
