@@ -1,28 +1,60 @@
-"""What the gateway adds: latency, time to first token, tokens/s and 100 concurrent streams, direct against through it.
+"""What the gateway adds: latency, time to first token, tokens/s and concurrent streams, direct against through it.
 
-    .venv/bin/python -m tests.benchmarks.gateway_bench [--requests 2000] [--streams 100] [--servers all] [--realtime]
+    .venv/bin/python -m tests.benchmarks.gateway_bench [--cycles 10] [--requests 200] [--tokens 600]
+                                                      [--streams 100] [--servers all] [--realtime]
 
 No test world is needed: the upstreams are the world's engine simulator (tests/stack/sim/engine_sim.py,
 run as plain processes on a ledger of their own), gpuswapd is a stand-in that grants the gateway's
-lease at once (the window's own costs are the swap benchmark's), and the gateway is the real
-``gpuswapd-gateway``. Two cores, pinned (sched_setaffinity) so that the gateway never competes with
-what it is measured against: the gateway on CPU 1; the client, the upstreams and the stand-in on
-CPU 0, all at nice -10 (as root), and with ``--realtime`` in SCHED_RR: on a machine whose two cores
-are shared (other test runs), a neighbour's slice would otherwise show up as milliseconds of
-"added latency" on whichever path it happened to interrupt (kernels with EEVDF preempt by deadline,
-which nice barely moves). Direct and gateway runs are interleaved in rounds, so that a change of
-load on the machine falls on both alike.
+leases at once (the window's own costs are the swap benchmark's), and the gateway is the real
+``gpuswapd-gateway``. With ``--servers all`` the same application also runs under the alternatives:
+uvicorn without its C parser and event loop (h11 on asyncio), and hypercorn. Every gateway runs for
+the whole run, side by side; only the one being measured has work.
 
-- added latency: a small non-streaming completion (4 tokens, no delay), sequential on one kept-alive
-  connection, p50 and p99 through the gateway less direct;
-- time to first token of a stream, and streamed tokens/s (completion_tokens of the final usage
-  chunk over the time from the first token to the last), 600 tokens at 3 per chunk every 5 ms;
-- 100 concurrent streams through the gateway: each must end with its usage chunk and [DONE];
-- the gateway's RSS (VmRSS, VmHWM) after all that, and its CPU seconds per 1,000 requests.
+Two cores, pinned (sched_setaffinity) so that the gateway never competes with what it is measured
+against: the gateways on CPU 1; the client, the upstreams and the stand-in on CPU 0, all at nice
+-10 (as root), and with ``--realtime`` in SCHED_RR: on a machine whose two cores are shared (other
+test runs), a neighbour's slice would otherwise show up as milliseconds of "added latency" on
+whichever path it happened to interrupt (kernels with EEVDF preempt by deadline, which nice barely
+moves).
 
-``--servers all`` measures the same application under the alternatives too: uvicorn without its C
-parser and event loop (h11 on asyncio), and hypercorn. Results: tables on stdout, JSON in
-/var/tmp/gpuswapd-bench/.
+Two phases, each of ``--cycles`` cycles; every cycle runs each variant once, in turn (direct,
+uvicorn[, uvicorn-h11, hypercorn], then again), each from the same client: one kept-alive
+``http.client`` connection for the sequential requests, one ``httpx.AsyncClient`` for the
+concurrent streams, whichever the path.
+
+- **Phase 1, a quiet pool** (the gateway's upstream pool holds a connection or two):
+  ``--requests`` small non-streaming completions (4 tokens, no delay), one after another, the
+  turn's p50 and p99; then one long stream of ``--tokens`` tokens: time to its first chunk (the
+  role, no token yet), to its first token, and streamed tokens/s (completion_tokens of the final
+  usage chunk over the time from the first token to the last).
+- **Phase 2, a burst**: ``--streams`` concurrent streams of half as many tokens (each must end with
+  its usage chunk and [DONE]; a lost stream is counted), how long they all took; then at once the
+  same small completions again. The gateway's upstream pool now keeps the burst's connections
+  idle (``keepalive_expiry`` 30 s), and what each request costs with them is measured here.
+
+For a gateway, its CPU time over its small completions (the run time of its threads, to the
+nanosecond) is given per 1,000 requests. Added latency (p50, p99), added time to first token and
+the ratio of tokens/s are taken per cycle, the gateway's turn against the direct turn of the same
+cycle. The p50/p99 pooled over every cycle's requests are printed too. The gateway's RSS (VmRSS,
+VmHWM) is read at the end.
+
+What bounds the result (constants of the engine simulator, of this run and of this machine):
+  - the direct latency is the simulator's own: a Python ThreadingHTTPServer answering 4 tokens with
+    no chunk delay (ENGINE_CHUNK_DELAY=0); the added latency is the gateway's parse, route and
+    second loopback hop on top of it, which the simulator does not bound;
+  - tokens/s is set by the simulator's pace, 3 tokens a chunk every 5 ms (ENGINE_TOKENS_PER_CHUNK,
+    ENGINE_CHUNK_DELAY): about 600 tokens/s whatever the path, so the ratio says whether the gateway
+    keeps up with that pace, not how fast it could stream;
+  - the first chunk (the role) is sent at once and the first token after one chunk delay (5 ms),
+    on both paths: the added time to first token is the gateway's;
+  - phase 2 depends on --streams: the burst's size is how many idle connections the gateway's
+    upstream pool holds afterwards, for their keep-alive (30 s, gpuswapd/gateway/upstream.py);
+  - the concurrent streams' time is bound by CPU 0, where the simulator's threads (one per stream)
+    and the client share one core;
+  - two cores, shared with other work on this machine: nice -10 and --realtime keep most of a
+    neighbour's time out of the figures, not all of it.
+
+Results: tables on stdout and JSON in /var/tmp/gpuswapd-bench/.
 """
 
 from __future__ import annotations
@@ -34,7 +66,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,22 +77,40 @@ from typing import Any
 
 import httpx
 
-from tests.benchmarks.lease_bench import cpu_seconds, proc_status
-from tests.benchmarks.report import parser, percentile, table, write_results
+from tests.benchmarks.lease_bench import proc_status
+from tests.benchmarks.report import (
+    SPREAD_HEADER,
+    alternate,
+    figure,
+    paired,
+    parser,
+    percentile,
+    spread,
+    spread_row,
+    table,
+    write_results,
+)
 from tests.stack.daemon import BIN
 from tests.stack.world import REPO, SIM_PYTHON
 
 SIM = REPO / "tests" / "stack" / "sim"
-TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "tokens_per_s_ratio": 0.98}
+TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "tokens_per_s_ratio": 0.98, "lost_streams": 0}
 SERVERS = ("uvicorn", "uvicorn-h11", "hypercorn")
+SHIPPED = "uvicorn"
 GATEWAY_CPU, OTHERS_CPU = 1, 0
 BOOST = -10  # the nice value of everything measured (root only)
 # --realtime: everything measured in SCHED_RR (priority 1), above any neighbour's ordinary work; the
 # kernel's RT throttling (sched_rt_runtime_us) still leaves the others 5% of each second.
 REALTIME = False
+TOKENS_PER_CHUNK, CHUNK_DELAY_S = 3, 0.005
 SMALL = {"model": "sim-small", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-LONG = {"model": "sim-long", "max_tokens": 600, "stream": True, "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "write"}]}
+
+
+def long_body(tokens: int) -> dict[str, Any]:
+    """A streamed completion of ``tokens`` tokens, with its final usage chunk."""
+    return {"model": "sim-long", "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "write"}]}
+
 
 CONFIG = """
 [daemon]
@@ -106,7 +155,7 @@ import asyncio, socket, sys
 from gpuswapd.config import load_config
 from gpuswapd.gateway.main import build
 server, config, sock_path, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-app = build(load_config(config), sock_path, holder="bench")
+app = build(load_config(config), sock_path, holder="bench-" + server)
 if server == "hypercorn":
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
@@ -209,19 +258,19 @@ def wait_http(port: int, path: str, proc: subprocess.Popen[bytes], what: str) ->
 
 
 @contextlib.contextmanager
-def upstreams(root: Path) -> Iterator[dict[str, int]]:
-    """Two engine simulators: "sim-small" answers at once, "sim-long" streams 600 tokens."""
+def upstreams(root: Path, tokens: int) -> Iterator[dict[str, int]]:
+    """Two engine simulators: "sim-small" answers at once, "sim-long" streams ``tokens`` tokens."""
     gpu = root / "gpu"
     subprocess.run([SIM_PYTHON, str(SIM / "ledger.py"), "--dir", str(gpu), "init", "--total", "80GiB", "--lag", "0"],
                    check=True, capture_output=True, timeout=30)
     ports = {"small": free_port(), "long": free_port()}
     common = {"GPUSIM_DIR": str(gpu), "ENGINE_VRAM": "1GiB", "ENGINE_BOOT_DELAY": "0", "ENGINE_HOST": "127.0.0.1",
-              "ENGINE_REASONING_TOKENS": "0", "ENGINE_TOKENS_PER_CHUNK": "3"}
+              "ENGINE_REASONING_TOKENS": "0", "ENGINE_TOKENS_PER_CHUNK": str(TOKENS_PER_CHUNK)}
     env = {
         "small": {"ENGINE_NAME": "sim-small", "ENGINE_MODEL": "sim-small", "ENGINE_ANSWER_TOKENS": "4",
                   "ENGINE_CHUNK_DELAY": "0"},
-        "long": {"ENGINE_NAME": "sim-long", "ENGINE_MODEL": "sim-long", "ENGINE_ANSWER_TOKENS": "600",
-                 "ENGINE_CHUNK_DELAY": "0.005"},
+        "long": {"ENGINE_NAME": "sim-long", "ENGINE_MODEL": "sim-long", "ENGINE_ANSWER_TOKENS": str(tokens),
+                 "ENGINE_CHUNK_DELAY": str(CHUNK_DELAY_S)},
     }
     procs = {}
     try:
@@ -242,37 +291,53 @@ def upstreams(root: Path) -> Iterator[dict[str, int]]:
 
 
 @contextlib.contextmanager
-def gateway(server: str, config: Path, sock: Path, port: int, root: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run the gateway under ``server``, on its own CPU."""
-    if server == "uvicorn":
-        argv = [str(BIN / "gpuswapd-gateway"), "--config", str(config), "--socket", str(sock), "--log-level",
-                "warning"]
-    else:
-        argv = [sys.executable, "-c", RUNNER, server, str(config), str(sock), str(port)]
-    with open(root / f"gateway-{server}.log", "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=pinned(GATEWAY_CPU))
+def gateways(servers: tuple[str, ...], config: Path, sock: Path, port: int,
+             root: Path) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], int]]]:
+    """Run the gateway under each server, side by side, all on the gateways' CPU: ``{server: (process, port)}``.
+
+    The shipped one is ``gpuswapd-gateway`` itself, on ``port`` (the config's ``listen``); the
+    others run the same app (RUNNER) on ports of their own.
+    """
+    running: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     try:
-        wait_http(port, "/health", proc, f"the gateway under {server}")
-        # The first requests take the leases (the stand-in grants them at once) and warm the pools.
-        for body in (SMALL, {**LONG, "max_tokens": 3}):
-            one_request(port, body)
-        yield proc
+        for server in servers:
+            if server == SHIPPED:
+                at = port
+                argv = [str(BIN / "gpuswapd-gateway"), "--config", str(config), "--socket", str(sock),
+                        "--log-level", "warning"]
+            else:
+                at = free_port()
+                argv = [sys.executable, "-c", RUNNER, server, str(config), str(sock), str(at)]
+            with open(root / f"gateway-{server}.log", "ab") as log:
+                running[server] = (subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                    preexec_fn=pinned(GATEWAY_CPU)), at)
+        for server, (proc, at) in running.items():
+            wait_http(at, "/health", proc, f"the gateway under {server}")
+            # The first requests take the leases (the stand-in grants them at once) and warm the pools.
+            for body in (SMALL, long_body(3)):
+                one_request(at, body)
+        yield running
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def one_request(port: int, body: dict[str, Any]) -> bytes:
+    """POST one completion and read it whole (untimed)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
     if resp.status != 200:
         raise RuntimeError(f"POST to port {port}: HTTP {resp.status}: {data[:300]!r}")
     return data
@@ -284,47 +349,59 @@ def latencies(port: int, n: int) -> list[float]:
     body = json.dumps(SMALL).encode()
     headers = {"Content-Type": "application/json"}
     out = []
-    for _ in range(n):
-        started = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body, headers)
-        resp = conn.getresponse()
-        resp.read()
-        out.append(time.perf_counter() - started)
-        assert resp.status == 200, resp.status
-    conn.close()
+    try:
+        for _ in range(n):
+            started = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body, headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            out.append(time.perf_counter() - started)
+            if resp.status != 200:
+                raise RuntimeError(f"a small completion on port {port}: HTTP {resp.status}: {data[:300]!r}")
+    finally:
+        conn.close()
     return out
 
 
-def stream(port: int) -> dict[str, float]:
-    """One long stream: time to first token, tokens/s from the final usage (first token to last)."""
+def stream(port: int, tokens: int) -> dict[str, float]:
+    """One long stream: time to its first chunk and first token, tokens/s from the final usage (first token to last)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    started = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(LONG), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    first = last = None
-    tokens = 0
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        elif chunk.get("choices"):
+    try:
+        started = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", json.dumps(long_body(tokens)),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"a stream on port {port}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        chunk_at = first = last = None
+        used = 0
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
             now = time.perf_counter()
-            first = first or now
-            last = now
-    conn.close()
-    assert first is not None and last is not None and tokens
-    return {"ttft_s": first - started, "tokens_per_s": tokens / (last - first)}
+            chunk_at = chunk_at or now
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    first = first or now
+                    last = now
+    finally:
+        conn.close()
+    if chunk_at is None or first is None or last is None or last == first or not used:
+        raise RuntimeError(f"the stream on port {port} carried no tokens and usage ({used} tokens)")
+    return {"first_chunk_ms": (chunk_at - started) * 1000, "ttft_ms": (first - started) * 1000,
+            "tokens_per_s": used / (last - first)}
 
 
-async def concurrent_streams(port: int, n: int) -> dict[str, Any]:
+async def concurrent_streams(port: int, n: int, tokens: int) -> dict[str, Any]:
     """Run ``n`` streams at once; count those that end with their usage and [DONE]."""
     async def one(client: httpx.AsyncClient) -> bool:
         usage = done = False
         async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 json={**LONG, "max_tokens": 300}) as resp:
+                                 json=long_body(tokens)) as resp:
             if resp.status_code != 200:
                 return False
             async for line in resp.aiter_lines():
@@ -339,67 +416,227 @@ async def concurrent_streams(port: int, n: int) -> dict[str, Any]:
         results = await asyncio.gather(*(one(client) for _ in range(n)), return_exceptions=True)
         took = time.perf_counter() - started
     complete = sum(1 for r in results if r is True)
-    return {"streams": n, "complete": complete, "lost": n - complete, "took_s": took}
+    errors = sorted({repr(r) for r in results if isinstance(r, BaseException)})
+    return {"streams": n, "complete": complete, "lost": n - complete, "took_s": took, "errors": errors[:5]}
 
 
-def ms(values: list[float], p: float) -> float:
-    return percentile(values, p) * 1000
+def run_time(pid: int) -> float:
+    """The CPU seconds a process's threads have run so far (schedstat, to the nanosecond)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
-def measure(server: str, ports: dict[str, int], config: Path, sock: Path, gw_port: int, root: Path,
-            requests: int, streams: int, full: bool) -> dict[str, Any]:
-    """Measure direct against through the gateway under ``server``, interleaved in rounds."""
-    rounds = 10
-    per = max(1, requests // rounds)
-    direct: list[float] = []
-    through: list[float] = []
-    with gateway(server, config, sock, gw_port, root) as proc:
-        latencies(ports["small"], 50)  # warm both paths
-        latencies(gw_port, 50)
-        cpu_before = cpu_seconds(proc.pid)
-        added: dict[str, list[float]] = {"p50": [], "p99": []}
-        for _ in range(rounds):
-            d, g = latencies(ports["small"], per), latencies(gw_port, per)
-            direct += d
-            through += g
-            added["p50"].append(ms(g, 50) - ms(d, 50))
-            added["p99"].append(ms(g, 99) - ms(d, 99))
-        cpu_per_1000 = (cpu_seconds(proc.pid) - cpu_before) / (len(through) / 1000)
-        out: dict[str, Any] = {
-            "server": server, "requests": len(through),
-            "direct_p50_ms": ms(direct, 50), "direct_p99_ms": ms(direct, 99),
-            "gateway_p50_ms": ms(through, 50), "gateway_p99_ms": ms(through, 99),
-            "added_p50_ms": ms(through, 50) - ms(direct, 50), "added_p99_ms": ms(through, 99) - ms(direct, 99),
-            # each of the rounds on its own: how much a neighbour's burst moves them
-            "added_p50_ms_rounds": [min(added["p50"]), statistics.median(added["p50"]), max(added["p50"])],
-            "added_p99_ms_rounds": [min(added["p99"]), statistics.median(added["p99"]), max(added["p99"])],
-            "cpu_s_per_1000": cpu_per_1000,
-        }
-        if full:
-            runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
-            for _ in range(10):
-                runs["direct"].append(stream(ports["long"]))
-                runs["gateway"].append(stream(gw_port))
-            for where in ("direct", "gateway"):
-                out[f"{where}_ttft_ms"] = statistics.median(r["ttft_s"] for r in runs[where]) * 1000
-                out[f"{where}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs[where])
-                out[f"{where}_tokens_per_s_spread"] = [min(r["tokens_per_s"] for r in runs[where]),
-                                                       max(r["tokens_per_s"] for r in runs[where])]
-            out["added_ttft_ms"] = out["gateway_ttft_ms"] - out["direct_ttft_ms"]
-            out["tokens_per_s_ratio"] = out["gateway_tokens_per_s"] / out["direct_tokens_per_s"]
-            out["concurrent_direct"] = asyncio.run(concurrent_streams(ports["long"], streams))
-            out["concurrent_gateway"] = asyncio.run(concurrent_streams(gw_port, streams))
-            status = proc_status(proc.pid)
-            out["rss_mb"] = status["VmRSS"] / 1024
-            out["hwm_mb"] = status["VmHWM"] / 1024
+def small_completions(port: int, pid: int | None, requests: int) -> dict[str, Any]:
+    """The turn's small completions: p50, p99 and (for a gateway) its CPU per 1,000 of them."""
+    cpu_before = run_time(pid) if pid is not None else 0.0
+    lat = latencies(port, requests)
+    out: dict[str, Any] = {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
+                           "latencies_s": lat}
+    if pid is not None:
+        out["cpu_s_per_1000"] = (run_time(pid) - cpu_before) / requests * 1000
     return out
+
+
+def quiet_turn(small: int, long: int, pid: int | None, requests: int, tokens: int) -> dict[str, Any]:
+    """A turn of the first phase: the small completions, then one long stream (one connection each at most)."""
+    return {**small_completions(small, pid, requests), **stream(long, tokens)}
+
+
+def burst_turn(small: int, long: int, pid: int | None, requests: int, tokens: int, streams: int) -> dict[str, Any]:
+    """A turn of the second phase: the concurrent streams, then the small completions at once after them."""
+    crowd = asyncio.run(concurrent_streams(long, streams, max(1, tokens // 2)))
+    return {"crowd_took_s": crowd["took_s"], "crowd_complete": crowd["complete"], "crowd_lost": crowd["lost"],
+            "crowd_errors": crowd["errors"], **small_completions(small, pid, requests)}
+
+
+def run(cycles: int, requests: int, tokens: int, streams: int, servers: tuple[str, ...]) -> dict[str, Any]:
+    """Start the upstreams, the stand-in and the gateways; run both phases' cycles, alternating the variants."""
+    root = Path(tempfile.mkdtemp(prefix="gpuswapd-gateway-bench-", dir="/var/tmp"))
+    result: dict[str, Any] = {"requests_per_turn": requests, "tokens": tokens, "streams": streams,
+                              "servers": list(servers),
+                              "constants": {"tokens_per_chunk": TOKENS_PER_CHUNK, "chunk_delay_s": CHUNK_DELAY_S},
+                              "pinning": {"gateway_cpu": GATEWAY_CPU, "others_cpu": OTHERS_CPU,
+                                          "nice": BOOST if os.geteuid() == 0 else 0, "sched_rr": REALTIME}}
+    stand_in: StandIn | None = None
+    try:
+        with upstreams(root, tokens) as ports:
+            sock = root / "gpuswapd.sock"
+            stand_in = StandIn(sock).start()
+            config = root / "gpuswapd.toml"
+            gw_port = free_port()
+            config.write_text(CONFIG.format(socket=sock, root=root, small=ports["small"], long=ports["long"],
+                                            gateway=gw_port))
+            with gateways(servers, config, sock, gw_port, root) as running:
+                for port in (ports["small"], *(at for _, at in running.values())):
+                    latencies(port, 50)  # warm every path
+                paths = [("direct", ports["small"], ports["long"], None),
+                         *((server, at, at, proc.pid) for server, (proc, at) in running.items())]
+                result["quiet"] = alternate(cycles, [
+                    (name, lambda s=small, lg=long, p=pid: quiet_turn(s, lg, p, requests, tokens))
+                    for name, small, long, pid in paths])
+                result["burst"] = alternate(cycles, [
+                    (name, lambda s=small, lg=long, p=pid: burst_turn(s, lg, p, requests, tokens, streams))
+                    for name, small, long, pid in paths])
+                result["rss_kb"] = {server: proc_status(proc.pid) for server, (proc, _) in running.items()}
+                result["acquires"] = stand_in.acquires
+    finally:
+        if stand_in is not None:
+            stand_in.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def analyse(result: dict[str, Any]) -> dict[str, Any]:
+    """Each variant's spread over the cycles, and each gateway against the same cycle's direct turn."""
+    stats: dict[str, Any] = {}
+    for phase in ("quiet", "burst"):
+        v = result[phase]
+        d = v["direct"]
+        for name, turns in v.items():
+            at = f"{phase}.{name}"
+            for key in ("p50_ms", "p99_ms", "first_chunk_ms", "ttft_ms", "tokens_per_s", "crowd_took_s",
+                        "cpu_s_per_1000"):
+                if key in turns[0]:
+                    stats[f"{at}.{key}"] = spread([t[key] for t in turns])
+            pooled = [x for t in turns for x in t["latencies_s"]]
+            stats[f"{at}.pooled"] = {"n": len(pooled), "p50_ms": percentile(pooled, 50) * 1000,
+                                     "p99_ms": percentile(pooled, 99) * 1000}
+            if phase == "burst":
+                stats[f"{at}.lost"] = sum(t["crowd_lost"] for t in turns)
+                stats[f"{at}.streams"] = sum(t["crowd_complete"] + t["crowd_lost"] for t in turns)
+            if name == "direct":
+                continue
+
+            def per_cycle(key: str, how: Callable[[float, float], float],
+                          turns: list[dict[str, Any]] = turns, d: list[dict[str, Any]] = d) -> Any:
+                return spread(paired([t[key] for t in turns], [t[key] for t in d], how))
+
+            stats[f"{at}.added_p50_ms"] = per_cycle("p50_ms", lambda a, b: a - b)
+            stats[f"{at}.added_p99_ms"] = per_cycle("p99_ms", lambda a, b: a - b)
+            for key in ("p50_ms", "p99_ms"):
+                stats[f"{at}.pooled_added_{key}"] = stats[f"{at}.pooled"][key] - stats[f"{phase}.direct.pooled"][key]
+            if phase == "quiet":
+                stats[f"{at}.added_first_chunk_ms"] = per_cycle("first_chunk_ms", lambda a, b: a - b)
+                stats[f"{at}.added_ttft_ms"] = per_cycle("ttft_ms", lambda a, b: a - b)
+                stats[f"{at}.tokens_per_s_ratio"] = per_cycle("tokens_per_s", lambda a, b: a / b)
+            else:
+                stats[f"{at}.crowd_ratio"] = per_cycle("crowd_took_s", lambda a, b: a / b)
+    return stats
+
+
+def targets(stats: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
+    """The issue's targets, judged on the shipped gateway's medians of paired cycles, in both phases."""
+    q, b = f"quiet.{SHIPPED}", f"burst.{SHIPPED}"
+    out = []
+    for at, when in ((q, "quiet pool"), (b, "just after a burst")):
+        p50, p99 = stats[f"{at}.added_p50_ms"]["median"], stats[f"{at}.added_p99_ms"]["median"]
+        out += [(f"added p50, ms, {when} (median of cycles)", p50, f"<= {TARGETS['added_p50_ms']:g}",
+                 p50 <= TARGETS["added_p50_ms"]),
+                (f"added p99, ms, {when} (median of cycles)", p99, f"<= {TARGETS['added_p99_ms']:g}",
+                 p99 <= TARGETS["added_p99_ms"])]
+    ratio, lost = stats[f"{q}.tokens_per_s_ratio"]["median"], stats[f"{b}.lost"]
+    return [
+        *out,
+        ("tokens/s, gateway / direct (median of cycles)", ratio, f">= {TARGETS['tokens_per_s_ratio']:g}",
+         ratio >= TARGETS["tokens_per_s_ratio"]),
+        (f"streams lost through the gateway, of {stats[f'{b}.streams']}", lost, "0", lost == TARGETS["lost_streams"]),
+    ]
+
+
+def _small_rows(stats: dict[str, Any], phase: str, g: str) -> list[tuple[Any, ...]]:
+    return [spread_row("  direct p50", stats[f"{phase}.direct.p50_ms"]),
+            spread_row("  gateway p50", stats[f"{phase}.{g}.p50_ms"]),
+            spread_row("  added p50, per cycle", stats[f"{phase}.{g}.added_p50_ms"]),
+            spread_row("  direct p99", stats[f"{phase}.direct.p99_ms"]),
+            spread_row("  gateway p99", stats[f"{phase}.{g}.p99_ms"]),
+            spread_row("  added p99, per cycle", stats[f"{phase}.{g}.added_p99_ms"]),
+            spread_row("  gateway CPU s per 1,000 requests", stats[f"{phase}.{g}.cpu_s_per_1000"])]
+
+
+def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
+    """Print the tables and the targets."""
+    cycles, g = len(result["quiet"]["direct"]), SHIPPED
+    n, tokens, crowd = result["requests_per_turn"], result["tokens"], result["streams"]
+    q, b = f"quiet.{g}", f"burst.{g}"
+    rows: list[tuple[Any, ...]] = [
+        (f"phase 1, quiet pool: small completion, {n} a turn, one after another (ms)",) + (None,) * 6,
+        *_small_rows(stats, "quiet", g),
+        (f"phase 1: one stream of {tokens} tokens, {TOKENS_PER_CHUNK} a chunk every {CHUNK_DELAY_S * 1000:g} ms",)
+        + (None,) * 6,
+        spread_row("  direct: first chunk (ms)", stats["quiet.direct.first_chunk_ms"]),
+        spread_row("  gateway: first chunk (ms)", stats[f"{q}.first_chunk_ms"]),
+        spread_row("  added to the first chunk, per cycle (ms)", stats[f"{q}.added_first_chunk_ms"]),
+        spread_row("  direct: first token (ms)", stats["quiet.direct.ttft_ms"]),
+        spread_row("  gateway: first token (ms)", stats[f"{q}.ttft_ms"]),
+        spread_row("  added to the first token, per cycle (ms)", stats[f"{q}.added_ttft_ms"]),
+        spread_row("  direct tokens/s", stats["quiet.direct.tokens_per_s"]),
+        spread_row("  gateway tokens/s", stats[f"{q}.tokens_per_s"]),
+        spread_row("  tokens/s, gateway / direct, per cycle (x)", stats[f"{q}.tokens_per_s_ratio"]),
+        (f"phase 2: {crowd} concurrent streams of {max(1, tokens // 2)} tokens (s)",) + (None,) * 6,
+        spread_row("  direct, all done", stats["burst.direct.crowd_took_s"]),
+        spread_row("  gateway, all done", stats[f"{b}.crowd_took_s"]),
+        spread_row("  gateway / direct, per cycle (x)", stats[f"{b}.crowd_ratio"]),
+        (f"phase 2: small completion, {n} a turn, just after the streams (ms)",) + (None,) * 6,
+        *_small_rows(stats, "burst", g),
+    ]
+    print(table(f"\ngpuswapd-gateway ({g}) against direct, {cycles} cycles a phase, variants alternating",
+                SPREAD_HEADER, rows))
+    for phase in ("quiet", "burst"):
+        dp, gp = stats[f"{phase}.direct.pooled"], stats[f"{phase}.{g}.pooled"]
+        print(f"pooled over every cycle of phase {1 if phase == 'quiet' else 2} ({gp['n']} requests each way): "
+              f"p50 direct {dp['p50_ms']:.3f} ms, gateway {gp['p50_ms']:.3f} ms "
+              f"(added {stats[f'{phase}.{g}.pooled_added_p50_ms']:.3f}); p99 direct {dp['p99_ms']:.3f} ms, "
+              f"gateway {gp['p99_ms']:.3f} ms (added {stats[f'{phase}.{g}.pooled_added_p99_ms']:.3f})")
+    for name in ("direct", *result["servers"]):
+        print(f"concurrent streams, {name}: {stats[f'burst.{name}.streams'] - stats[f'burst.{name}.lost']} of "
+              f"{stats[f'burst.{name}.streams']} complete with their usage and [DONE]")
+        for turn_ in result["burst"][name]:
+            for err in turn_["crowd_errors"]:
+                print(f"  {err}")
+    others = [s for s in result["servers"] if s != g]
+    if others:
+        orows = []
+        for s in (g, *others):
+            for key, label in (("quiet.{}.added_p50_ms", "added p50, quiet, ms"),
+                               ("quiet.{}.added_p99_ms", "added p99, quiet, ms"),
+                               ("quiet.{}.cpu_s_per_1000", "CPU s per 1,000, quiet"),
+                               ("quiet.{}.tokens_per_s_ratio", "tokens/s ratio (x)"),
+                               ("burst.{}.crowd_ratio", "streams' time ratio (x)"),
+                               ("burst.{}.added_p50_ms", "added p50 after a burst, ms"),
+                               ("burst.{}.cpu_s_per_1000", "CPU s per 1,000 after a burst")):
+                orows.append(spread_row(f"{s}: {label}", stats[key.format(s)]))
+        print(table("\nthe same gateway under each server, per cycle against direct", SPREAD_HEADER, orows))
+    rss = result["rss_kb"]
+    print("\nRSS at the end: " + ", ".join(f"{s} {rss[s]['VmRSS'] / 1024:.1f} MB (peak {rss[s]['VmHWM'] / 1024:.1f})"
+                                            for s in result["servers"]))
+    pin_ = result["pinning"]
+    print(f"gateways on CPU {pin_['gateway_cpu']}, the rest on CPU {pin_['others_cpu']}, nice {pin_['nice']}"
+          + (", SCHED_RR" if pin_["sched_rr"] else "") + f"; load average {os.getloadavg()[0]:.2f}; "
+          f"cpus {os.cpu_count()}")
+    print(table("\ntargets", ("measure", "value", "target", "met"),
+                [(w, v, t, "yes" if met else "NO") for w, v, t, met in targets(stats)]))
+    print(f"\nadded latency p50, quiet pool {figure(stats[f'{q}.added_p50_ms'], ' ms', 3)}; "
+          f"just after a burst {figure(stats[f'{b}.added_p50_ms'], ' ms', 3)}")
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables."""
-    p = parser("gateway_bench", __doc__)
-    p.add_argument("--requests", type=int, default=2000, help="small completions each way (default 2000)")
-    p.add_argument("--streams", type=int, default=100, help="concurrent streams (default 100)")
+    p = parser("gateway_bench", __doc__, cycles_of="direct, then each server's gateway")
+    p.add_argument("--requests", type=_count, default=200,
+                   help="small completions each variant sends per cycle (default 200)")
+    p.add_argument("--tokens", type=_count, default=600, help="tokens of the long stream (default 600)")
+    p.add_argument("--streams", type=_count, default=100,
+                   help="concurrent streams per cycle and variant, of half as many tokens (default 100)")
     p.add_argument("--servers", choices=["uvicorn", "all"], default="all",
                    help="the shipped server only, or the alternatives too (default all)")
     p.add_argument("--realtime", action="store_true",
@@ -408,60 +645,18 @@ def main(argv: list[str] | None = None) -> int:
     global REALTIME
     REALTIME = args.realtime and os.geteuid() == 0
     pin(os.getpid(), OTHERS_CPU)
-    root = Path(tempfile.mkdtemp(prefix="gpuswapd-gateway-bench-", dir="/var/tmp"))
+    servers = SERVERS if args.servers == "all" else (SHIPPED,)
     try:
-        with upstreams(root) as ports:
-            sock = root / "gpuswapd.sock"
-            stand_in = StandIn(sock).start()
-            gw_port = free_port()
-            config = root / "gpuswapd.toml"
-            config.write_text(CONFIG.format(socket=sock, root=root, small=ports["small"], long=ports["long"],
-                                            gateway=gw_port))
-            results = []
-            for server in SERVERS if args.servers == "all" else ("uvicorn",):
-                results.append(measure(server, ports, config, sock, gw_port, root, args.requests, args.streams,
-                                       full=server == "uvicorn"))
-            stand_in.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    main_run = results[0]
-    print(table(f"gateway added latency, small completion ({main_run['requests']} each way, interleaved), ms",
-                ["server", "direct p50", "gateway p50", "added p50", "direct p99", "gateway p99", "added p99",
-                 "CPU s/1000"],
-                [[r["server"], r["direct_p50_ms"], r["gateway_p50_ms"], r["added_p50_ms"], r["direct_p99_ms"],
-                  r["gateway_p99_ms"], r["added_p99_ms"], r["cpu_s_per_1000"]] for r in results]))
-    print(table("added latency of each of the 10 rounds (min / median / max), ms",
-                ["server", "p50 min", "p50 median", "p50 max", "p99 min", "p99 median", "p99 max"],
-                [[r["server"], *r["added_p50_ms_rounds"], *r["added_p99_ms_rounds"]] for r in results]))
-    print()
-    print(table("streams (10 each way, medians; 600 tokens, 3 per chunk, 5 ms apart)",
-                ["", "direct", "gateway", "ratio / added"],
-                [["time to first token, ms", main_run["direct_ttft_ms"], main_run["gateway_ttft_ms"],
-                  main_run["added_ttft_ms"]],
-                 ["tokens/s", main_run["direct_tokens_per_s"], main_run["gateway_tokens_per_s"],
-                  main_run["tokens_per_s_ratio"]]]))
-    print()
-    c_d, c_g = main_run["concurrent_direct"], main_run["concurrent_gateway"]
-    print(table(f"{args.streams} concurrent streams (300 tokens each)", ["", "complete", "lost", "took s"],
-                [["direct", c_d["complete"], c_d["lost"], c_d["took_s"]],
-                 ["gateway", c_g["complete"], c_g["lost"], c_g["took_s"]]]))
-    print()
-    print(f"gateway RSS {main_run['rss_mb']:.1f} MB (peak {main_run['hwm_mb']:.1f} MB), "
-          f"CPU {main_run['cpu_s_per_1000']:.3f} s per 1,000 requests; load average {os.getloadavg()[0]:.2f}; "
-          f"gateway on CPU {GATEWAY_CPU}, the rest on CPU {OTHERS_CPU}, nice {BOOST}"
-          + (", SCHED_RR" if REALTIME else ""))
-    met = {
-        "added_p50_ms": main_run["added_p50_ms"] <= TARGETS["added_p50_ms"],
-        "added_p99_ms": main_run["added_p99_ms"] <= TARGETS["added_p99_ms"],
-        "tokens_per_s_ratio": main_run["tokens_per_s_ratio"] >= TARGETS["tokens_per_s_ratio"],
-        "no_stream_lost": c_g["lost"] == 0,
-    }
-    print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
-    path = write_results("gateway", {"targets": TARGETS, "met": met, "runs": results,
-                                     "pinning": {"gateway_cpu": GATEWAY_CPU, "others_cpu": OTHERS_CPU,
-                                                 "nice": BOOST, "sched_rr": REALTIME}})
-    print(f"results: {path}")
-    return 0 if all(met.values()) else 1
+        result = run(args.cycles, args.requests, args.tokens, args.streams, servers)
+    except (RuntimeError, OSError, httpx.HTTPError, subprocess.SubprocessError) as err:
+        print(f"gateway_bench: {err}", file=sys.stderr)
+        return 1
+    stats = analyse(result)
+    print_report(result, stats)
+    met = {what: ok for what, _, _, ok in targets(stats)}
+    path = write_results("gateway", {**result, "stats": stats, "targets": TARGETS, "met": met})
+    print(f"\nresults: {path}")
+    return 0
 
 
 if __name__ == "__main__":

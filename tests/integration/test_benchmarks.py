@@ -1,8 +1,11 @@
-"""Every benchmark of tests/benchmarks/ runs: one short cycle each, on the test world.
+"""Every benchmark of tests/benchmarks/ runs: one short cycle each, on the test world or without it.
 
 A benchmark that cannot run is found here, not when someone needs its figure. These runs assert
 only that each completes and prints its figures (one cycle, short delays: the figures are not
-read); the figures themselves come from full runs (README, "Measured").
+read); the figures themselves come from full runs (README, "Measured"). The benchmarks of SMOKE
+need the test world; those of WORLDLESS start what they measure themselves and run outside the
+world's group (on the other xdist worker); simulation_bench's smoke run is in the fast layer
+(tests/unit/test_simulation_bench.py). Every benchmark's --help is checked here.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import pytest
 
 from tests.stack.world import REPO, Stack
 
-pytestmark = pytest.mark.stack
-
 # Each benchmark with one cycle and its delays short, and what its output must show.
 SMOKE = {
     "swap_bench": (["--lag", "0.1", "--boot-delay", "0.2"],
@@ -31,26 +32,55 @@ SMOKE = {
                     ["join/100 p99_ms", "status_under_flood", "watch_interval 10s", "targets"]),
     "metrics_bench": (["--scrape-every", "1"], ["metrics on, scraped every 1s", "one scrape:", "targets"]),
 }
+# Benchmarks that need no test world: they start the engine simulator (and a stand-in gpuswapd) themselves.
+WORLDLESS = {
+    "gateway_bench": (["--requests", "20", "--tokens", "60", "--streams", "10"],
+                      ["gpuswapd-gateway (uvicorn) against direct, 1 cycles a phase", "added p50, per cycle",
+                       "tokens/s, gateway / direct, per cycle", "just after the streams",
+                       "concurrent streams, uvicorn: 10 of 10 complete", "hypercorn: added p50", "targets"]),
+}
+# Benchmarks whose smoke run is in the fast layer, and where.
+FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
-           "metrics_bench": "metrics"}
+           "metrics_bench": "metrics", "gateway_bench": "gateway"}
+EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
-def test_the_benchmark_runs_one_cycle_and_prints_its_figures(name: str, world: Stack, tmp_path: Path) -> None:
-    args, shown = SMOKE[name]
+def smoke(name: str, args: list[str], shown: list[str], results: Path) -> None:
+    """Run one cycle of a benchmark; check that it printed its figures and wrote its results."""
     out = subprocess.run([sys.executable, "-m", f"tests.benchmarks.{name}", "--cycles", "1", *args], cwd=REPO,
-                         env={**os.environ, "GPUSWAPD_BENCH_DIR": str(tmp_path)}, capture_output=True, text=True,
+                         env={**os.environ, "GPUSWAPD_BENCH_DIR": str(results)}, capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for text in shown:
         assert text in out.stdout, (text, out.stdout[-3000:])
-    [path] = tmp_path.glob(f"{RESULTS[name]}-*.json")
+    [path] = results.glob(f"{RESULTS[name]}-*.json")
     assert f"results: {path}" in out.stdout
     assert json.loads(path.read_text())["meta"]["cpus"] == os.cpu_count()
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_the_benchmark_runs_one_cycle_and_prints_its_figures(name: str, world: Stack, tmp_path: Path) -> None:
+    args, shown = SMOKE[name]
+    smoke(name, args, shown, tmp_path)
     world.wait_baseline()  # and the world is left as it was found
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+@pytest.mark.parametrize("name", sorted(WORLDLESS))
+def test_the_benchmark_without_the_world_runs_one_cycle_and_prints_its_figures(name: str, tmp_path: Path) -> None:
+    args, shown = WORLDLESS[name]
+    smoke(name, args, shown, tmp_path)
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    benchmarks = sorted(p.stem for p in (REPO / "tests" / "benchmarks").glob("*_bench.py"))
+    assert benchmarks == EVERY, "a benchmark without a smoke run (add it to SMOKE, WORLDLESS or FAST)"
+    for name, test in FAST.items():
+        assert f"tests.benchmarks.{name}" in test.read_text(), f"{test} does not run {name}"
+
+
+@pytest.mark.parametrize("name", EVERY)
 def test_the_benchmarks_help_names_what_bounds_it(name: str) -> None:
     out = subprocess.run([sys.executable, "-m", f"tests.benchmarks.{name}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
