@@ -17,7 +17,7 @@ from gpuswapd.gateway.errors import UpstreamFailed
 
 CONNECT_S = 5.0
 READ_S = 600.0  # between two pieces of an answer (a long prefill comes before the first)
-KEEP_IDLE = 16  # idle upstream connections kept between requests (see Upstream)
+KEEP_IDLE = 8  # idle upstream connections kept between requests (see Upstream)
 WRITE_S = 60.0
 # Not passed on either way (RFC 9110 section 7.6.1), and what the two hops set for themselves.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -57,7 +57,7 @@ class Upstream:
         # max_keepalive_connections is kept small: httpcore's pool does work on every request that
         # grows with the square of the connections it holds (encode/httpcore#1035), so 512 idle
         # ones kept after a burst of streams added ~4.4 ms to each request for the next 30 s. A new
-        # local connection costs ~0.1 ms; a burst past 16 opens the rest and lets them go after.
+        # local connection costs ~0.1 ms; a burst past 8 opens the rest and lets them go after.
         self.client = httpx.AsyncClient(
             trust_env=False, follow_redirects=False, transport=transport,
             timeout=httpx.Timeout(connect=CONNECT_S, read=READ_S, write=WRITE_S, pool=CONNECT_S),
