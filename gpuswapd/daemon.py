@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, bootchecks, instances, knownbad
+from gpuswapd import __version__, bootchecks, failpoints, instances, knownbad
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -252,7 +252,7 @@ class Daemon:
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         await reap(self._reconciler)
-        given_back = await self.window.shutdown(restore=restore, bound=SHUTDOWN_BOUND_S)
+        given_back = await self.window.shutdown(restore=restore, bound=failpoints.shutdown_bound(SHUTDOWN_BOUND_S))
         saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()
         await self.http.aclose()
