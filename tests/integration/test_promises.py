@@ -122,7 +122,8 @@ def test_a_preemptor_whose_image_was_removed_is_refused_at_once_and_nothing_is_r
                         timeout=60)
     assert time.monotonic() - started < 20  # at once, not after the 30 s grace
     assert urgent.returncode == 1, urgent.stderr
-    assert f"image {image!r} is not in Docker" in urgent.stderr and "was not preempted" in urgent.stderr
+    # Checked when it asks (the preflight of a request for another profile), before any notice.
+    assert f"image {image!r} is not in Docker" in urgent.stderr and f"docker pull {image}" in urgent.stderr
     status = daemon.status()
     assert status["phase"] == "READY" and status["window"]["id"] == window
     assert status["window"]["preempted"] is None  # nobody was told, nothing revoked
