@@ -229,7 +229,7 @@ def test_down_spares_tmp_and_leaves_nothing_running(stack: Stack) -> None:
         assert canary.read_text() == "still here"
         for name, p in pids.items():
             assert not Path(f"/proc/{p['pid']}").exists(), f"{name} still runs"
-        leftovers = subprocess.run(["pgrep", "-f", str(stack.paths.root)], capture_output=True, text=True).stdout
+        leftovers = subprocess.run(["pgrep", "-a", "-f", str(stack.paths.root)], capture_output=True, text=True).stdout
         assert leftovers == ""
         stack.up()
         assert canary.read_text() == "still here"

@@ -154,6 +154,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _descendants(pid: int) -> list[int]:
+    """The PIDs of a process's children, theirs, and so on (a snapshot)."""
+    found, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += _children(child)
+    return found
+
+
 @dataclass(frozen=True)
 class Proc:
     """A process ``up`` started, identified by PID and start time (PIDs get reused)."""
@@ -168,6 +178,12 @@ class Proc:
         if start is None:
             raise StackError(f"process {pid} is gone")
         return cls(pid, start)
+
+    @classmethod
+    def of_or_none(cls, pid: int) -> Proc | None:
+        """Identify a process that may have exited already."""
+        start = _start_time(pid)
+        return None if start is None else cls(pid, start)
 
     def alive(self) -> bool:
         """Tell whether this very process still runs (and is not a zombie)."""
@@ -193,6 +209,24 @@ class Proc:
                 return True
             time.sleep(0.05)
         return False
+
+
+def _stop_tree(proc: Proc, timeout: float) -> None:
+    """SIGTERM a process, SIGKILL it after ``timeout``; then make sure its descendants went too.
+
+    dockerd shares the host's PID namespace (the module's docstring): its containerd, its child,
+    is not ended by dockerd's exit, as the end of a namespace would end it; dockerd stops it
+    (SIGTERM) when it stops, and a dockerd that had to be killed leaves it to us.
+    """
+    below = [p for p in (Proc.of_or_none(pid) for pid in _descendants(proc.pid)) if p is not None]
+    proc.signal(signal.SIGTERM)
+    if not proc.wait_gone(timeout):
+        proc.signal(signal.SIGKILL)
+        proc.wait_gone(10)
+    for child in below:
+        if not child.wait_gone(10):
+            child.signal(signal.SIGKILL)
+            child.wait_gone(10)
 
 
 def _wait(what: str, check: Any, timeout: float, interval: float = 0.1) -> Any:
@@ -607,11 +641,7 @@ class Stack:
 
     def stop_dockerd(self) -> None:
         """Stop the world's dockerd (as a crash of Docker would look to gpuswapd)."""
-        dockerd = self._procs()["dockerd"]
-        dockerd.signal(signal.SIGTERM)
-        if not dockerd.wait_gone(30):
-            dockerd.signal(signal.SIGKILL)
-            dockerd.wait_gone(10)
+        _stop_tree(self._procs()["dockerd"], 30)
 
     def start_dockerd(self) -> None:
         """Start the world's dockerd again (after ``stop_dockerd``)."""
@@ -672,9 +702,7 @@ class Stack:
         if dockerd and dockerd.alive():
             for cid in self.docker("ps", "-aq").stdout.split():
                 self.docker("rm", "-f", cid)
-            dockerd.signal(signal.SIGTERM)
-            if not dockerd.wait_gone(20):
-                dockerd.signal(signal.SIGKILL)
+            _stop_tree(dockerd, 20)
         if systemd and systemd.alive():
             # Stop the units cleanly first (their cgroups go with them), then end the namespace.
             self.manager("StartUnit", "ss", "stack-halt.target", "isolate", check=False)
