@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, bootchecks, instances, knownbad
+from gpuswapd import __version__, bootchecks, clock, failpoints, instances, knownbad
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -39,8 +39,10 @@ from gpuswapd.vram import Vram
 from gpuswapd.window import Window
 
 EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
-# The shutdown's close, then the last write, must end within the units' TimeoutStopSec= (11min),
-# or systemd kills gpuswapd in the middle of it (a test checks the units against these).
+# The shutdown must end within the units' TimeoutStopSec= (11min), or systemd kills gpuswapd in the
+# middle of it: the close may take SHUTDOWN_BOUND_S from the signal, then the window
+# SHUTDOWN_ABORT_S to stop where it is, then the last write WRITER_STOP_S (a test checks the units
+# against these).
 SHUTDOWN_BOUND_S = 600.0
 WRITER_STOP_S = 10.0
 
@@ -247,12 +249,14 @@ class Daemon:
         The status is non-zero when the GPU could not be given back within the bound, or the
         state could not be written: the record then stays for the next start to finish.
         """
+        # The bound counts from the signal: asking systemd, or closing the clients, comes out of it.
+        ends = clock.monotonic() + failpoints.shutdown_bound(SHUTDOWN_BOUND_S)
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
         self.window.refuse_new()  # at once: the checks below may take a while
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         await reap(self._reconciler)
-        given_back = await self.window.shutdown(restore=restore, bound=SHUTDOWN_BOUND_S)
+        given_back = await self.window.shutdown(restore=restore, bound=max(0.0, ends - clock.monotonic()))
         saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()
         await self.http.aclose()

@@ -3,6 +3,9 @@
 ``GPUSWAPD_FAILPOINT_DELAY="PHASE=SECONDS"`` makes the window wait that long right after it has
 persisted its entry into PHASE, before it acts, so a test can kill the daemon there. Phases
 after CLOSING are named ``PHASE:closing`` (WAITING_VRAM happens on both ways).
+
+``GPUSWAPD_FAILPOINT_SHUTDOWN_BOUND=SECONDS`` shortens the shutdown's bound (never lengthens it:
+the units' ``TimeoutStopSec=`` is sized for the real one), so a test can see it run out.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import os
 
 _ENV = "GPUSWAPD_FAILPOINT_DELAY"
+_BOUND_ENV = "GPUSWAPD_FAILPOINT_SHUTDOWN_BOUND"
 
 
 def _delays() -> dict[str, float]:
@@ -33,3 +37,12 @@ async def failpoint(phase: str) -> None:
     delay = _DELAYS.get(phase)
     if delay:
         await asyncio.sleep(delay)
+
+
+def shutdown_bound(bound: float) -> float:
+    """Return the shutdown's bound: ``bound``, or less if a test asked for less."""
+    try:
+        asked = float(os.environ.get(_BOUND_ENV, ""))
+    except ValueError:
+        return bound
+    return min(bound, asked) if asked > 0 else bound

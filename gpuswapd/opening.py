@@ -227,7 +227,7 @@ async def _wake(op: Opening) -> bool:
         rec.container = {**rec.container, "removed": True}
         rec.start = "cold"
         return False
-    log.info("engine_woken", container=rec.container.get("name"), level=parked.level,
+    log.info("engine_woken", container=rec.container.get("name"), sleep_level=parked.level,
              parked_s=round(clock.wall() - parked.since, 3))
     return True
 

@@ -95,7 +95,7 @@ def _level(w: Window) -> int:
         available = host_ram_available()
         if available is None or available < park.host_ram_needs:
             shown = "unknown" if available is None else format_size(available)
-            log.warning("park_level_lowered", level=2, host_ram_available=shown,
+            log.warning("park_level_lowered", sleep_level=2, host_ram_available=shown,
                         host_ram_needs=format_size(park.host_ram_needs))
             return 2
     return park.level
@@ -140,7 +140,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     if reading is None or reading.free_bytes < need:
         free = "unknown" if reading is None else format_size(reading.free_bytes)
         log.warning("engine_not_parked", reason="what comes next would not fit beside the sleeping engine",
-                    free=free, need=format_size(need), level=level, waited_s=round(clock.monotonic() - waited, 3),
+                    free=free, need=format_size(need), sleep_level=level, waited_s=round(clock.monotonic() - waited, 3),
                     settle_s=settle)
         return False
     before = c.get("free_before_boot")
@@ -158,7 +158,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
                       canary=str(c["canary"]), profile=rec.profile)
     rec.container = {**c, "parked": True}
     await w.persist(required=False)  # one document: the window lets go of it, parked takes it
-    log.info("engine_parked", container=record.get("name"), level=level, residual=format_size(residual),
+    log.info("engine_parked", container=record.get("name"), sleep_level=level, residual=format_size(residual),
              free=format_size(reading.free_bytes), need=format_size(need))
     return True
 

@@ -53,6 +53,10 @@ from gpuswapd.writer import StateWriter
 Owner = Callable[[Lease], bool]
 
 
+# Once the shutdown's bound has run out, how long the window may take to stop where it is.
+SHUTDOWN_ABORT_S = 10.0
+
+
 @dataclass(frozen=True)
 class Backoffs:
     """How the window waits between retries (first, cap), in seconds; tests shorten them."""
@@ -776,7 +780,7 @@ class Window:
                 log.error("shutdown_bound_reached", bound_s=bound, phase=str(self.phase),
                           consequence="the window is left for the next start of gpuswapd to finish")
                 self.abort.set()  # its next pause ends it, with the record kept
-                await asyncio.wait({driver}, timeout=10.0)
+                await asyncio.wait({driver}, timeout=SHUTDOWN_ABORT_S)
                 if not driver.done():
                     driver.cancel()
                     await asyncio.wait({driver})

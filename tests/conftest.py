@@ -28,6 +28,10 @@ TEST_BOOT_DELAY = "0.4"
 # twice (the resident's, then the engine's). Real drivers take some 100 ms; the benchmarks and the
 # demo keep the world's 0.5 s.
 TEST_RELEASE_LAG_S = 0.2
+# The lag the tests of switches, preemption and parking run with: what real cards take at worst
+# (some 0.1 to 1.5 s; Ollama's scheduler says "typical convergence is 0.5-1.5s"). Each stop then
+# costs that long, so few tests ask for it.
+HONEST_RELEASE_LAG_S = 1.5
 
 # Property tests check behaviour, not speed: on a loaded 2-core machine (or inside makepkg's
 # check()) generating inputs may be slow, and that is no failure.
@@ -86,6 +90,13 @@ def world(stack: Stack) -> Stack:
     """The test world, reset to its baseline before the test."""
     stack.reset()
     return stack
+
+
+@pytest.fixture
+def honest_lag(world: Stack) -> float:
+    """The test world whose card frees memory HONEST_RELEASE_LAG_S after it is let go (the next reset undoes it)."""
+    world.set_release_lag(HONEST_RELEASE_LAG_S)
+    return HONEST_RELEASE_LAG_S
 
 
 @pytest.fixture

@@ -84,13 +84,17 @@ MEANINGS: dict[str, str] = {
                     "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
     "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
                             "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
-    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the configured resident units "
-                        "are up, and restores the baseline when one is down (0: never). A resident unit its operator "
-                        "stopped while no window was open (systemctl stop, not through gpuswapd) is left down until "
-                        "it is started again; one that failed is brought back.",
     "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
                          "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
                          "its ExecStopPost= runs as usual.",
+    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
+                        "never). A configured resident unit found inactive or failed is brought back with its "
+                        "dependents, verified, and the matching timers resumed: a baseline restore, logged "
+                        "(baseline_restore, cause found_down) and counted in gpuswapd_baseline_restores_total. The "
+                        "one exception is the operator's own stop: a resident unit that goes inactive while no window "
+                        "is open and no job of gpuswapd's runs (systemctl stop strata) is held down, in the state "
+                        "document across restarts, until it is started again (or tried: any other state lifts the "
+                        "hold). A unit that fails (its process crashed or was killed) is not held down.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -163,11 +167,13 @@ MEANINGS: dict[str, str] = {
                          "(a slower wake that reloads them).",
     "window.park.keep": "A parked engine unused this long is removed (the resident is not touched). It holds across "
                         "restarts of gpuswapd.",
-    "window.park.settle": "A sleeping engine frees its memory some time after it says it sleeps: park only once "
-                          "what comes next (the resident, or the next window of a direct switch) is free, waiting "
-                          "up to this long; otherwise the engine is removed, with the numbers in the log.",
     "window.park.host_ram_needs": "Sleep at level 1 only if at least this much host memory is available "
                                   "(MemAvailable); otherwise sleep at level 2. 0: do not check.",
+    "window.park.settle": "How long, once the engine says it sleeps, gpuswapd waits for what comes next "
+                          "(gpu.resident_needs, or the next window of a direct switch) to come free beside it: "
+                          "the card frees a sleeping engine's memory some time after, as it does an exited "
+                          "process's (0.1 to 1.5 s on real cards). Then the engine is parked, or removed with the "
+                          "numbers in the log (engine_not_parked: free, need, waited_s, settle_s).",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
     "window.warmup.prompt": "The prompt of the warmup completions.",
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",

@@ -24,8 +24,10 @@ What bounds the result (constants of the simulated world, not of gpuswapd):
     verify completions; warm: the engine's wake delay (ENGINE_WAKE_DELAY_1, 0.3 s) and one canary.
     The cold/warm ratio is mostly these constants (1.0 s against 0.3 s): it says how much a
     parked engine saves on this simulator, not on a real vLLM (minutes cold, seconds warm);
-  - both: the VRAM release lag (0.5 s, or --lag) after the resident stops, the resident's load
-    and llama-swap's 0.25 s health poll at close, and the simulated nvidia-smi (~60 ms a read).
+  - both: the VRAM release lag (0.5 s, or --lag) after the resident stops and after the engine
+    sleeps (the card frees a sleeping engine's memory after the lag, as an exited process's), the
+    resident's load and llama-swap's 0.25 s health poll at close, and the simulated nvidia-smi
+    (~60 ms a read).
 The direct warm variant pays these too: warm - direct warm is what gpuswapd adds.
 
 Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
@@ -131,8 +133,11 @@ class DirectWarm(Direct):
             if _post(self.port, f"/sleep?level={self.engine.park.level}")[0] != 200:
                 raise StackError("the engine did not sleep")
             _wait("asleep", lambda: _sleeping(self.port))
-            if free_bytes(gpu) < cfg.gpu.resident_needs:
-                raise StackError("the resident would not fit beside the sleeping engine")
+            # The card frees what the engine let go some time after it says it sleeps (the
+            # world's release lag): wait for the resident's room as gpuswapd does, up to its
+            # window.park.settle, polling as the rest of this run does.
+            _wait("the resident's room beside the sleeping engine", lambda: free_bytes(gpu) >= cfg.gpu.resident_needs,
+                  self.engine.park.settle)
 
         self._timed(steps, "sleep", sleep)
         r = cfg.resident.verify

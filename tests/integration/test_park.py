@@ -9,9 +9,11 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from tests.conftest import TEST_BOOT_DELAY
 from tests.integration.test_faults import _acquire_in_background, _wait_persisted
+from tests.integration.test_profiles import assert_switched_cleanly, inactive_since, wait_for
 from tests.integration.test_window import assert_resident_back, engine_state
-from tests.stack.config import ENGINE_ENV
+from tests.stack.config import ENGINE_ENV, profile_sections
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
 from tests.stack.world import ENGINE_PORT, OTHER_TIMER, Stack
@@ -59,12 +61,19 @@ def history(daemon: RunningDaemon) -> list[dict[str, Any]]:
     return windows
 
 
-def test_release_parks_the_engine_and_the_next_acquire_wakes_it(gpuswapd: Start, probe: Probe) -> None:
+def test_release_parks_the_engine_and_the_next_acquire_wakes_it(gpuswapd: Start, probe: Probe,
+                                                                 honest_lag: float) -> None:
+    # With the card's real lag, the 18.5 GiB the sleeping engine let go is still listed under it for
+    # 1.5 s: park waits for the resident's 22 GiB to come free (window.park.settle), then parks.
     daemon = parking(gpuswapd)
     cycle(daemon)
     assert_resident_back_beside_parked(probe)
     assert is_sleeping()
     assert engine_holds(probe.stack) == 1 * GiB  # its residual, in the ledger
+    [parked] = daemon.logged("engine_parked")
+    assert (parked["need"], parked["free"], parked["residual"], parked["sleep_level"]) == ("22.0 GiB", "23.0 GiB",
+                                                                                     "1.0 GiB", 1)
+    assert daemon.logged("engine_not_parked") == []
     status = daemon.status()
     assert status["next_open"] == "warm"
     assert status["parked"]["level"] == 1 and status["parked"]["container"] == "hyperqwen"
@@ -84,15 +93,57 @@ def test_release_parks_the_engine_and_the_next_acquire_wakes_it(gpuswapd: Start,
     assert [w["start"] for w in history(daemon)[-2:]] == ["cold", "warm"]
 
 
-def test_a_residual_that_leaves_the_resident_short_removes_the_engine(gpuswapd: Start, probe: Probe) -> None:
-    # 24 GiB card, 3 GiB kept asleep: 21 GiB free, the resident needs 22.
-    daemon = parking(gpuswapd, env={"ENGINE_SLEEP_RESIDUAL_1": "3GiB"})
+def test_a_residual_that_leaves_the_resident_short_removes_the_engine(gpuswapd: Start, probe: Probe,
+                                                                      honest_lag: float) -> None:
+    # 24 GiB card, 3 GiB kept asleep: 21 GiB free once the lag has passed, the resident needs 22. Park
+    # waits its settle (longer than the lag) for memory that never comes, then removes the engine.
+    daemon = parking(gpuswapd, env={"ENGINE_SLEEP_RESIDUAL_1": "3GiB"}, park={"settle": "3s"})
     cycle(daemon)
     assert_resident_back(probe)  # no container, no out-of-memory
+    assert not any(h["name"] == "hyperqwen" for h in probe.stack.ledger()["holders"])
     assert daemon.status()["parked"] is None
-    refused = daemon.logged("engine_not_parked")
-    assert [(e["reason"], e["need"]) for e in refused] == [
-        ("what comes next would not fit beside the sleeping engine", "22.0 GiB")]
+    [refused] = daemon.logged("engine_not_parked")
+    assert (refused["reason"], refused["need"], refused["free"], refused["settle_s"]) == (
+        "what comes next would not fit beside the sleeping engine", "22.0 GiB", "21.0 GiB", 3.0)
+    assert refused["waited_s"] >= 3.0
+    assert daemon.logged("engine_parked") == []
+
+
+def test_a_switch_to_a_bare_window_parks_the_engine_under_a_real_lag(gpuswapd: Start, probe: Probe,
+                                                                     honest_lag: float) -> None:
+    # engine -> bare with park on: the engine sleeps, its memory comes free 1.5 s later, it is parked
+    # beside the bare window (20 GiB of 24 with 1 GiB asleep), and the resident waits for the end.
+    sections = profile_sections(probe.stack)
+    daemon = gpuswapd(window__park={"mode": "sleep"}, window__container={"env": {**SLEEPY, "ENGINE_BOOT_DELAY":
+                                                                                  TEST_BOOT_DELAY}},
+                      daemon={"linger": "1s"}, profiles__bare=sections["profiles__bare"])
+    up_since = probe.entered_active_us("strata.service")
+    assert daemon.ctl("acquire", "--holder", "chat", "--for", "2m").returncode == 0
+    down_since = inactive_since(probe, "strata.service")
+    trainer = _acquire_in_background(daemon, "--profile", "bare", "--holder", "trainer", "--for", "2m")
+    wait_for(lambda: len(daemon.status()["queue"]) == 1, "the bare request to queue")
+    assert daemon.ctl("release", "--holder", "chat").returncode == 0
+    _, err = trainer.communicate(timeout=90)
+    assert trainer.returncode == 0, err
+    window = daemon.status()["window"]
+    assert window["kind"] == "bare" and window["switched_from"]
+    assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen", "running")]
+    assert is_sleeping() and engine_holds(probe.stack) == 1 * GiB
+    [parked] = daemon.logged("engine_parked")
+    assert (parked["need"], parked["free"]) == ("20.0 GiB", "23.0 GiB")
+    # The resident was not started between the windows.
+    assert inactive_since(probe, "strata.service") == down_since
+    assert probe.entered_active_us("strata.service") == up_since
+    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    assert_switched_cleanly(daemon, probe)
+
+    assert daemon.ctl("release", "--holder", "trainer").returncode == 0
+    daemon.wait_phase("IDLE", timeout=90)
+    assert_resident_back_beside_parked(probe)  # the resident fits beside the parked engine
+    assert probe.entered_active_us("strata.service") > up_since
+    assert_switched_cleanly(daemon, probe)
+    windows = history(daemon)[-2:]
+    assert [(w["profile"], w["outcome"]) for w in windows] == [("default", "closed"), ("bare", "closed")]
 
 
 def test_a_canary_mismatch_after_a_wake_boots_the_engine_cold(gpuswapd: Start, probe: Probe) -> None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from tests.integration.test_faults import _acquire_in_background
-from tests.integration.test_profiles import inactive_since, wait_for, with_profiles
+from tests.integration.test_profiles import assert_switched_cleanly, inactive_since, wait_for, with_profiles
 from tests.integration.test_systemd_leases import _as_nobody, _consumer, _wait_state
 from tests.integration.test_window import assert_resident_back
 from tests.stack.daemon import BIN, RunningDaemon
@@ -18,8 +18,11 @@ Start = Callable[..., RunningDaemon]
 
 
 def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start, probe: Probe,
-                                                                 world: Stack) -> None:
+                                                                 world: Stack, honest_lag: float) -> None:
+    # With the card's real lag: the engine's memory is still listed for 1.5 s after the preemption
+    # took it down, and the bare window waits for it.
     daemon = with_profiles(gpuswapd, probe, daemon={"preempt_grace": "2s"})
+    up_since = probe.entered_active_us("strata.service")
     stopped = world.paths.control / "consumer.stopped"
     stopped.unlink(missing_ok=True)
     _consumer(world, daemon, "consumer.service", "/bin/sleep 300", ExecStopPost=f"/bin/touch {stopped}")
@@ -57,7 +60,9 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
     assert last["preempted"]["stopped_units"] == ["consumer.service"]
     # The resident was not started between the two windows.
     assert inactive_since(probe, "strata.service") == down_since
+    assert probe.entered_active_us("strata.service") == up_since
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    assert_switched_cleanly(daemon, probe)
 
     assert daemon.ctl("release", "--holder", "urgent").returncode == 0
     _, err = equal.communicate(timeout=90)  # then the equal request gets its turn
@@ -65,6 +70,8 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
     assert daemon.ctl("release", "--holder", "equal").returncode == 0
     daemon.wait_phase("IDLE", timeout=90)
     assert_resident_back(probe)
+    assert probe.entered_active_us("strata.service") > up_since
+    assert_switched_cleanly(daemon, probe)
 
 
 def test_aging_orders_the_queue_but_never_preempts(gpuswapd: Start, probe: Probe) -> None:

@@ -79,8 +79,17 @@ def test_a_bare_holder_that_keeps_its_memory_holds_the_resident_back(gpuswapd: S
     assert_resident_back(probe)
 
 
-def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: Probe) -> None:
+def assert_switched_cleanly(daemon: RunningDaemon, probe: Probe) -> None:
+    """No window failed (no wont_fit, no rollback) and nothing ran out of memory on the card."""
+    assert [(e.get("code"), e.get("error")) for e in daemon.logged("window_failed")] == []
+    assert probe.stack.ooms() == []
+
+
+def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: Probe, honest_lag: float) -> None:
+    # With the card's real lag: each engine's memory is still listed under its pids (docker top's)
+    # for 1.5 s after it stopped, and the next window waits for it instead of calling it a stranger's.
     daemon = with_profiles(gpuswapd, probe, daemon={"fair_after": "1s"})
+    up_since = probe.entered_active_us("strata.service")
     assert daemon.ctl("acquire", "--holder", "chat-1", "--for", "2m").returncode == 0
     down_since = inactive_since(probe, "strata.service")
     evaluation = _acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
@@ -108,12 +117,16 @@ def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: 
     _, err = chat2.communicate(timeout=90)
     assert chat2.returncode == 0, err
     assert daemon.status()["window"]["profile"] == "default"
-    # Three windows, and the resident stayed down from the first to the last.
+    # Three windows, and the resident stayed down from the first to the last: never started between.
     assert inactive_since(probe, "strata.service") == down_since
+    assert probe.entered_active_us("strata.service") == up_since
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    assert_switched_cleanly(daemon, probe)
     assert daemon.ctl("release", "--holder", "chat-2").returncode == 0
     daemon.wait_phase("IDLE", timeout=90)
     assert_resident_back(probe)
+    assert probe.entered_active_us("strata.service") > up_since  # back after the last window
+    assert_switched_cleanly(daemon, probe)
     windows = daemon.ctl_json("history", "--limit", "3")["windows"]
     assert [w["profile"] for w in windows] == ["default", "eval", "default"]
     assert windows[1]["switched_from"] == windows[0]["id"] and windows[2]["switched_from"] == windows[1]["id"]

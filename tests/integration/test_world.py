@@ -150,6 +150,46 @@ def test_engine_streams_more_tokens_than_chunks(systemd: Systemd, world: Stack) 
     assert any(e["choices"][0]["delta"].get("reasoning") for e in chunks)
 
 
+def _smi_apps(world: Stack) -> list[tuple[int, int]]:
+    """The card's processes as gpuswapd's nvidia-smi lists them: (pid, MiB)."""
+    out = subprocess.run([str(world.paths.bin / "nvidia-smi"), "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30, check=True)
+    return [(int(pid), int(mib)) for pid, mib in (line.split(", ") for line in out.stdout.splitlines())]
+
+
+def test_the_card_lists_an_engine_under_its_docker_top_pid_while_its_memory_comes_free(
+        systemd: Systemd, world: Stack, honest_lag: float) -> None:
+    # Real drivers list host pids; dockerd sees the host's PID namespace, as gpuswapd's nvidia-smi
+    # does: the pid the card lists an engine's memory under is one docker top gives gpuswapd.
+    from gpuswapd.adapters.docker import Docker
+
+    systemd.stop("strata.service", timeout=30)
+    while world.ledger()["used_bytes"]:
+        time.sleep(0.05)
+    _run_engine(world, "listed-engine", VLLM_SERVER_DEV_MODE="1")
+    _wait_health(200)
+    [(pid, mib)] = _smi_apps(world)
+    assert mib == int(19.5 * 1024)
+    assert pid in Docker().top("listed-engine")
+    # A sleep lets 18.5 GiB go: the card lists them under the same pid for the lag, then not.
+    _post("http://127.0.0.1:18020/sleep?level=1", {})
+    assert _smi_apps(world) == [(pid, int(19.5 * 1024))]
+    assert world.ledger()["free_bytes"] == int(4.5 * GiB)
+    deadline = time.monotonic() + honest_lag + 5
+    while _smi_apps(world) != [(pid, 1024)]:
+        assert time.monotonic() < deadline, _smi_apps(world)
+        time.sleep(0.1)
+    # An exit: the process is gone, and its memory is still listed under its pid for the lag.
+    world.docker("stop", "-t", "2", "listed-engine", check=True)
+    assert not Path(f"/proc/{pid}").exists()
+    assert _smi_apps(world) == [(pid, 1024)]
+    deadline = time.monotonic() + honest_lag + 5
+    while _smi_apps(world):
+        assert time.monotonic() < deadline, _smi_apps(world)
+        time.sleep(0.1)
+    assert world.ledger()["used_bytes"] == 0
+
+
 def _restart(world: Stack, name: str) -> None:
     """Restart a container the way a GPU needs it: stop, wait for the VRAM, start."""
     world.docker("stop", "-t", "2", name, check=True)
@@ -189,7 +229,7 @@ def test_down_spares_tmp_and_leaves_nothing_running(stack: Stack) -> None:
         assert canary.read_text() == "still here"
         for name, p in pids.items():
             assert not Path(f"/proc/{p['pid']}").exists(), f"{name} still runs"
-        leftovers = subprocess.run(["pgrep", "-f", str(stack.paths.root)], capture_output=True, text=True).stdout
+        leftovers = subprocess.run(["pgrep", "-a", "-f", str(stack.paths.root)], capture_output=True, text=True).stdout
         assert leftovers == ""
         stack.up()
         assert canary.read_text() == "still here"

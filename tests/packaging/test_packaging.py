@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-from gpuswapd import __version__, daemon, instances
+from gpuswapd import __version__, daemon, instances, window
 from gpuswapd.config import DEFAULT_PATH, DaemonConfig, GatewayConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
@@ -121,6 +121,20 @@ def test_service_runs_the_daemon_the_way_it_expects() -> None:
     assert "gpuswapd.socket" in one(s, "Install", "Also").split()
     # The config's state_dir default is where StateDirectory= puts it.
     assert DaemonConfig().state_dir == "/var/lib/gpuswapd"
+
+
+@pytest.mark.parametrize("unit", ["gpuswapd.service", "gpuswapd@.service"])
+def test_the_units_stop_timeout_outlasts_the_whole_bounded_shutdown(unit: str) -> None:
+    # The close's bound from the signal, the window's time to stop where it is, the last write:
+    # systemd must not SIGKILL gpuswapd before all three, with a margin for closing the rest.
+    bounded = daemon.SHUTDOWN_BOUND_S + window.SHUTDOWN_ABORT_S + daemon.WRITER_STOP_S
+    stop = one(unit_settings(UNITS / unit), "Service", "TimeoutStopSec")
+    assert parse_span(stop) >= bounded + 30, f"{unit}: TimeoutStopSec={stop} is not above {bounded:g} s + 30 s"
+    # ...and the README and gpuswapd(8) say the same numbers.
+    readme, page = (ROOT / "README.md").read_text(), (MAN / "gpuswapd.8").read_text()
+    for text in (readme, page):
+        assert f"{bounded:g} s" in text and f"TimeoutStopSec={stop}" in text
+    assert f"up to {daemon.SHUTDOWN_BOUND_S / 60:g} minutes from the SIGTERM" in readme
 
 
 def test_socket_unit_sysusers_config_and_client_agree() -> None:

@@ -112,6 +112,14 @@ class Procs:
         self.started.append(proc)
         return proc
 
+    def start_argv(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Run any command line; output goes to a log file."""
+        log = self.logdir / f"argv-{len(self.started)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        self.started.append(proc)
+        return proc
+
     def stop_all(self) -> None:
         """Kill what is still running, by PID."""
         for proc in self.started:

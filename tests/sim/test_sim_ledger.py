@@ -48,7 +48,7 @@ def test_parse_size(kit: Any) -> None:
 
 
 def test_claim_pid_and_release_lag(kit: Any, gpusim: Path) -> None:
-    """A claim is reported with its PID; its memory lingers for the lag after death."""
+    """A claim is reported with its PID; its memory lingers for the lag after death, still under that PID."""
     led = kit.ledger
     fd = led.claim(gpusim, "strata", 21 * GiB)
     snap = led.snapshot(gpusim)
@@ -59,7 +59,7 @@ def test_claim_pid_and_release_lag(kit: Any, gpusim: Path) -> None:
     os.close(fd)  # the holder "exits"
     dead = led.snapshot(gpusim)
     assert dead["used_bytes"] == 21 * GiB, "VRAM release lags process exit"
-    assert dead["holders"][0]["pid"] is None and dead["holders"][0]["dead_at"] is not None
+    assert dead["holders"][0]["pid"] == os.getpid() and dead["holders"][0]["dead_at"] is not None
     kit.wait_until(lambda: led.snapshot(gpusim)["free_bytes"] == 24 * GiB, timeout=2)
     assert led.snapshot(gpusim)["holders"] == []
 
@@ -109,12 +109,13 @@ def test_release_frees_at_once(kit: Any, gpusim: Path) -> None:
         os.fstat(fd)
 
 
-def test_resize_shrinks_at_once_grows_only_into_room(kit: Any, gpusim: Path) -> None:
-    """resize() keeps the holder and its PID; shrinking frees at once; growing may OOM."""
+def test_resize_shrinks_after_the_lag_grows_only_into_room(kit: Any, gpusim: Path) -> None:
+    """resize() keeps the holder and its PID; shrinking frees after the lag; growing may OOM."""
     led = kit.ledger
     fmt = "--format=csv,noheader,nounits"
     fd = led.claim(gpusim, "hyperqwen", 19 * GiB)
-    led.resize(gpusim, "hyperqwen", fd, 1 * GiB)  # sleep mode: no release lag
+    led.resize(gpusim, "hyperqwen", fd, 1 * GiB)  # sleep mode: freed after the lag, like an exit
+    kit.wait_until(lambda: led.snapshot(gpusim)["used_bytes"] == 1 * GiB, timeout=2)
     snap = led.snapshot(gpusim)
     assert (snap["used_bytes"], snap["free_bytes"]) == (1 * GiB, 23 * GiB)
     assert snap["holders"] == [
@@ -150,6 +151,68 @@ def test_resize_shrinks_at_once_grows_only_into_room(kit: Any, gpusim: Path) -> 
         led.resize(gpusim, "hyperqwen", again, 0)
     os.close(again)
     assert led.snapshot(gpusim)["used_bytes"] == 19 * GiB
+
+
+def test_a_sleep_frees_after_the_lag_under_the_same_pid(kit: Any, gpusim: Path) -> None:
+    """What a shrink lets go stays used, under the live holder's PID, for the lag; then it is free."""
+    led = kit.ledger
+    fmt = "--format=csv,noheader,nounits"
+    fd = led.claim(gpusim, "hyperqwen", 19 * GiB)
+    led.resize(gpusim, "hyperqwen", fd, 1 * GiB)
+    snap = led.snapshot(gpusim)
+    assert (snap["used_bytes"], snap["free_bytes"]) == (19 * GiB, 5 * GiB)
+    live, freeing = snap["holders"]
+    assert live == {"name": "hyperqwen", "pid": os.getpid(), "bytes": 1 * GiB, "dead_at": None}
+    assert (freeing["name"], freeing["pid"], freeing["bytes"]) == ("hyperqwen", os.getpid(), 18 * GiB)
+    assert freeing["dead_at"] is not None
+    # nvidia-smi shows one process with everything it still holds, as a driver does.
+    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, f"{os.getpid()}, {19 * 1024}\n")
+    assert smi(kit, gpusim, "--query-gpu=memory.free", fmt) == (0, f"{5 * 1024}\n")
+    # Nobody else may have it yet; the engine itself may take it back at once (a quick wake).
+    with pytest.raises(led.OutOfMemory):
+        os.close(led.claim(gpusim, "strata", 10 * GiB))
+    led.resize(gpusim, "hyperqwen", fd, 9 * GiB)
+    assert led.snapshot(gpusim)["used_bytes"] == 19 * GiB and led.ooms(gpusim)[-1]["name"] == "strata"
+    assert [h["bytes"] for h in led.snapshot(gpusim)["holders"]] == [9 * GiB, 10 * GiB]
+    kit.wait_until(lambda: led.snapshot(gpusim)["free_bytes"] == 15 * GiB, timeout=2)
+    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, f"{os.getpid()}, {9 * 1024}\n")
+    with pytest.raises(led.OutOfMemory):  # beyond what it is freeing, only free memory will do
+        led.resize(gpusim, "hyperqwen", fd, 25 * GiB)
+    os.close(fd)
+
+
+def test_an_exited_process_stays_listed_for_the_lag(kit: Any, gpusim: Path, procs: Any) -> None:
+    """nvidia-smi lists a dead holder under its PID until its memory is free."""
+    fmt = "--format=csv,noheader,nounits"
+    proc = procs.start("gpu_hold.py", "--dir", str(gpusim), "--name", "strata", "--bytes", "21GiB", "--",
+                       "sleep", "30")
+    kit.wait_until(lambda: holder(kit, gpusim, "strata"))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, f"{proc.pid}, {21 * 1024}\n")
+    kit.wait_until(lambda: smi(kit, gpusim, "--query-compute-apps=pid", fmt) == (0, ""), timeout=2)
+    assert kit.ledger.snapshot(gpusim)["free_bytes"] == 24 * GiB
+
+
+def test_the_driver_learns_pids_and_deaths_without_being_asked(kit: Any, gpusim: Path, procs: Any) -> None:
+    """``ledger.py driver`` records each holder's PID here and marks a death within its period."""
+    driver = procs.start("ledger.py", "--dir", str(gpusim), "driver", "--every", "0.05")
+    code = (f"import sys, time; sys.path.insert(0, {str(kit.SIM)!r}); import ledger; "
+            f"fd = ledger.claim({str(gpusim)!r}, 'engine', 10 << 30); time.sleep(30)")
+    claimer = procs.start_argv([kit.PY, "-c", code])
+    here = os.readlink("/proc/self/ns/pid")
+
+    def recorded() -> dict[str, Any]:
+        state = json.loads((gpusim / "ledger.json").read_text())
+        return state["holders"].get("engine") or {}
+
+    kit.wait_until(lambda: recorded().get("pids", {}).get(here) == claimer.pid)
+    os.kill(claimer.pid, signal.SIGKILL)
+    claimer.wait()
+    kit.wait_until(lambda: recorded().get("dead_at") is not None, timeout=2)
+    assert driver.poll() is None
+    shutil.rmtree(gpusim)  # the world goes: so does its driver
+    assert driver.wait(timeout=5) == 0
 
 
 def test_gpu_hold_execs_and_the_claim_follows(kit: Any, gpusim: Path, procs: Any) -> None:
@@ -266,7 +329,9 @@ def test_holder_in_another_pid_namespace(kit: Any, gpusim: Path, procs: Any) -> 
     assert argv0 in (b"sleep", b"/usr/bin/sleep")
     os.kill(pid, signal.SIGKILL)  # PID 1 of the namespace: the namespace ends
     proc.wait(timeout=5)
-    assert holder(kit, gpusim, "strata")["pid"] is None
+    # Its memory is being freed: still listed, under the PID this namespace knew it by.
+    assert holder(kit, gpusim, "strata")["pid"] == pid
+    kit.wait_until(lambda: holder(kit, gpusim, "strata") is None, timeout=2)
 
 
 def test_ledger_cli(kit: Any, tmp_path: Path) -> None:
@@ -310,7 +375,7 @@ def test_smi_memory_queries(kit: Any, gpusim: Path) -> None:
 
 
 def test_smi_compute_apps(kit: Any, gpusim: Path) -> None:
-    """--query-compute-apps lists live holders; lagging memory has no process."""
+    """--query-compute-apps lists holders; lagging memory stays listed under its process."""
     fd = kit.ledger.claim(gpusim, "strata", 21 * GiB)
     fmt = "--format=csv,noheader,nounits"
     assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (
@@ -320,9 +385,10 @@ def test_smi_compute_apps(kit: Any, gpusim: Path) -> None:
     _, out = smi(kit, gpusim, "--query-compute-apps=pid,used_memory", "--format=csv")
     assert out == f"pid, used_gpu_memory [MiB]\n{os.getpid()}, 21504 MiB\n"
     os.close(fd)
-    # Lagging memory is still used, but its process is gone from the list.
-    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, "")
+    # Lagging memory is still used, and listed under the process that held it, as a driver does.
+    assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, f"{os.getpid()}, 21504\n")
     assert smi(kit, gpusim, "--query-gpu=memory.used", fmt) == (0, "21504\n")
+    kit.wait_until(lambda: smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, ""), timeout=2)
 
 
 def test_smi_list_table_and_errors(kit: Any, gpusim: Path) -> None:
@@ -396,7 +462,8 @@ def test_two_cards_count_claim_and_fail_apart(kit: Any, gpusim: Path) -> None:
     assert "GPU 1: tried to allocate 2.00 GiB; 1.00 GiB free" in str(err.value)
     assert led.ooms(gpusim)[-1]["card"] == 1
     led.resize(gpusim, "hyperqwen1", engine, 1 * GiB)
-    assert led.snapshot(gpusim, 1)["free_bytes"] == 2 * GiB
+    assert led.snapshot(gpusim, 1)["free_bytes"] == 1 * GiB  # what it let go comes free after the lag
+    kit.wait_until(lambda: led.snapshot(gpusim, 1)["free_bytes"] == 2 * GiB, timeout=2)
     with pytest.raises(led.LedgerError, match="no GPU 2"):
         led.claim(gpusim, "nowhere", 1, 2)
     with pytest.raises(led.LedgerError, match="GPU 1 still has holders"):

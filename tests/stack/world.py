@@ -3,15 +3,25 @@
 systemd 252 runs as PID 1 of its own PID+mount namespace (``unshare``), with a private tmpfs
 on /tmp (a systemd that reached sysinit.target with the host's /tmp visible would wipe it) and
 ``STACKDIR/run`` bind-mounted on /run, so its system bus is reachable from outside at
-``STACKDIR/run/dbus/system_bus_socket``. dockerd runs in a PID namespace of its own, on its own
-socket. Killing either namespace's PID 1 ends every process in it, so ``down`` can always leave
-nothing behind, and it only ever signals the PIDs it recorded at ``up``.
+``STACKDIR/run/dbus/system_bus_socket``. Killing that namespace's PID 1 ends every process in it.
+
+dockerd runs on its own socket, in a mount namespace of its own but in the host's PID namespace,
+as on a real box: there gpuswapd, ``nvidia-smi`` (whose driver lists host PIDs) and dockerd all
+number processes alike, so the PIDs ``docker top`` gives gpuswapd for a container are the ones
+the card lists its memory under. (In a PID namespace of its own, dockerd would name the engine by
+PIDs the card never shows, and gpuswapd could not tell its own engine's memory from a stranger's.)
+The VRAM ledger's driver (``ledger.py driver``) runs in the host's PID namespace too, so that each
+holder's host PID is known while it lives, and still listed while its memory is being freed.
+
+``down`` removes every container before it stops dockerd (which stops its containerd with it),
+and it only ever signals the PIDs it recorded at ``up``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -40,6 +50,9 @@ ENGINE_VRAM = "19.5GiB"
 RELEASE_LAG_S = 0.5
 # llama-swap moved off 8080 (the README's "One address for every model"): the gateway's port.
 RESIDENT_PORT, PROXY_PORT, ENGINE_PORT, GATEWAY_PORT = 8081, 8090, 18020, 8080
+# How the world is laid out and booted: a running world laid out otherwise (other simulators, or
+# an older recipe) is booted afresh by ``up``, since its copies of the simulators are its own.
+RECIPE = "3: dockerd in the host PID namespace; the ledger's driver"
 REPO = Path(__file__).resolve().parents[2]
 HELD_ENV = "GPUSWAPD_STACK_HELD"
 
@@ -114,6 +127,16 @@ class Paths:
         """Return the record of the processes ``up`` started."""
         return self.root / "pids.json"
 
+    @property
+    def driver(self) -> Path:
+        """Return the record of the ledger's driver (apart: it ends by itself with the world)."""
+        return self.root / "driver.json"
+
+    @property
+    def recipe(self) -> Path:
+        """Return the fingerprint of the simulators and the recipe the running world was booted from."""
+        return self.root / "world.json"
+
 
 def _start_time(pid: int) -> int | None:
     """Read a process's start time (clock ticks since boot), None if it is gone."""
@@ -131,6 +154,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _descendants(pid: int) -> list[int]:
+    """The PIDs of a process's children, theirs, and so on (a snapshot)."""
+    found, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += _children(child)
+    return found
+
+
 @dataclass(frozen=True)
 class Proc:
     """A process ``up`` started, identified by PID and start time (PIDs get reused)."""
@@ -145,6 +178,12 @@ class Proc:
         if start is None:
             raise StackError(f"process {pid} is gone")
         return cls(pid, start)
+
+    @classmethod
+    def of_or_none(cls, pid: int) -> Proc | None:
+        """Identify a process that may have exited already."""
+        start = _start_time(pid)
+        return None if start is None else cls(pid, start)
 
     def alive(self) -> bool:
         """Tell whether this very process still runs (and is not a zombie)."""
@@ -170,6 +209,24 @@ class Proc:
                 return True
             time.sleep(0.05)
         return False
+
+
+def _stop_tree(proc: Proc, timeout: float) -> None:
+    """SIGTERM a process, SIGKILL it after ``timeout``; then make sure its descendants went too.
+
+    dockerd shares the host's PID namespace (the module's docstring): its containerd, its child,
+    is not ended by dockerd's exit, as the end of a namespace would end it; dockerd stops it
+    (SIGTERM) when it stops, and a dockerd that had to be killed leaves it to us.
+    """
+    below = [p for p in (Proc.of_or_none(pid) for pid in _descendants(proc.pid)) if p is not None]
+    proc.signal(signal.SIGTERM)
+    if not proc.wait_gone(timeout):
+        proc.signal(signal.SIGKILL)
+        proc.wait_gone(10)
+    for child in below:
+        if not child.wait_gone(10):
+            child.signal(signal.SIGKILL)
+            child.wait_gone(10)
 
 
 def _wait(what: str, check: Any, timeout: float, interval: float = 0.1) -> Any:
@@ -244,6 +301,27 @@ class Stack:
         procs = self._procs()
         return bool(procs) and all(p.alive() for p in procs.values())
 
+    def _fingerprint(self) -> str:
+        """Hash the recipe and the simulators this checkout would lay the world out with."""
+        digest = hashlib.sha256(RECIPE.encode())
+        for f in sorted((Path(__file__).parent / "sim").glob("*.py")):
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        return digest.hexdigest()[:16]
+
+    def _laid_out_here(self) -> bool:
+        """Tell whether the running world was laid out from this checkout's recipe and simulators.
+
+        The record names the systemd it was written for: a world booted since by a checkout that
+        writes no record is not taken for this one.
+        """
+        try:
+            record = json.loads(self.paths.recipe.read_text())
+            systemd = self._procs().get("systemd")
+            return (systemd is not None and record.get("systemd") == vars(systemd)
+                    and record.get("fingerprint") == self._fingerprint())
+        except (OSError, ValueError, AttributeError):
+            return False
+
     # -- up ---------------------------------------------------------------------------------
 
     def up(self) -> float:
@@ -252,10 +330,13 @@ class Stack:
             raise StackError("the test world needs root (it boots systemd and dockerd)")
         llama.ensure_llama_server(self.cache)
         models = {kind: llama.ensure_model(self.cache, kind) for kind in ("tiny", "slow")}
-        if self.running() and self._units_as_rendered():
+        if self.running() and self._units_as_rendered() and self._laid_out_here():
             self.reset()
             return 0.0
-        # Not running, or running units of another checkout (llama-swap on another port, say): anew.
+        # Not running, or running units or simulators of another checkout (llama-swap on another
+        # port, a ledger that lists no exited process, dockerd in a PID namespace of its own): anew.
+        if self.running():
+            print("the running test world was laid out by another checkout: booting it afresh", file=sys.stderr)
         self.down()
         for port in (RESIDENT_PORT, PROXY_PORT, ENGINE_PORT, GATEWAY_PORT):
             if _listening(port):
@@ -265,12 +346,15 @@ class Stack:
         self._lay_out(models)
         try:
             self._boot_systemd()
+            self._start_driver()
             self._boot_dockerd()
             self._import_image()
             self.wait_baseline()
         except BaseException:
             self.down()
             raise
+        self.paths.recipe.write_text(json.dumps({"recipe": RECIPE, "fingerprint": self._fingerprint(),
+                                                 "systemd": vars(self._procs()["systemd"])}))
         return time.monotonic() - started
 
     def _units_as_rendered(self) -> bool:
@@ -364,11 +448,32 @@ class Stack:
             raise StackError(f"{err}; the end of {log}:\n{_tail(log)}") from None
         return proc
 
+    def _driver(self) -> Proc | None:
+        try:
+            return Proc(**json.loads(self.paths.driver.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _start_driver(self) -> None:
+        """Start the ledger's driver in this (the host's) PID namespace, unless it runs; it ends with systemd."""
+        driver = self._driver()
+        if driver is not None and driver.alive():
+            return
+        systemd = self._procs()["systemd"]
+        log = open(self.paths.logs / "ledger-driver.log", "ab")  # noqa: SIM115 - handed to the child
+        with log:
+            child = subprocess.Popen(
+                [SIM_PYTHON, str(self.paths.sim / "ledger.py"), "--dir", str(self.paths.gpu), "driver",
+                 "--while", f"{systemd.pid}:{systemd.start}"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        self.paths.driver.write_text(json.dumps(vars(Proc.of(child.pid))))
+
     def _boot_dockerd(self) -> Proc:
         p = self.paths
         # A world whose processes died without down() (a machine restart, a SIGKILLed session)
         # leaves dockerd's pid file behind, and dockerd refuses to start over it. The PID in it
-        # is one of the dead namespace's, so only the socket can tell whether a dockerd is there.
+        # may be anyone's by now (or a dead namespace's), so only the socket can tell whether a
+        # dockerd is there.
         pidfile = p.docker / "dockerd.pid"
         if pidfile.exists():
             if self.docker("version", "--format", "{{.Server.Version}}").returncode == 0:
@@ -378,10 +483,10 @@ class Stack:
         proc = self._spawn(
             "dockerd",
             [
+                # Its own mounts, the host's PIDs (see the module's docstring).
                 "unshare",
-                "--pid",
+                "--mount",
                 "--fork",
-                "--mount-proc",
                 "dockerd",
                 "--host",
                 f"unix://{p.docker_sock}",
@@ -442,6 +547,10 @@ class Stack:
         snapshot: dict[str, Any] = json.loads(self._ledger("show", *(["--card", str(card)] if card else [])))
         return snapshot
 
+    def set_release_lag(self, seconds: float) -> None:
+        """Make the card free memory ``seconds`` after it is let go (the next ``reset`` puts this stack's lag back)."""
+        self._ledger("lag", str(seconds))
+
     def ooms(self) -> list[dict[str, Any]]:
         """List the CUDA out-of-memory failures the ledger recorded."""
         found: list[dict[str, Any]] = json.loads(self._ledger("ooms"))
@@ -498,6 +607,7 @@ class Stack:
         """Return a running stack to its baseline: no containers, all units up, no faults."""
         if not self._procs()["dockerd"].alive():
             self.start_dockerd()
+        self._start_driver()
         for cid in self.docker("ps", "-aq").stdout.split():
             self.docker("rm", "-f", cid)
         for f in self.paths.control.iterdir():
@@ -531,11 +641,7 @@ class Stack:
 
     def stop_dockerd(self) -> None:
         """Stop the world's dockerd (as a crash of Docker would look to gpuswapd)."""
-        dockerd = self._procs()["dockerd"]
-        dockerd.signal(signal.SIGTERM)
-        if not dockerd.wait_gone(30):
-            dockerd.signal(signal.SIGKILL)
-            dockerd.wait_gone(10)
+        _stop_tree(self._procs()["dockerd"], 30)
 
     def start_dockerd(self) -> None:
         """Start the world's dockerd again (after ``stop_dockerd``)."""
@@ -596,19 +702,23 @@ class Stack:
         if dockerd and dockerd.alive():
             for cid in self.docker("ps", "-aq").stdout.split():
                 self.docker("rm", "-f", cid)
-            dockerd.signal(signal.SIGTERM)
-            if not dockerd.wait_gone(20):
-                dockerd.signal(signal.SIGKILL)
+            _stop_tree(dockerd, 20)
         if systemd and systemd.alive():
             # Stop the units cleanly first (their cgroups go with them), then end the namespace.
             self.manager("StartUnit", "ss", "stack-halt.target", "isolate", check=False)
             with contextlib.suppress(StackError):
                 _wait("the stack's units to stop", lambda: not self._units_left(), 20)
             systemd.signal(signal.SIGKILL)
+        driver = self._driver()
+        if driver is not None:
+            driver.signal(signal.SIGTERM)
+            procs["driver"] = driver
         for name, proc in procs.items():
             if not proc.wait_gone(20):
                 raise StackError(f"{name} (pid {proc.pid}) did not exit")
         self.paths.pids.unlink(missing_ok=True)
+        self.paths.driver.unlink(missing_ok=True)
+        self.paths.recipe.unlink(missing_ok=True)
 
     def _units_left(self) -> bool:
         rows = self.manager("ListUnitsByPatterns", "asas", "1", "active", "1", "*.service", check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 import re
@@ -145,6 +146,20 @@ def test_every_known_event_is_logged_somewhere_and_the_default_hooks_name_known_
     assert logged <= KNOWN_EVENTS | INTERNAL, f"logged but unknown to hooks: {sorted(logged - KNOWN_EVENTS - INTERNAL)}"
     assert set(HooksConfig().events) <= KNOWN_EVENTS
     assert not {e for e in KNOWN_EVENTS if e.startswith("hook_")}  # a hook for a hook's failure would loop
+
+
+def test_no_log_call_passes_a_field_the_log_or_the_events_write_themselves() -> None:
+    # structlog's add_log_level and the events' schema write "level" (and the stamps): a field of
+    # that name (a vLLM sleep level, say) would be overwritten in the JSON log, or would overwrite
+    # the event's level for watchers and hooks.
+    reserved = {"level", "timestamp", "ts"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "log"):
+                found += [f"{path.name}:{node.lineno} {kw.arg}=" for kw in node.keywords if kw.arg in reserved]
+    assert found == []
 
 
 def test_a_window_on_fakes_tells_every_phase_and_the_leases_in_order(bus: EventBus) -> None:

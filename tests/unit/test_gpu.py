@@ -93,8 +93,9 @@ def test_smi_sees_a_holder_and_its_release_lag(
     holder.kill()
     holder.wait(5)
     lagging = probe.read()
-    assert lagging.processes == ()  # the process is gone at once...
-    assert lagging.used_bytes == GiB  # ...its memory is not (the driver's release lag)
+    # The process is gone, its memory is not (the driver's release lag): still listed under its pid.
+    assert lagging.processes == (GpuProcess(pid=holder.pid, used_bytes=GiB),)
+    assert lagging.used_bytes == GiB
     wait_for("the memory to come free", lambda: probe.read().used_bytes == 0)
 
 

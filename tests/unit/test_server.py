@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import grp
 import json
@@ -15,10 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from gpuswapd.listen import own_socket
 from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.peers import Peer
 from gpuswapd.server import Server
-from tests.fakes import FakeWorld, running, settle
+from gpuswapd.watch import MAX_BUFFERED
+from tests.fakes import PROFILE_CONFIG, FakeWorld, running, settle
 
 FLOOD = """
 import signal, socket, sys
@@ -166,6 +171,63 @@ def test_a_lease_bound_to_its_connection_ends_with_it_and_a_held_one_does_not(tm
             assert (await _ask(path, {"op": "release", "lease": kept["lease"]["id"]}))["ok"]
             await settle(w)
             assert (await _ask(path, {"op": "status"}))["resident_back"] is None  # it serves now
+            await server.close()
+
+    run(main())
+
+
+def test_a_queued_client_that_never_reads_is_dropped_and_its_request_withdrawn(tmp_path: Path) -> None:
+    # A real socket (a socketpair, whose gpuswapd end buffers as little as the kernel allows):
+    # the client asks for the bare profile behind an open window, reads nothing, and every change
+    # of the queue sends it a line. gpuswapd keeps at most MAX_BUFFERED of them, then cuts it.
+    world = FakeWorld(config=PROFILE_CONFIG)
+    server, _ = _serve(world, tmp_path)
+
+    async def churn(w: Any, n: int) -> None:
+        """Queue a request of another client and withdraw it: two lines for every queued client."""
+        other = asyncio.create_task(w.acquire(f"churn-{n}", 60, profile="bare"))
+        while not any(q["holder"] == f"churn-{n}" for q in w.queue_status()):
+            await asyncio.sleep(0)
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            keeper = await w.acquire("keeper", 600)
+            ours, theirs = socket.socketpair()
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            assert server.serve_streams(Peer(os.getpid(), 0, 0), reader, writer) is None
+            theirs.sendall(json.dumps({"op": "acquire", "for": 60, "profile": "bare", "holder": "silent"}).encode()
+                           + b"\n")
+            while not any(q["holder"] == "silent" for q in w.queue_status()):
+                await asyncio.sleep(0.01)
+            peak, churns = 0, 0
+            with structlog.testing.capture_logs() as logs:
+                while not writer.is_closing():
+                    assert churns < 3000, f"never dropped; {peak} bytes buffered"  # about 630 churns do it
+                    await churn(w, churns)
+                    churns += 1
+                    peak = max(peak, writer.transport.get_write_buffer_size())
+                while any(q["holder"] == "silent" for q in w.queue_status()):  # withdrawn as by a hang-up
+                    await asyncio.sleep(0.01)
+            # It was cut at the cap: buffered up to about MAX_BUFFERED (sampled between lines), never
+            # more than the line that crossed it.
+            assert MAX_BUFFERED - 4096 < peak <= MAX_BUFFERED + 4096, peak
+            assert [e["holder"] for e in logs if e["event"] == "client_dropped_unread"] == ["silent"]
+            assert [q["holder"] for q in w.queue_status()] == []  # its request is gone with it
+            theirs.setblocking(False)
+            with contextlib.suppress(BlockingIOError, ConnectionError):
+                while theirs.recv(65536):  # what the kernel still held for it, then the end
+                    pass
+            theirs.close()
+            while server.admission.open:  # the connection is gone, and its task with it
+                await asyncio.sleep(0.01)
+            assert [x.holder for x in w.leases()] == ["keeper"]
+            await w.release(keeper.id)
+            await settle(w)
             await server.close()
 
     run(main())

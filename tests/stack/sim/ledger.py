@@ -12,12 +12,20 @@ open file goes away: when the process dies (in any PID namespace, even in a cont
 bind-mounts the directory), but not across ``exec`` (the fd is inheritable), which is how
 ``gpu_hold.py`` hands a claim to the program it runs.
 
-A dead holder's memory stays used for ``release_lag_s`` after it is first *seen* dead (every
-read reaps), like VRAM that the driver releases some time after the process exits. That lagging
-memory also counts against new claims: restarting a big user too soon fails with out of memory,
-as on a real GPU. ``release()`` (a live process freeing its memory) frees at once, and so does
-a shrinking ``resize()``; a growing one takes memory only if it is free (vLLM's sleep mode shrinks
-its claim to a residual and grows it back on wake, keeping the same lock, so the same PID).
+Memory comes free some time after it is let go, as on a real card (a driver takes some 0.1 to
+1.5 s, Ollama waits up to 5 s), and meanwhile the driver still lists it under the process that
+held it. So does the ledger, for ``release_lag_s``:
+
+- a dead holder's memory stays used, listed under its PID, from when it is first *seen* dead
+  (every read reaps; the world's ``driver`` below reads every 0.1 s);
+- a shrinking ``resize()`` (vLLM's sleep mode shrinks its claim to a residual and grows it back
+  on wake, keeping the same lock, so the same PID) leaves the difference used, listed under the
+  same live PID, for the lag: ``nvidia-smi`` shows the process's memory going down after it.
+
+Lagging memory counts against new claims and growing resizes: restarting a big user too soon
+fails with out of memory, as on a real GPU (a growing resize takes back its own lagging memory
+first: an engine that wakes at once reuses what it has only just let go).
+``release()`` (a live process freeing its memory) frees at once.
 
 Cards: one by default (GPU 0). ``cards N`` gives N cards of ``total_bytes`` each (the simulated
 box with several GPUs); a claim names its card (``card=``, default 0), its holder records it as
@@ -30,10 +38,19 @@ that inherits the fd over ``fork`` holds the lock too, but ``/proc/locks`` still
 parent, even after the parent has exited. So the PID is checked against ``/proc/PID/fd``, and
 if it does not hold the file open any more, ``/proc/*/fd`` is searched for the process that does.
 
+A dead process is in no ``/proc/locks`` any more, so every reader records each live holder's
+PID as its own PID namespace numbers it (``"pids": {NAMESPACE: PID}``), and a dead holder is
+listed under the PID recorded for the reader's namespace (None if no reader there saw it alive).
+A real driver knows every process's host PID from the start; ``ledger.py driver``, which the test
+world runs in the host's PID namespace (where gpuswapd, its ``nvidia-smi`` and dockerd run),
+plays that part: it reads every 0.1 s, so each holder's host PID is known within 0.1 s of its
+claim, and each death is seen within 0.1 s.
+
 CLI::
 
     ledger.py init --total 24GiB --lag 1.5 [--cards N]
-    ledger.py show [--card N] | ooms | reset [--cards N] | cards N
+    ledger.py show [--card N] | ooms | reset [--cards N] [--lag S] | cards N | lag S
+    ledger.py driver [--while PID:START] [--every S]
 """
 
 from __future__ import annotations
@@ -111,21 +128,22 @@ def default_dir() -> Path:
     return Path(value)
 
 
-def _load(directory: Path) -> dict[str, Any]:
-    """Read ledger.json (the caller holds the ledger lock)."""
+def _load(directory: Path) -> tuple[dict[str, Any], str]:
+    """Read ledger.json (the caller holds the ledger lock); return it and its text."""
     try:
         with open(directory / LEDGER, encoding="utf-8") as f:
-            state: dict[str, Any] = json.load(f)
+            text = f.read()
     except FileNotFoundError:
         raise LedgerError(f"no ledger in {directory}: run `ledger.py init` first") from None
-    return state
+    state: dict[str, Any] = json.loads(text)
+    return state, text
 
 
-def _save(directory: Path, state: dict[str, Any]) -> None:
+def _save(directory: Path, state: dict[str, Any], text: str | None = None) -> None:
     """Replace ledger.json atomically (the caller holds the ledger lock)."""
     tmp = directory / f"{LEDGER}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=1)
+        f.write(json.dumps(state, indent=1) if text is None else text)
     # Holders may run as other users (a unit's User=): keep the ledger writable for them.
     os.chmod(tmp, 0o666)
     os.replace(tmp, directory / LEDGER)
@@ -140,9 +158,11 @@ def _locked(directory: Path) -> Iterator[dict[str, Any]]:
         raise LedgerError(f"no ledger in {directory}: run `ledger.py init` first") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        state = _load(directory)
+        state, before = _load(directory)
         yield state
-        _save(directory, state)
+        after = json.dumps(state, indent=1)
+        if after != before:  # the driver reads ten times a second: rewrite only what changed
+            _save(directory, state, after)
     finally:
         os.close(fd)
 
@@ -164,13 +184,48 @@ def _lock_is_held(path: Path) -> bool:
         os.close(fd)
 
 
+def _namespace() -> str:
+    """Name this process's PID namespace (``pid:[INODE]``): the PIDs it reads are numbered in it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "pid:[unknown]"
+
+
 def _reap(directory: Path, state: dict[str, Any], now: float) -> None:
-    """Mark holders whose lock is free as dead and drop those whose release lag has passed."""
+    """Learn live holders' PIDs, mark holders whose lock is free as dead, drop what the lag has freed."""
+    here = _namespace()
     for key, holder in list(state["holders"].items()):
-        if holder["dead_at"] is None and not _lock_is_held(directory / holder["lock"]):
-            holder["dead_at"] = now
+        if holder["dead_at"] is None:
+            if _lock_is_held(directory / holder["lock"]):
+                if here not in holder.setdefault("pids", {}):
+                    _learn(directory, holder, here)
+            else:
+                holder["dead_at"] = now
         if holder["dead_at"] is not None and now >= holder["dead_at"] + state["release_lag_s"]:
             del state["holders"][key]
+
+
+def _learn(directory: Path, holder: dict[str, Any], here: str) -> int | None:
+    """Find a live holder's PID in this namespace and record it (a dead one is found by it later)."""
+    pid = holder_pid(directory / holder["lock"])
+    if pid is not None:
+        holder.setdefault("pids", {})[here] = pid
+    return pid
+
+
+def _pid_of(directory: Path, state: dict[str, Any], key: str, holder: dict[str, Any], here: str) -> int | None:
+    """The PID this namespace lists an entry under: a live holder's lock names it; memory being freed keeps it."""
+    if holder["dead_at"] is None:
+        return _learn(directory, holder, here)
+    pid = holder.get("pids", {}).get(here)
+    if pid is None and "of" in holder:  # the freed part of a live holder that no reader here had seen
+        live = state["holders"].get(key.split("~")[0])
+        if live is not None and live["dead_at"] is None and live["registered_at"] == holder["of"]:
+            pid = _learn(directory, live, here)
+            if pid is not None:
+                holder.setdefault("pids", {})[here] = pid
+    return int(pid) if pid is not None else None
 
 
 def _used(state: dict[str, Any], card: int = 0) -> int:
@@ -259,6 +314,7 @@ def claim(directory: str | Path, name: str, nbytes: int, card: int = 0) -> int:
                 "lock": rel,
                 "registered_at": now,
                 "dead_at": None,
+                "pids": {_namespace(): os.getpid()},
                 **_on(card),
             }
     if oom is not None:
@@ -296,8 +352,11 @@ def _own_entry(directory: Path, state: dict[str, Any], name: str, fd: int) -> di
 def resize(directory: str | Path, name: str, fd: int, nbytes: int) -> None:
     """Change a live claim to ``nbytes``, keeping its lock (``fd``), so its holder and PID stay.
 
-    Shrinking frees at once (a live process freeing memory, no release lag). Growing takes the
-    difference only if it is free, else raises OutOfMemory (recorded like a failed claim) and
+    Shrinking frees the difference after the release lag, as a driver does after vLLM's sleep:
+    meanwhile it is still used, listed under the same PID (an entry of its own, ``NAME~...``,
+    whose ``dead_at`` is the shrink's time). Growing takes back first what this claim is still
+    freeing (its own memory, never free to anyone else yet), then the rest only if it is free,
+    others' lagging memory included, else raises OutOfMemory (recorded like a failed claim) and
     leaves the claim as it was.
     """
     if nbytes < 0:
@@ -312,13 +371,32 @@ def resize(directory: str | Path, name: str, fd: int, nbytes: int) -> None:
             raise LedgerError(f"{name}: no live claim held through fd {fd}")
         more = nbytes - int(holder["bytes"])
         card = int(holder.get("card", 0))
+        parts = sorted((k for k, h in state["holders"].items()
+                        if h.get("of") == holder["registered_at"] and k.split("~")[0] == name), reverse=True)
+        own = sum(int(state["holders"][k]["bytes"]) for k in parts)
         free = state["total_bytes"] - _used(state, card)
-        if more > free:
+        if more > free + own:
             oom = OutOfMemory(name, more, free, state["total_bytes"], card)
             state["ooms"].append(
                 {"name": name, "wanted_bytes": more, "free_bytes": free, "at": now, **_on(card)}
             )
-        else:
+        elif more > 0:
+            back = more
+            for key in parts:  # the latest first
+                take = min(back, int(state["holders"][key]["bytes"]))
+                state["holders"][key]["bytes"] -= take
+                back -= take
+                if state["holders"][key]["bytes"] == 0:
+                    del state["holders"][key]
+            holder["bytes"] = nbytes
+        elif more < 0:
+            here = _namespace()
+            if here not in holder.setdefault("pids", {}):
+                _learn(directory, holder, here)
+            state["holders"][f"{name}~{holder['registered_at']:.6f}~{now:.6f}"] = {
+                "bytes": -more, "lock": holder["lock"], "registered_at": now, "dead_at": now,
+                "pids": dict(holder["pids"]), "of": holder["registered_at"], **_on(card),
+            }
             holder["bytes"] = nbytes
     if oom is not None:
         raise oom
@@ -396,12 +474,13 @@ def snapshot_cards(directory: str | Path, cards: list[int] | None = None) -> lis
         for card in wanted:
             _check_card(state, card)
         out = []
+        here = _namespace()
         for card in wanted:
             holders = []
             for key, h in sorted(state["holders"].items(), key=lambda kv: kv[1]["registered_at"]):
                 if h.get("card", 0) != card:
                     continue
-                pid = holder_pid(directory / h["lock"]) if h["dead_at"] is None else None
+                pid = _pid_of(directory, state, key, h, here)
                 name = key.split("~")[0]
                 holders.append({"name": name, "pid": pid, "bytes": h["bytes"], "dead_at": h["dead_at"]})
             used = _used(state, card)
@@ -443,6 +522,47 @@ def reset(directory: str | Path, cards: int | None = None, release_lag_s: float 
             state["release_lag_s"] = release_lag_s
 
 
+def set_lag(directory: str | Path, release_lag_s: float) -> None:
+    """Set the release lag, in seconds (it applies at once, to memory already being freed too)."""
+    if release_lag_s < 0:
+        raise LedgerError("a release lag is not negative")
+    with _locked(Path(directory)) as state:
+        state["release_lag_s"] = release_lag_s
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Tell whether the process ``pid`` that started at ``start`` (clock ticks since boot) still runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[19]) == start and fields[0] != "Z"
+
+
+def drive(directory: str | Path, every: float = 0.1, while_: tuple[int, int] | None = None) -> int:
+    """Play the driver: read the ledger every ``every`` seconds, so each holder's PID here and each death are known.
+
+    Ends when the directory goes, or when the process ``while_`` (PID, start time) is gone.
+    """
+    directory = Path(directory)
+    while while_ is None or _alive(*while_):
+        if not (directory / LEDGER).exists():
+            return 0
+        try:
+            with _locked(directory) as state:
+                _reap(directory, state, time.time())
+        except (LedgerError, OSError, ValueError) as err:  # a ledger being made afresh
+            print(f"ledger driver: {err}", file=sys.stderr, flush=True)
+        time.sleep(every)
+    return 0
+
+
+def _process(text: str) -> tuple[int, int]:
+    pid, _, start = text.partition(":")
+    return int(pid), int(start)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ledger CLI."""
     common = argparse.ArgumentParser(add_help=False)
@@ -462,6 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     p_reset.add_argument("--lag", type=float, help="also set the release lag, in seconds")
     p_cards = sub.add_parser("cards", parents=[common], help="give the ledger N cards")
     p_cards.add_argument("count", type=int)
+    p_lag = sub.add_parser("lag", parents=[common], help="set the release lag, in seconds")
+    p_lag.add_argument("seconds", type=float)
+    p_drive = sub.add_parser("driver", parents=[common], help="read every 0.1 s, as a driver knows its processes")
+    p_drive.add_argument("--every", type=float, default=0.1, help="seconds between reads (default 0.1)")
+    p_drive.add_argument("--while", dest="while_", type=_process, metavar="PID:START",
+                         help="end when this process (PID and start time, in clock ticks) is gone")
     args = parser.parse_args(argv)
     try:
         directory = Path(args.sub_dir or args.dir) if (args.sub_dir or args.dir) else default_dir()
@@ -473,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(ooms(directory), indent=2))
         elif args.command == "cards":
             set_cards(directory, args.count)
+        elif args.command == "lag":
+            set_lag(directory, args.seconds)
+        elif args.command == "driver":
+            return drive(directory, args.every, args.while_)
         else:
             reset(directory, args.cards, args.lag)
     except LedgerError as e:

@@ -16,7 +16,8 @@ Supported, in the real tool's formats::
         memory.total, memory.used, memory.free (MiB); one row per card
     nvidia-smi --query-compute-apps=FIELDS --format=csv[,noheader][,nounits]
         FIELDS from pid, process_name, used_memory (MiB), gpu_uuid, gpu_name, gpu_bus_id
-        one row per live holder whose PID is visible here
+        one row per process whose PID is known here, with the memory it holds or is
+        still freeing (an exited process is listed for the ledger's release lag)
     -i N[,M...] | --id=N[,M...]                     only these cards (index, UUID or bus id)
 
 Card N has its own UUID and bus id (card 0's are UUID and BUS_ID below; card 1 ends in ...7c11
@@ -204,19 +205,26 @@ def gpu_row(snap: dict[str, Any], index: int = 0, count: int = 1) -> dict[str, A
 
 
 def app_rows(snap: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
-    """One row per holder of GPU ``index`` with a visible PID, for ``--query-compute-apps``."""
-    rows = []
+    """One row per process on GPU ``index`` with a PID known here, for ``--query-compute-apps``.
+
+    Memory that is being freed is still the process's, as a real driver lists it for the lag: a
+    process that has exited, or the part a sleeping engine has let go (its row shows what it
+    holds and what it is still freeing, together).
+    """
+    used: dict[int, int] = {}
     for h in snap["holders"]:
-        if h["pid"] is None:
-            continue
-        name = process_name(h["pid"])
+        if h["pid"] is not None:
+            used[h["pid"]] = used.get(h["pid"], 0) + int(h["bytes"])
+    rows = []
+    for pid, nbytes in used.items():
+        name = process_name(pid)
         rows.append(
             {
-                "pid": h["pid"],
+                "pid": pid,
                 "process_name": name,
                 "name": name,
-                "used_memory": mib(h["bytes"]),
-                "used_gpu_memory": mib(h["bytes"]),
+                "used_memory": mib(nbytes),
+                "used_gpu_memory": mib(nbytes),
                 "gpu_uuid": uuid(index),
                 "gpu_name": NAME,
                 "gpu_bus_id": bus_id(index),
