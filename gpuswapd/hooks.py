@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 from collections.abc import Callable, Iterable
@@ -17,6 +16,7 @@ from collections.abc import Callable, Iterable
 from gpuswapd import clock
 from gpuswapd.events import Event
 from gpuswapd.logs import log
+from gpuswapd.protocol import encode
 from gpuswapd.tasks import reap, spawn
 
 MAX_RUNNING = 4
@@ -74,7 +74,7 @@ class Hooks:
             return
         try:
             async with asyncio.timeout(self.timeout):
-                stderr = await _talk(proc, (json.dumps(event) + "\n").encode())
+                stderr = await _talk(proc, encode(event))
                 code = await proc.wait()
         except TimeoutError:
             _kill(proc)

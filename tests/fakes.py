@@ -128,7 +128,7 @@ needs = "20GiB"
 PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
 DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
-                    writer=(0.005, 0.02))
+                    writer=(0.005, 0.02), preempt_stop=(0.005, 0.02))
 
 
 class FakeGpu:
