@@ -94,7 +94,8 @@ def _int(minimum: int, maximum: int = 2**31) -> Parser:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail(path, f"expected an integer, got {type(value).__name__}")
         if not minimum <= value <= maximum:
-            raise _fail(path, f"{value} is out of range ({minimum}..{maximum})")
+            shown = str(value) if len(str(value)) <= 20 else f"{str(value)[:20]}... ({len(str(value))} digits)"
+            raise _fail(path, f"{shown} is out of range ({minimum}..{maximum})")
         return value
     return parse
 
@@ -360,7 +361,7 @@ def _listen(value: Any, path: str) -> str:
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or len(port) > 5:
-        raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text!r}")
+        raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text[:60]!r}")
     if not 1 <= int(port) <= 65535:
         raise _fail(path, f"port {port} is out of range (1..65535; 0 would pick a random port)")
     return text

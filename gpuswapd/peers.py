@@ -136,9 +136,11 @@ class Host(Protocol):
 class LinuxHost:
     """The real host: socket options, /proc, the cgroup tree, systemd over D-Bus, the user database."""
 
-    def __init__(self, systemd: Systemd, proc: Path = Path("/proc")) -> None:
+    def __init__(self, systemd: Systemd, proc: Path = Path("/proc"),
+                 cgroups: tuple[Path, ...] = kernel.CGROUP_ROOTS) -> None:
         self.systemd = systemd
         self.proc = proc
+        self.cgroups = cgroups
         self._pidfds: bool | None = None  # whether the kernel has SO_PEERPIDFD (learned from the first peer)
 
     def peer(self, sock: socket.socket) -> Peer:
@@ -210,7 +212,7 @@ class LinuxHost:
         if same is not None and same.cgroup == cgroup and len(same.nspid) == 1:
             return same  # the manager numbers processes as gpuswapd does
         best: Process | None = None
-        for member in kernel.cgroup_members(cgroup):
+        for member in kernel.cgroup_members(cgroup, self.cgroups):
             try:
                 found = kernel.read_process(member, self.proc)
             except (OSError, ValueError, IndexError):

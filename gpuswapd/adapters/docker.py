@@ -49,6 +49,7 @@ _SDK_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestExcepti
 _ENV_BLANKS = " \t"
 _UTF8_BOM = "\ufeff"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_CONVENTIONAL = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # a name an error may show
 _STOP_POLL_S = 0.1
 
 
@@ -216,14 +217,16 @@ def read_env_file(path: str) -> dict[str, str]:
 
 
 def _env_problem(key: str) -> str:
-    """Say what is wrong with an env file line's variable, naming only its leading name."""
+    """Say what is wrong with an env file line, naming its variable only if it looks like one (KEY_NAME)."""
     if not key:
         return "no variable name"
     name = _ENV_NAME.match(key)
     if name is None:
         return "it does not start with a variable name"
-    after = key[len(name.group(0)):][:1]
-    return f"variable {name.group(0)[:64]!r} is followed by {'whitespace' if after in _ENV_BLANKS else 'other text'}"
+    after = "whitespace" if key[len(name.group(0)):][:1] in _ENV_BLANKS else "other text"
+    if not _CONVENTIONAL.fullmatch(name.group(0)):  # a pasted token looks like this: do not show it
+        return f"its first word is followed by {after} (not shown: not a KEY_NAME, it may be a value)"
+    return f"variable {name.group(0)!r} is followed by {after}"
 
 
 def _environment(spec: ContainerConfig) -> list[str]:
