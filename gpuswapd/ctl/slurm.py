@@ -126,7 +126,7 @@ def job_profile(job_id: str, gpu_map: GpuMap) -> str:
         return gpu_map.default_profile
     profile = comment[len(COMMENT_PREFIX):]
     if not _PROFILE.match(profile):
-        raise JobFault(f"job {job_id} asks for profile {profile[:80]!r} (--comment=gpuswap:...): not a profile name "
+        raise JobFault(f"job {job_id} asks for profile {profile[:80]!r} in its comment: not a profile name "
                        "(lowercase letters, digits and '-')")
     return profile
 
