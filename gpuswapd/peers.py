@@ -69,7 +69,7 @@ class Peer:
     user_manager: bool = False  # the process runs under a user's own systemd (user@UID.service)
     started: int | None = None  # its start time when admitted, where the kernel has no pidfds
     origin: Any = field(default=None, compare=False, repr=False)  # what its Host looks at again (the socket)
-    names: Callable[[int], str] = field(default=passwd_name, compare=False, repr=False)
+    names: Callable[[int], str] = field(default=passwd_name, compare=False, repr=False)  # its Host's user_name
 
     @property
     def user(self) -> str:
@@ -129,6 +129,9 @@ class Host(Protocol):
     def user_id(self, name: str) -> int | None:
         """Resolve a user name (or a uid written as a number); None if there is no such user."""
 
+    def user_name(self, uid: int) -> str:
+        """Name a user (or give the uid as text)."""
+
     def group_id(self, name: str) -> int | None:
         """Resolve a group name; None if there is no such group."""
 
@@ -155,7 +158,8 @@ class LinuxHost:
                 self._pidfds = fd is not None
             kernel.close(fd)
         started = None if self._pidfds else kernel.start_time(creds.pid, self.proc)
-        return Peer(creds.pid, creds.uid, creds.gid, creds.groups, started=started, origin=sock)
+        return Peer(creds.pid, creds.uid, creds.gid, creds.groups, started=started, origin=sock,
+                    names=self.user_name)
 
     def process(self, peer: Peer) -> Process | None:
         """Read the peer's process; check afterwards that it was the peer's all along."""
@@ -230,6 +234,10 @@ class LinuxHost:
             return pwd.getpwnam(name).pw_uid
         except KeyError:
             return None
+
+    def user_name(self, uid: int) -> str:
+        """Name a user from the password database."""
+        return passwd_name(uid)
 
     def group_id(self, name: str) -> int | None:
         """Resolve a group name from the group database."""

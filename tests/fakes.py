@@ -387,14 +387,15 @@ class FakeHost:
         """Count the connections of ``connect_as`` not yet made."""
         return len(self._next)
 
-    def _name(self, uid: int) -> str:
+    def user_name(self, uid: int) -> str:
+        """Name a user this host knows (or give the uid)."""
         return next((name for name, known in self.users.items() if known == uid), str(uid))
 
     def peer(self, sock: socket.socket) -> Peer:
         """Record the connecting process as it is now."""
         pid = self._next.popleft() if self._next else next(iter(self.processes))
         p = self.processes[pid]
-        return Peer(p.pid, p.uid, p.gid, frozenset(p.groups), started=p.started, origin=sock, names=self._name)
+        return Peer(p.pid, p.uid, p.gid, frozenset(p.groups), started=p.started, origin=sock, names=self.user_name)
 
     def process(self, peer: Peer) -> Process | None:
         """Read the process under the peer's pid; PeerChanged if it is another one now."""

@@ -21,7 +21,7 @@ import pytest
 
 from gpuswapd.adapters import kernel
 from gpuswapd.adapters.unitstates import ServiceProcesses
-from gpuswapd.errors import PermissionDenied
+from gpuswapd.errors import BusUnavailable, PermissionDenied
 from gpuswapd.listen import own_socket
 from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.peers import LinuxHost, Peer, PeerChanged, identify
@@ -333,3 +333,38 @@ def test_the_managers_pid_is_found_in_its_own_namespace(tmp_path: Path) -> None:
     assert found is not None and (found.pid, found.uid, found.started) == (5001, 1000, 4711)
     assert host.process_in(unit, 8) is None
     assert kernel.read_process(5002, proc).nspid == (5002, 40, 7)
+
+
+def test_when_systemd_cannot_say_whose_the_service_is_the_lease_is_the_uids() -> None:
+    world = FakeWorld()
+    host = host_of(world)
+    world.systemd.add_unit(FakeUnit("train.service"))
+    host.services["train.service"] = ServiceProcesses("train.service", "gpuswap-alice", False, 0, 0)
+    host.add(FakeProcess(8001, ALICE, ALICE, (), "/system.slice/train.service"))
+
+    def down(unit: str) -> ServiceProcesses:
+        raise BusUnavailable("systemd did not answer")
+
+    host.service = down  # type: ignore[method-assign]
+    assert run(_identified(host, 8001)).unit is None
+
+
+def test_with_proc_hidden_systemd_names_the_unit_and_a_caller_gone_meanwhile_is_refused() -> None:
+    world = FakeWorld()
+    host = host_of(world)
+    world.systemd.add_unit(FakeUnit("train.service"))
+    host.services["train.service"] = ServiceProcesses("train.service", "gpuswap-alice", False, 0, 0)
+    host.add(FakeProcess(8001, ALICE, ALICE, (), "/system.slice/train.service"))
+    host.process = lambda peer: None  # type: ignore[method-assign]  # hidepid=: /proc shows nothing
+    assert run(_identified(host, 8001)).unit == "train.service"  # by User=, from systemd's word
+
+    asked = host.unit_of_pid
+
+    def exits_meanwhile(pid: int) -> str | None:
+        unit = asked(pid)
+        host.add(FakeProcess(8001, BOB, BOB, (), "/system.slice/other.service", started=5))  # reused
+        return unit
+
+    host.unit_of_pid = exits_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(PermissionDenied, match="has exited"):
+        run(_identified(host, 8001))
