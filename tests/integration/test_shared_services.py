@@ -66,7 +66,8 @@ def _lease_of(status: dict[str, Any], lease_id: str) -> dict[str, Any]:
 def test_jobs_of_several_users_in_one_service_hold_leases_of_their_own_and_preemption_stops_no_shared_service(
         gpuswapd: Start, probe: Probe, world: Stack, users: dict[str, User]) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon={"socket_group": GROUP, "preempt_grace": "1s"})
-    out = world.paths.control / "jobs"
+    out = world.paths.root / "jobs-runner"  # world.reset() empties control/ of files only
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     script = world.paths.control / "jobs.sh"
     script.write_text(JOBS.format(out=out, pkg=_package(world), sock=daemon.socket, alice=ALICE, bob=BOB))

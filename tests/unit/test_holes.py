@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import structlog
 
-from gpuswapd import daemon, textfile
+from gpuswapd import textfile
 from gpuswapd.adapters.docker import read_env_file
 from gpuswapd.config import parse_config
 from gpuswapd.errors import ConfigError, DockerError, RequestError
@@ -224,12 +224,13 @@ def with_key(key: str, value: str) -> str:
 
 
 def test_the_daemon_exits_78_on_a_size_of_400_digits(tmp_path: Path) -> None:
+    pytest.importorskip("pydbus")  # the daemon's module needs it (the package's check() runs without)
     config = tmp_path / "gpuswapd.toml"
     config.write_text(with_key("gpu.window_needs", f'"{HUGE}"'))
     # In a process of its own: the daemon's main() configures the log of the whole process.
     out = subprocess.run([sys.executable, "-c", "import sys; from gpuswapd.daemon import main; sys.exit(main())",
                           "--config", str(config), "--check-config"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == daemon.EX_CONFIG, out.stderr
+    assert out.returncode == 78, out.stderr  # EX_CONFIG
     assert "gpu.window_needs" in out.stderr and "Traceback" not in out.stderr
 
 
