@@ -13,23 +13,26 @@ the resident still down; the resident comes back when the queue is empty.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock, parking
 from gpuswapd.config import DEFAULT_PROFILE
-from gpuswapd.errors import Degraded, GpuswapError
+from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
+from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
+from gpuswapd.vram import predict_fit
 
 if TYPE_CHECKING:
     from gpuswapd.window import Window
 
 
 class Interrupted(Exception):
-    """Closing stopped part-way because gpuswapd is stopping; the record stays for the next start."""
+    """Closing stopped part-way because gpuswapd gives up (its shutdown bound ran out); the record stays."""
 
 
 def engine_left(rec: WindowRecord) -> bool:
@@ -54,11 +57,20 @@ def switch_target(w: Window, rec: WindowRecord) -> str | None:
 async def _take_down(w: Window, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="closed")
+    w.end_watchers("the window closed")
     await w.persist(required=False)
     nxt = switch_target(w, rec)
     # Parked only if what comes next fits beside it: the resident, or the next window.
     need = None if nxt is None else w.config.profile(nxt).needs
-    if engine_left(rec) and not await parking.try_park(w, rec, need):
+    if not engine_left(rec):
+        return
+    # The card goes on listing the engine's processes until their memory is free: they are this
+    # window's, and whatever opens next waits for them instead of taking them for a stranger's.
+    going = [*((rec.container or {}).get("pids") or []), *await w.engine.pids()]
+    if not await parking.try_park(w, rec, need):
+        rec.freeing = sorted({*rec.freeing, *going})
+        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == "engine")
+        await w.persist(required=False)
         await _retry_take_down(w, rec, clock.monotonic() + w.backoffs.take_down_for)
 
 
@@ -106,25 +118,98 @@ async def _resident_fits(w: Window) -> bool:
 
 async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
     gpu = w.config.gpu
-    try:
-        await w.vram.wait_free(gpu.resident_needs, gpu.release_timeout)
-    except GpuswapError as err:
-        if rec.kind == "bare":  # the holders' processes: _restore waits in DEGRADED until they let go
-            log.error("vram_held_after_bare_window", error=err.message)
+    if await w.resident.all_active(rec.units):
+        return  # it is back already (a close carried on after a restart): its own memory is no wait
+    with contextlib.suppress(Degraded):  # the restore retries it, in DEGRADED
+        await _parked_leaves_room(w)
+    deadline = clock.monotonic() + gpu.release_timeout
+    attempt = 0
+    while True:
+        try:
+            await w.vram.wait_free(gpu.resident_needs, max(0.1, deadline - clock.monotonic()))
             return
-        # Starting the resident is still the best move: if the memory is really gone it
-        # fails, and the restore retries with backoff.
-        log.warning("vram_not_free_restoring_anyway", error=err.message)
+        except VramTimeout as err:
+            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
+                log.error("vram_held_after_bare_window", error=err.message)
+                return
+            # Starting the resident is still the best move: llama.cpp fits itself to what is
+            # free, and if the memory is really gone it fails, and the restore retries with backoff.
+            log.warning("vram_not_free_restoring_anyway", error=err.message)
+            return
+        except GpuswapError as err:
+            # The probe does not answer: starting the resident blind could put it into the
+            # engine's memory still being freed. Ask again, up to the release timeout.
+            attempt += 1
+            if clock.monotonic() >= deadline:
+                log.warning("vram_unknown_restoring_anyway", error=err.message)
+                return
+            log.warning("vram_unknown_before_restore", error=err.message, attempt=attempt)
+            await _pause(w, min(backoff(w.backoffs.restore, attempt), max(0.0, deadline - clock.monotonic())))
 
 
-async def _bare_memory_gone(w: Window) -> None:
-    """Refuse to start the resident while a bare window's processes still hold its memory."""
+async def _parked_leaves_room(w: Window) -> None:
+    """Remove a parked engine that leaves the resident less than ``gpu.resident_needs`` (it was parked for a switch).
+
+    Degraded if it could not be removed: the restore waits for it, and says whose memory it is.
+    """
+    parked = w.parked
+    if parked is None:
+        return
+    need = w.config.gpu.resident_needs
+    try:
+        await w.vram.wait_free(need, w.config.profile(parked.profile).engine.park.settle
+                               if parked.profile in {p.name for p in w.config.engine_profiles()} else 0.0)
+        return
+    except VramTimeout:
+        reading = w.vram.last
+        free = format_size(reading.free_bytes) if reading is not None else "unknown"
+    except GpuswapError as err:
+        log.warning("parked_engine_room_unknown", error=err.message)
+        return
+    why = (f"the resident needs {format_size(need)} and only {free} is free beside it "
+           f"(residual {format_size(parked.residual_bytes)})")
+    if not await parking.remove(w, why):
+        raise Degraded(f"the parked engine {parked.container.get('name')} leaves the resident too little memory "
+                       f"({why}) and could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd "
+                       "keeps trying")
+
+
+async def _let_exited_go(w: Window) -> None:
+    """Wait, up to the release timeout, until processes that have exited no longer hold memory.
+
+    A resident that failed or crashed leaves its memory listed for a while: starting it again at
+    once would run it into its own dying process's memory.
+    """
+    need = w.config.gpu.resident_needs
+    deadline = clock.monotonic() + w.config.gpu.release_timeout
+    while clock.monotonic() < deadline:
+        reading = await w.vram.read(processes=True)
+        if reading is None or reading.free_bytes >= need:
+            return
+        exited = [p for p in reading.processes if await w.vram.unit_of(p.pid) is None]
+        if not exited:
+            return
+        await _pause(w, 0.25)
+
+
+async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
+    """Refuse to start the resident into memory that a bare window's holders still hold.
+
+    What the resident's own units hold (a start that was not verified yet) and what gpuswapd's
+    engines are still freeing are no stranger's: only the holders' live processes count.
+    """
     need = w.config.gpu.resident_needs
     reading = await w.vram.read(processes=True)
-    if reading is not None and reading.free_bytes < need:
-        held = await w.vram.describe_shortfall(reading, need, w.config.gpu.release_timeout)
-        raise Degraded(f"the bare window's memory has not come free, so the resident is not started into an "
-                       f"out-of-memory: {held}; stop those processes (gpuswapd retries)")
+    if reading is None or reading.free_bytes >= need:
+        return
+    parked = set(w.parked.pids) if w.parked is not None else set()
+    fit = await predict_fit(w.vram, reading, rec.units, frozenset({*rec.freeing, *parked}))
+    if reading.free_bytes + fit.freed_bytes >= need:
+        return
+    held = "; ".join(h.describe() for h in sorted(fit.others, key=lambda h: -h.used_bytes)) or "no process listed"
+    raise Degraded(f"the bare window's memory has not come free, so the resident is not started into an "
+                   f"out-of-memory: {format_size(reading.free_bytes)} free, {format_size(need)} needed; held: "
+                   f"{held}; stop those processes (gpuswapd retries)")
 
 
 async def _restore(w: Window, rec: WindowRecord) -> None:
@@ -140,8 +225,12 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if engine_left(rec) and not await _resident_fits(w):
                 raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
-            if rec.kind == "bare":
-                await _bare_memory_gone(w)
+            # A process that just exited (a holder's, a start that failed) is still freeing its memory.
+            await _let_exited_go(w)
+            await _parked_leaves_room(w)
+            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
+                # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
+                await _room_for_resident(w, rec)
             await w.resident.start(rec.units)
             await w.resident.verify()
             if attempt > 1:  # it was DEGRADED
@@ -152,10 +241,15 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             await _degraded(w, rec, err, attempt)
 
 
+def backoff(bounds: tuple[float, float], attempt: int) -> float:
+    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap."""
+    first, cap = bounds
+    return float(min(cap, first * 2 ** max(0, attempt - 1)))
+
+
 async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
     """Wait in DEGRADED before the next try; nobody gets a window meanwhile."""
-    first, cap = w.backoffs.restore
-    delay = min(cap, first * 2 ** (attempt - 1))
+    delay = backoff(w.backoffs.restore, attempt)
     rec.degraded = err.message
     log.error("restore_failed", error=err.message, retry_in_s=delay)
     if attempt == 1:
@@ -183,8 +277,11 @@ async def _resume(w: Window, rec: WindowRecord) -> None:
 
 
 async def _pause(w: Window, seconds: float) -> None:
-    """Wait before a retry; when gpuswapd is stopping, leave the record for the next start."""
-    if await sleep_unless(w.stopping, seconds):
+    """Wait before a retry; when gpuswapd gives up (its shutdown bound ran out), leave the record for the next start.
+
+    A shutdown that restores (on_shutdown = "restore") retries like any close: only ``abort`` ends it.
+    """
+    if await sleep_unless(w.abort, seconds):
         raise Interrupted
 
 
@@ -225,7 +322,7 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
             if engine_left(rec) and remover is None:
                 remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
             if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
-                w.switch(rec, nxt)
+                w.switch(rec, nxt, outcome)
                 return
         if remover is not None and not remover.done():
             rec.degraded = (f"the resident is back, but the engine {(rec.container or {}).get('name')} could not be "
@@ -236,6 +333,11 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
                 raise Interrupted
             rec.degraded = None
         await _reconcile_late_calls(w, rec)
+        if not rec.units:
+            # Nothing to restore now, but the resident may start any time (its operator, the
+            # reconcile): a parked engine must leave it room all the same (the park watch retries).
+            with contextlib.suppress(Degraded):
+                await _parked_leaves_room(w)
     except Interrupted:
         log.warning("window_left_for_next_start", window=rec.id, phase=str(rec.phase))
         return
@@ -267,16 +369,18 @@ async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
         if rec.container is not None and not rec.container.get("parked"):
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
+        await w.enter(rec, Phase.RESTORING, required=False)
         await _restore(w, rec)
+        await w.enter(rec, Phase.RESUMING_TIMERS, required=False)
         await _resume(w, rec)
         rec.degraded = None
         log.info("late_calls_reconciled")
 
 
 async def _until(w: Window, aw: Awaitable[None]) -> None:
-    """Await something long, unless gpuswapd stops first (then the record stays)."""
+    """Await something long, unless gpuswapd gives up first (then the record stays)."""
     task = asyncio.ensure_future(aw)
-    stop = asyncio.ensure_future(w.stopping.wait())
+    stop = asyncio.ensure_future(w.abort.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled: the long wait is not left running without an owner

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import typing
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +174,29 @@ def _gpus(value: Any, path: str) -> str | list[int]:
     raise _fail(path, f"expected \"all\" or a list of device indexes, got {value!r}")
 
 
+def _base_url(value: Any, path: str) -> str:
+    if _string(value, path) == "":
+        raise _fail(path, "must not be empty: an http(s) base URL such as \"http://127.0.0.1:8090\"")
+    return _api_url(value, path)
+
+
+def _api_url(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if text and not re.match(r"^https?://[^/\s]+(/v1)?/?$", text):
+        raise _fail(path, f"not an http(s) base URL such as \"http://127.0.0.1:18020\" (or ending in /v1): {text!r}")
+    return text.rstrip("/").removesuffix("/v1")
+
+
+def _model_names(value: Any, path: str) -> list[str]:
+    names = _strings(value, path)
+    for i, name in enumerate(names):
+        if not name.strip() or not name.isprintable() or len(name) > 256:
+            raise _fail(f"{path}[{i}]", f"not a model name: {name!r}")
+        if name in names[:i]:
+            raise _fail(f"{path}[{i}]", f"{name!r} is named twice")
+    return names
+
+
 def _docker_size(value: Any, path: str) -> str:
     text = _string(value, path)
     if text and not re.fullmatch(r"\d+[bkmgBKMG]?", text):
@@ -188,6 +212,8 @@ NEVER_STOP = [
     "gpuswapd.socket",
     "gpuswapd@*.service",
     "gpuswapd@*.socket",
+    "gpuswapd-gateway.service",
+    "gpuswapd-gateway.socket",
     "cron.service",
     "crond.service",
     "atd.service",
@@ -220,6 +246,7 @@ class DaemonConfig:
     priority_min_nonroot: int = _key(_int(-1000, 1000), -10)
     aging: float = _key(_span(0.0), 600.0)
     preempt_grace: float = _key(_span(0.0), 30.0)
+    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd checks the resident is up (0: never)
     never_stop: list[str] = _key(_unit_patterns, NEVER_STOP)
 
 
@@ -240,7 +267,7 @@ class GpuConfig:
 class IdleConfig:
     """``[resident.idle]``: how to tell whether a request is in flight on the resident."""
 
-    kind: str = _key(_choice("llama.cpp-slots", "prometheus", "command", "none"), "llama.cpp-slots")
+    kind: str = _key(_choice("llama.cpp-slots", "prometheus", "command", "gateway", "none"), "llama.cpp-slots")
     url: str = _key(_url, "http://127.0.0.1:8081/slots")
     metric: str = _key(_nonempty, "llamacpp:requests_processing")
     command: list[str] = _key(_strings, [])
@@ -313,6 +340,7 @@ class ParkConfig:
     level: int = _key(_int(1, 2), 1)
     keep: float = _key(_span(1.0), 7200.0)
     host_ram_needs: int = _key(_size, 0)
+    settle: float = _key(_span(0.0), 10.0)  # how long a sleeping engine's memory may take to come free
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +355,17 @@ class WindowConfig:
     warmup: WarmupConfig
     verify: CompletionCheck
     park: ParkConfig
+    # The gateway (gpuswapd-gateway): the model names that open this window on demand, and where
+    # the engine's OpenAI API answers ("": the scheme, host and port of verify.url).
+    serves: list[str] = _key(_model_names, [])
+    api: str = _key(_api_url, "")
+    # The known-bad table (gpuswapd.knownbad): the ids of the rows this engine may meet, logged at start.
+    allow_known_bad: list[str] = _key(_strings, [])
+
+    @property
+    def api_base(self) -> str:
+        """Return the engine's OpenAI base URL (``api``, else the scheme, host and port of verify.url)."""
+        return self.api or _origin(self.verify.url)
 
 
 PROFILE_KINDS = ("engine", "bare")
@@ -398,6 +437,20 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """``[gateway]``: gpuswapd-gateway, the one OpenAI-compatible address for every model on the card."""
+
+    listen: str = _key(_listen, "127.0.0.1:8080")
+    resident: str = _key(_base_url, "http://127.0.0.1:8090")
+    idle: float = _key(_span(0.0), 300.0)
+    hold: float = _key(_span(1.0), 900.0)
+    on_resident_busy: str = _key(_choice("wait", "fail"), "wait")
+    priority: int = _key(_int(-1000, 1000), 0)
+    max_body: int = _key(_size, 32 * 1024**2)
+    max_waiting: int = _key(_int(1, 65536), 256)
+
+
+@dataclass(frozen=True, kw_only=True)
 class HooksConfig:
     """``[hooks]``: a command run for chosen events, never holding up the window."""
 
@@ -418,8 +471,10 @@ class Config:
     window: WindowConfig
     metrics: MetricsConfig
     hooks: HooksConfig
+    gateway: GatewayConfig
     profiles: dict[str, Profile] = field(default_factory=dict, compare=False)  # [profiles.NAME]; not "default"
     source: str = field(default="<defaults>", compare=False)
+    gateway_configured: bool = field(default=False, compare=False)  # the file has a [gateway] table
 
     def profile(self, name: str) -> Profile:
         """Return a profile by name ("default" is ``[window]``); KeyError if there is none."""
@@ -435,13 +490,29 @@ class Config:
         """List the profiles that bring up an engine, "default" first."""
         return [p for p in self.all_profiles() if p.kind == "engine"]
 
+    def idle_probe(self) -> IdleConfig:
+        """Return ``[resident.idle]`` as the probe uses it: kind "gateway" asks the gateway's listen address."""
+        idle = self.resident.idle
+        if idle.kind != "gateway":
+            return idle
+        return dataclasses.replace(idle, url=f"http://{self.gateway.listen}{GATEWAY_IN_FLIGHT_PATH}")
+
+
+GATEWAY_IN_FLIGHT_PATH = "/gpuswapd/in-flight"  # the gateway's answer to [resident.idle] kind = "gateway"
+
+
+def _origin(url: str) -> str:
+    """Return the scheme, host and port of an http(s) URL."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
 
 def _build(cls: type[T], table: Any, path: str) -> T:
     """Build a section dataclass from a TOML table, naming the key of any error."""
     if not isinstance(table, dict):
         raise _fail(path or "config", f"expected a table, got {type(table).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-              if f.name not in ("source", "profiles")}
+              if f.name not in ("source", "profiles", "gateway_configured")}
     for key in table:
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -479,7 +550,7 @@ def parse_config(text: str, source: str = "<string>") -> Config:
     try:
         tables = data.pop("profiles", {})
         config = _build(Config, data, "")
-        config = dataclasses.replace(config, profiles=_profiles(config, tables))
+        config = dataclasses.replace(config, profiles=_profiles(config, tables), gateway_configured="gateway" in data)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err.message}") from None
     _check(config, source)
@@ -529,6 +600,7 @@ def _check(config: Config, source: str) -> None:
     if d.max_clients_per_uid > d.max_clients:
         raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
     containers: dict[str, str] = {}
+    ports: dict[tuple[str, int | None], tuple[str, bool]] = {}
     for p in config.all_profiles():
         where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
         if p.kind == "bare":
@@ -544,8 +616,59 @@ def _check(config: Config, source: str) -> None:
         if p.engine.park.mode == "sleep" and config.gpu.probe == "none":
             raise ConfigError(f"{source}: {where}.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a "
                               "reading of free VRAM proves the resident fits beside a sleeping engine")
+        # A parked engine keeps listening: another profile's engine could not take its port.
+        url = urllib.parse.urlsplit(p.engine.health_url)
+        port = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        parks = p.engine.park.mode == "sleep"
+        if port in ports and (parks or ports[port][1]):
+            other, _ = ports[port]
+            raise ConfigError(f"{source}: {where}.health_url: port {port[1]} of {port[0]} is also {other}'s, and "
+                              "with park.mode = \"sleep\" a parked engine keeps it while the other boots: give each "
+                              "engine profile its own port")
+        ports.setdefault(port, (where, parks))
     _check_metrics(config.metrics, source)
     _check_hooks(config.hooks, source)
+    _check_serves(config, source)
+    _check_gateway_bypass(config, source)
+
+
+def _check_serves(config: Config, source: str) -> None:
+    """Refuse a model name that two tenants serve: the gateway could not route it."""
+    owner: dict[str, str] = {config.resident.verify.model: "the resident (resident.verify.model)"}
+    for p in config.engine_profiles():
+        where = "window.serves" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}.serves"
+        for name in p.engine.serves:
+            if name in owner:
+                raise ConfigError(f"{source}: {where}: {name!r} is also served by {owner[name]}: a model name "
+                                  "opens one tenant only (rename it, or serve it from one place)")
+            owner[name] = f"{where} (profile {p.name!r})"
+
+
+def _check_gateway_bypass(config: Config, source: str) -> None:
+    """Refuse resident probes that go through the gateway: RESTORING would wait on a window that waits on it."""
+    if not config.gateway_configured:
+        return
+    listen = _host_port(f"http://{config.gateway.listen}")
+    checks = [("resident.verify.url", config.resident.verify.url)]
+    if config.resident.idle.kind in ("llama.cpp-slots", "prometheus"):
+        checks.append(("resident.idle.url", config.resident.idle.url))
+    for key, url in checks:
+        if _host_port(url) == listen:
+            raise ConfigError(f"{source}: {key}: {url!r} is the gateway's own address (gateway.listen = "
+                              f"{config.gateway.listen!r}): the resident's probes must bypass the gateway; point "
+                              f"them at llama-swap or the resident directly (gateway.resident = "
+                              f"{config.gateway.resident!r})")
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    """Return the host and port an http(s) URL connects to (localhost counts as 127.0.0.1)."""
+    scheme, _, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    host, sep, port = netloc.rpartition(":")
+    if not sep or not port.isdigit() or "]" in port:
+        host, port = netloc, "443" if scheme == "https" else "80"
+    host = host.strip("[]").lower()
+    return ("127.0.0.1" if host in ("localhost", "") else host), int(port)
 
 
 def _check_metrics(metrics: MetricsConfig, source: str) -> None:

@@ -9,12 +9,13 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, instances
+from gpuswapd import __version__, bootchecks, instances, knownbad
 from gpuswapd.adapters.docker import Docker
-from gpuswapd.adapters.gpu import make_probe
+from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
@@ -28,36 +29,62 @@ from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
 from gpuswapd.observers import Observers
 from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.peers import Host
 from gpuswapd.plan import make_plan
 from gpuswapd.recovery import recover_at_start
 from gpuswapd.resident import Resident
 from gpuswapd.server import Server
 from gpuswapd.state import StateStore
-from gpuswapd.tasks import spawn
+from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.vram import Vram
 from gpuswapd.window import Window
 
 EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
+# The shutdown's close, then the last write, must end within the units' TimeoutStopSec= (11min),
+# or systemd kills gpuswapd in the middle of it (a test checks the units against these).
 SHUTDOWN_BOUND_S = 600.0
+WRITER_STOP_S = 10.0
+
+
+@dataclass
+class Systems:
+    """The outside systems one gpuswapd talks to (the simulation hands in fakes of each)."""
+
+    systemd: Systemd
+    docker: Docker
+    http: ModelHttp
+    probe: GpuProbe | None
+    store: StateStore
+    host: Host | None = None  # what the OS says of callers; None: the real one (LinuxHost over systemd)
+
+    @classmethod
+    def real(cls, config: Config) -> Systems:
+        """Connect the real adapters of this configuration (nothing is called yet)."""
+        d = config.daemon
+        return cls(Systemd(call_timeout=d.call_timeout), Docker(timeout=d.call_timeout), ModelHttp(),
+                   make_probe(config.gpu), StateStore(d.state_dir))
 
 
 class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
-    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE) -> None:
+    def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE,
+                 systems: Systems | None = None, known_bad: knownbad.Table | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.known_bad = known_bad  # None: read at start
         self.notifier = Notifier()
         d = config.daemon
         # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
         # error, which says what happened, usually comes first.
         self.outside = Outside(Deadlines(systemd=d.call_timeout + 5.0, docker=d.call_timeout + 5.0,
                                          state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0))
-        self.systemd = Systemd(call_timeout=d.call_timeout)
-        self.docker = Docker(timeout=d.call_timeout)
-        self.http = ModelHttp()
-        self.store = StateStore(config.daemon.state_dir)
-        self.vram = Vram(make_probe(config.gpu), self.systemd, self.outside)
+        systems = systems or Systems.real(config)
+        self.systemd = systems.systemd
+        self.docker = systems.docker
+        self.http = systems.http
+        self.store = systems.store
+        self.vram = Vram(systems.probe, self.systemd, self.outside)
         self.resident = Resident(config, self.systemd, self.http, self.outside)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
@@ -73,11 +100,14 @@ class Daemon:
             self.systemd,
             self.outside,
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
-                                      self.window.parked, config.profile(profile)),
+                                      self.window.parked, config.profile(profile), self.known_bad),
             instance=instance,
+            host=systems.host,
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
+        self._reconciler: asyncio.Task[None] | None = None
+        self.forced = False  # a second SIGTERM or SIGINT: give up the restore
         self._signals = 0
         self._own_socket: str | None = None
 
@@ -91,8 +121,7 @@ class Daemon:
         except GpuswapError as err:
             print(f"gpuswapd: cannot start: {err.message}", file=sys.stderr)
             return 1
-        # Reconcile before serving: nobody sees a container no record knows about.
-        await recover_at_start(self.window)
+        await self.begin()
         await self.server.start(sock)
         self.notifier.send(ready="1")
         self.window.notify_status()
@@ -100,22 +129,14 @@ class Daemon:
         watchdog = spawn(self._feed_watchdog(), "watchdog")
         await self._stop.wait()
         watchdog.cancel()
-        await self.shutdown()
-        return 0
+        return await self.shutdown()
 
     async def startup(self) -> socket.socket:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
         self.store.prepare()
         raise_fd_limit(self.config.daemon.max_clients)
-        await self.outside.systemd.call("connect", self.systemd.connect)
+        await self.connect()
         loop = asyncio.get_running_loop()
-
-        def on_state(unit: str, state: str) -> None:  # called from the GLib thread
-            if state in ("inactive", "failed"):
-                loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
-
-        await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
-        await self._check_image()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.observers.start()
@@ -127,8 +148,41 @@ class Daemon:
             self._own_socket = d.socket
         return sock
 
-    async def _check_image(self) -> None:
-        """Refuse to start on a configured image that Docker does not have; Docker may be down."""
+    async def connect(self) -> None:
+        """Connect to systemd, follow the units' states, check the images and the engines' settings."""
+        await self.outside.systemd.call("connect", self.systemd.connect)
+        loop = asyncio.get_running_loop()
+
+        def on_state(unit: str, state: str) -> None:  # called from the GLib thread
+            if state in ("inactive", "failed"):
+                loop.call_soon_threadsafe(lambda: spawn(self.window.unit_gone(unit), "unit-gone"))
+            loop.call_soon_threadsafe(self.window.resident_state, unit, state)
+
+        await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
+        docker_up = await self._check_image()
+        await self._check_engines(docker_up)
+
+    async def begin(self) -> None:
+        """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
+        # Reconcile before serving: nobody sees a container no record knows about.
+        await recover_at_start(self.window)
+        if self.config.daemon.reconcile > 0:
+            self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
+
+    async def _reconcile(self, every: float) -> None:
+        """While no window is open, bring the resident back if it was found down (not by its operator).
+
+        The first look is at once: a gpuswapd that starts with the resident down brings it back.
+        """
+        while not self.window.stopping.is_set():
+            try:
+                await self.window.reconcile()
+            except GpuswapError as err:  # systemd cannot say now: ask again next time
+                log.warning("reconcile_failed", error=err.message)
+            await sleep_unless(self.window.stopping, every)
+
+    async def _check_image(self) -> bool:
+        """Refuse to start on a configured image that Docker does not have; Docker may be down (False)."""
         try:
             await self.outside.docker.call("ping", self.docker.ping)
             for p in self.config.engine_profiles():
@@ -140,12 +194,34 @@ class Daemon:
                                       f"(`docker pull {c.image}` or `docker load` it)")
         except DockerUnavailable as err:
             log.warning("docker_unavailable_at_start", error=err.message)
+            return False
+        return True
+
+    async def _check_engines(self, ask_docker: bool) -> None:
+        """Warn of compile caches kept nowhere and known-bad settings; refuse a refusing row (exit 78)."""
+        if self.known_bad is None:
+            self.known_bad = knownbad.load_table()
+        refusals = []
+        for p in self.config.engine_profiles():
+            view = await self.window.engine_of(p.name).settings(ask_docker)
+            if view is not None:
+                found = bootchecks.check(p, view, self.known_bad)
+                bootchecks.log_check(found)
+                refusals += found.refusals()
+        if refusals:
+            raise ConfigError("; ".join(refusals))
 
     def _on_signal(self, sig: int) -> None:
+        # As uvicorn's handle_exit: a handler only sets flags. The first signal stops gpuswapd the
+        # normal way (restoring the resident); a second one forces it: the close under way stops at
+        # its next wait, the record stays for the next start, and the exit status says so.
         self._signals += 1
         if self._signals > 1:
-            log.warning("forced_exit", signal=signal.Signals(sig).name)
-            sys.exit(1)  # a second signal: stop waiting for the restore
+            log.warning("forced_exit", signal=signal.Signals(sig).name,
+                        consequence="the window is left for the next start of gpuswapd to finish")
+            self.forced = True
+            self.window.abort.set()
+            return
         log.info("stopping", signal=signal.Signals(sig).name, on_shutdown=self.config.daemon.on_shutdown)
         self._stop.set()
 
@@ -168,23 +244,31 @@ class Daemon:
             )
         return stopping
 
-    async def shutdown(self) -> None:
-        """Stop serving; restore the resident first when ``on_shutdown = "restore"``."""
+    async def shutdown(self) -> int:
+        """Stop serving; restore the resident first when ``on_shutdown = "restore"``; return the exit status.
+
+        The status is non-zero when the GPU could not be given back within the bound, or the
+        state could not be written: the record then stays for the next start to finish.
+        """
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
+        self.window.refuse_new()  # at once: the checks below may take a while
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
-        try:
-            await asyncio.wait_for(self.window.shutdown(restore=restore), SHUTDOWN_BOUND_S)
-        except TimeoutError:
-            log.error("shutdown_bound_reached", bound_s=SHUTDOWN_BOUND_S, phase=str(self.window.phase))
-        await self.window.writer.stop(timeout=10.0)
+        await reap(self._reconciler)
+        given_back = await self.window.shutdown(restore=restore, bound=SHUTDOWN_BOUND_S)
+        saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()
         await self.http.aclose()
         self.systemd.close()
         if self._own_socket is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._own_socket)
-        log.info("gpuswapd_stopped")
+        if given_back and saved and not self.forced:
+            log.info("gpuswapd_stopped")
+            return 0
+        log.error("gpuswapd_stopped", given_back=given_back, state_saved=saved,
+                  consequence="the next start of gpuswapd finishes the restore from the state it finds")
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,16 +296,23 @@ def main(argv: list[str] | None = None) -> int:
             instance = instances.check_name(args.instance)
             path = args.config or str(instances.config_path(instance))
             config = instances.load_instance_config(path, instance)
+        table = knownbad.load_table()
     except ConfigError as err:
         print(f"gpuswapd: {err.message}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        checks = bootchecks.check_config(config, table)
         found = config_warnings(config) + (instances.warnings(config, instance) if args.instance else [])
-        for warning in found:
+        for warning in found + [w for c in checks for w in c.warnings()]:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
+        refusals = [r for c in checks for r in c.refusals()]
+        for refusal in refusals:
+            print(f"gpuswapd: {refusal}", file=sys.stderr)
+        if refusals:
+            return EX_CONFIG
         print(f"{path}: ok")
         return 0
     if args.instance is not None:
         # Every line an instance logs says which one: several share one journal.
         structlog.contextvars.bind_contextvars(instance=instance)
-    return asyncio.run(Daemon(config, bus, instance).run())
+    return asyncio.run(Daemon(config, bus, instance, known_bad=table).run())

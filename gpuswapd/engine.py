@@ -17,10 +17,11 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from gpuswapd import clock
+from gpuswapd import clock, engineview
 from gpuswapd.adapters.docker import Docker, read_env_file
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.config import WindowConfig
+from gpuswapd.engineview import EngineView
 from gpuswapd.errors import (
     ContainerNotFound,
     DockerError,
@@ -52,8 +53,8 @@ CANARY_SAMPLING = {"temperature": 0, "seed": 0}
 class Engine(Protocol):
     """What a window needs of its engine."""
 
-    async def preflight(self) -> None:
-        """Check, changing nothing, that the engine could come up now."""
+    async def preflight(self, check_port: bool = True) -> None:
+        """Check, changing nothing, that the engine could come up now (its port too, unless told not to)."""
 
     async def bring_up(self, window_id: str) -> dict[str, Any]:
         """Start the engine; return what must be recorded to take it down later."""
@@ -79,8 +80,14 @@ class Engine(Protocol):
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the engine and free the GPU (removing what bring_up created)."""
 
+    async def pids(self) -> list[int]:
+        """List the host pids of the engine's processes (empty if it does not run or nobody can say)."""
+
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Remove this instance's engines that belong to no window in ``keep``."""
+
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name the windows of this instance's running engines that belong to no window in ``keep``."""
 
     async def offers_sleep(self) -> bool:
         """Tell whether the engine serves sleep mode (asked once it serves)."""
@@ -99,6 +106,9 @@ class Engine(Protocol):
 
     def spec(self) -> str:
         """Return a hash of the container's configuration (a parked engine must match it)."""
+
+    async def settings(self, ask_docker: bool = True) -> EngineView | None:
+        """Say what the engine's container runs with (None: there is no container)."""
 
 
 class ContainerEngine:
@@ -124,7 +134,7 @@ class ContainerEngine:
         lane = self.outside.docker
         return await lane.call_within(deadline or lane.deadline, name, func, *args)
 
-    async def preflight(self) -> None:
+    async def preflight(self, check_port: bool = True) -> None:
         """Check Docker, the image or container, the env file, and that the engine's port is free."""
         c = self.config.container
         await self._docker("ping", self.docker.ping)
@@ -145,7 +155,7 @@ class ContainerEngine:
                 raise ContainerNotFound(f"no container named {c.name!r} (window.container.create = false)")
             if state.running:
                 raise DockerError(f"container {c.name!r} is already running: stop it first (`docker stop {c.name}`)")
-        port = self._port()
+        port = self._port() if check_port else None
         if port is not None and await _port_taken(port):
             raise WindowError(f"port {port} of {self.config.health_url} is already in use by something "
                               f"else: `ss -ltnp 'sport = :{port}'` shows what")
@@ -175,6 +185,24 @@ class ContainerEngine:
         self._watch_exits()
         log.info("engine_started", container=c.name, image=c.image, created=c.create)
         return {"name": c.name, "created": c.create, "image": c.image, "window": window_id, "spec": self.spec()}
+
+    async def settings(self, ask_docker: bool = True) -> EngineView:
+        """Say what the container runs with: as Docker has it where it answers, else as configured."""
+        c = self.config.container
+        file_env: dict[str, str] = {}
+        try:
+            if c.env_file:
+                file_env = await self._docker("env_file", read_env_file, c.env_file)
+            view = engineview.from_config(c, file_env)
+            if not ask_docker:
+                return view
+            if c.create:
+                image = await self._docker("settings", self.docker.image_settings, c.image)
+                return view if image is None else engineview.under_image(view, image)
+            container = await self._docker("settings", self.docker.container_settings, c.name)
+            return view if container is None else engineview.from_container(view, container)
+        except GpuswapError:  # Docker is down or the env file unreadable: preflight says so
+            return engineview.from_config(c, file_env)
 
     def spec(self) -> str:
         """Return a hash of the container's configuration (a parked engine must match it)."""
@@ -345,6 +373,13 @@ class ContainerEngine:
             gone.append(state.name)
         return gone
 
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name the windows of this instance's running containers that belong to no window in ``keep``."""
+        return [str(state.labels.get(WINDOW_LABEL)) for state in await self._docker("find", self.docker.find,
+                                                                                     {MANAGED_LABEL: "1"})
+                if self._ours(state.labels) and state.running and state.labels.get(WINDOW_LABEL)
+                and state.labels.get(WINDOW_LABEL) not in keep]
+
     async def wait_serving(self, timeout: float) -> float:
         """Poll health until 200 within ``timeout``; a container that exits fails at once."""
         try:
@@ -399,6 +434,15 @@ class ContainerEngine:
             return False
         return status == 200 and self._exit is None
 
+    async def pids(self) -> list[int]:
+        """List the host pids of the container's processes (``docker top``): the card lists them."""
+        try:
+            return await self._docker("top", self.docker.top, self.name)
+        except GpuswapError as err:
+            log.warning("engine_pids_unknown", container=self.name, error=err.message,
+                        consequence="its memory on the card counts as another process's until it is free")
+            return []
+
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Stop the container (SIGTERM, then SIGKILL after stop_timeout) and remove it if created."""
         await reap(self._watch)
@@ -425,7 +469,7 @@ class BareEngine:
     processes are theirs to watch), and there is nothing to take down.
     """
 
-    async def preflight(self) -> None:
+    async def preflight(self, check_port: bool = True) -> None:
         """Nothing to check: no container, no port."""
 
     async def bring_up(self, window_id: str) -> dict[str, Any]:
@@ -460,8 +504,16 @@ class BareEngine:
     async def take_down(self, record: dict[str, Any] | None) -> None:
         """Nothing to take down."""
 
+    async def pids(self) -> list[int]:
+        """List nothing: the holders' processes are their own."""
+        return []
+
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Nothing of a bare window's is left in Docker."""
+        return []
+
+    async def orphaned(self, keep: set[str]) -> list[str]:
+        """Name nothing: a bare window leaves nothing in Docker."""
         return []
 
     async def offers_sleep(self) -> bool:
@@ -487,6 +539,10 @@ class BareEngine:
     def spec(self) -> str:
         """Return no spec: there is no container."""
         return ""
+
+    async def settings(self, ask_docker: bool = True) -> EngineView | None:
+        """Say nothing: there is no container."""
+        return None
 
 
 async def _port_taken(port: int) -> bool:

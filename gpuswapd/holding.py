@@ -46,6 +46,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                     # The watchdog itself was lost (not the engine): watch again.
                     log.warning("engine_watch_restarted", error=None if watch.cancelled() else repr(watch.exception()))
                 elif not await _restart_engine(w, rec, watch.result()):
+                    rec.sealed = True
                     return False
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
             if rec.phase is Phase.READY:
@@ -55,12 +56,14 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
             for lease in expired:
                 log.info("lease_expired", lease=lease.id, holder=lease.holder)
             if expired:
+                w.end_watchers("expired")
                 await w.persist(required=False)
             if len(rec.leases):
                 linger_from = None
             else:
                 linger_from = now if linger_from is None else linger_from
                 if now - linger_from >= linger or w.queue.wants_other(rec.profile):
+                    rec.sealed = True  # from here on it takes no lease: the close has begun
                     return True  # a request for another profile waits: no lingering for nobody
             wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger,
                                       preempting.deadline(rec)) if t is not None)
@@ -73,6 +76,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waker.cancel()
+        rec.sealed = True
         return True
     finally:
         await reap(watch)
@@ -91,13 +95,18 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             # A GPU frees memory some time after the process died: restarting at once would
             # fail with out of memory.
             await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
+            free = w.vram.last.free_bytes if w.vram.last is not None else None
             rec.container = await w.engine.bring_up(rec.id)
+            if free is not None:
+                rec.container["free_before_boot"] = free  # what a sleeping engine keeps is measured against it
+            await opening.learn_pids(w, rec)
             log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)
             await w.engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)
             await w.engine.warm()
             await opening.learn_canary(w, rec)
+            await opening.learn_pids(w, rec)
         except GpuswapError as err:
             reason = err.message
             log.error("engine_restart_failed", restart=rec.restarts, error=reason)

@@ -22,6 +22,7 @@ class Lease:
     unit: str | None = None
     uid: int | None = None
     priority: int = 0
+    bound: bool = False  # bound to its acquire's connection: it ends when that connection does
 
     def remaining(self, now: float) -> float:
         """Return the seconds left, never negative."""
@@ -32,7 +33,7 @@ class Lease:
         expires_at = self.expires_at if math.isfinite(self.expires_at) else None  # null: until released
         out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
                                "expires_at": expires_at, "unit": self.unit, "uid": self.uid,
-                               "priority": self.priority}
+                               "priority": self.priority, "bind": "connection" if self.bound else None}
         if now is not None:
             left = self.remaining(now)
             out["remaining_s"] = round(left, 3) if math.isfinite(left) else None  # null: until released
@@ -42,7 +43,8 @@ class Lease:
     def from_dict(cls, data: dict[str, Any]) -> Lease:
         """Rebuild a lease from ``to_dict`` output."""
         return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
-                   _expiry(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0))
+                   _expiry(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0),
+                   data.get("bind") == "connection")
 
 
 def _expiry(value: Any) -> float:
@@ -64,9 +66,9 @@ class LeaseBook:
         return sorted(self._leases.values(), key=lambda lease: lease.granted_at)
 
     def grant(self, holder: str, duration: float, now: float, unit: str | None = None,
-              uid: int | None = None, priority: int = 0) -> Lease:
+              uid: int | None = None, priority: int = 0, bound: bool = False) -> Lease:
         """Grant a new lease of ``duration`` seconds from ``now``."""
-        lease = Lease(ids.token(6), holder, now, now + duration, unit, uid, priority)
+        lease = Lease(ids.token(6), holder, now, now + duration, unit, uid, priority, bound)
         self._leases[lease.id] = lease
         return lease
 

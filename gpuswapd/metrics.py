@@ -101,6 +101,9 @@ class Metrics:
                                     ["instance"], buckets=SECONDS, registry=r)
         self.leases_ended = Counter("gpuswapd_leases_ended", "Leases ended, by reason", ["instance", "reason"],
                                     registry=r)
+        self.baseline_restores = Counter("gpuswapd_baseline_restores", "Baseline restores, by cause: no state "
+                                         "readable, a lost record, or the resident found down while idle",
+                                         ["instance", "cause"], registry=self.registry)
         self.engine_restarts = Counter("gpuswapd_engine_restarts", "Engines restarted by the watchdog",
                                        ["instance"], registry=r)
         self.hook_dropped = Counter("gpuswapd_hook_events_dropped",
@@ -124,6 +127,8 @@ class Metrics:
         name = event["event"]
         if name == "lease_granted" and isinstance(event.get("waited_s"), (int, float)):
             self.lease_wait.labels(self.instance).observe(float(event["waited_s"]))
+        elif name == "baseline_restore":
+            self.baseline_restores.labels(self.instance, str(event.get("cause") or "state_unreadable")).inc()
         elif name == "engine_restarted":
             self.engine_restarts.labels(self.instance).inc()
         elif event.get("reason") in LEASE_END_REASONS and name.startswith("lease_"):

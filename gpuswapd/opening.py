@@ -24,6 +24,7 @@ from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
+from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
 from gpuswapd.vram import predict_fit
 
@@ -52,16 +53,27 @@ async def _check_and_drain(op: Opening) -> None:
     w, cfg = op.window, op.window.config
     op.parked = await _usable_parked(w, op.rec)
     preflight = w.engine.preflight() if op.parked is None else _nothing()
+    going = frozenset(op.rec.freeing)  # the engine the last window took down: its memory is coming free
+    fits = check_fit(w, op.needs, going, op.rec.freeing_unknown)
     if op.rec.switched_from:  # the timers are paused and the resident is down already
-        await together(preflight, check_fit(w, op.needs))
+        await together(preflight, fits)
         return
-    _, _, op.timers = await together(preflight, check_fit(w, op.needs), w.resident.timers())
+    _, _, op.timers = await together(preflight, fits, w.resident.timers())
     await together(w.resident.wait_jobs(op.timers, clock.monotonic() + cfg.timers.wait_for_jobs),
                    w.resident.drain())
 
 
 async def _nothing() -> None:
     return None
+
+
+async def preflight(w: Window, profile: str) -> None:
+    """Check, changing nothing, that a window of ``profile`` could bring its engine up (a parked one is woken)."""
+    parked = w.parked
+    if parked is not None and parked.profile == profile:
+        return
+    # Its port may be the open window's engine's until that one is gone: DRAINING checks it then.
+    await w.engine_of(profile).preflight(check_port=False)
 
 
 async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
@@ -75,7 +87,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     why: str | None
     if parked.profile != rec.profile:
         try:
-            await check_fit(w, w.profile.needs)
+            await check_fit(w, w.profile.needs, frozenset(rec.freeing), rec.freeing_unknown)
             return None
         except WontFit as err:
             why = f"the window of profile {rec.profile!r} does not fit beside it ({err.message})"
@@ -86,20 +98,36 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     if not await parking.remove(w, f"it cannot be woken: {why}"):
         raise DockerError(f"the parked engine {parked.container.get('name')} cannot be woken ({why}) and could not "
                           "be removed: see the log (journalctl -u gpuswapd)")
+    rec.freeing = sorted({*rec.freeing, *parked.pids})  # its memory is coming free now, like any engine's
     return None
 
 
-async def check_fit(w: Window, need: int | None = None) -> None:
-    """Refuse a window the card cannot hold: other processes keep more than it leaves free."""
+async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = frozenset(),
+                    unsure: bool = False) -> None:
+    """Refuse a window the card cannot hold: other processes keep more than it leaves free.
+
+    The resident's units and ``going`` (the pids of gpuswapd's engines being taken down) come
+    free; the window waits for them in WAITING_VRAM. Only everyone else's memory stays. With
+    ``unsure`` (an engine went whose processes Docker could not list), nothing is refused here:
+    WAITING_VRAM tells, naming what still holds the memory.
+    """
     need = w.profile.needs if need is None else need
     # With the resident up the card is mostly taken, so the process list is nearly always needed:
     # read it in the same go (this read is also the check that the probe answers at all).
-    reading, units = await together(w.vram.read(processes=True), w.resident.closure())
+    reading, running = await together(w.vram.read(processes=True), w.resident.closure())
     if reading is None or reading.free_bytes >= need:
         return  # it fits already (or there is no probe to ask)
-    fit = await predict_fit(w.vram, reading, units)
-    if not fit.fits(need):
-        raise WontFit(fit.misfit(need, units))
+    # The resident's own processes are no stranger's, whatever state their unit is in (stopping, say).
+    units = [*running, *(u for u in w.config.resident.units if u not in running)]
+    fit = await predict_fit(w.vram, reading, units, going)
+    if fit.fits(need):
+        return
+    if unsure:
+        log.warning("fit_unsure", need=format_size(need), free=format_size(reading.free_bytes),
+                    reason="an engine gpuswapd took down could not be told apart from other processes; "
+                           "the window waits for its memory instead")
+        return
+    raise WontFit(fit.misfit(need, units))
 
 
 async def _pause_timers(op: Opening) -> None:
@@ -113,14 +141,21 @@ async def _pause_timers(op: Opening) -> None:
 
 async def _stop_resident(op: Opening) -> None:
     w, rec = op.window, op.rec
-    rec.units = await w.resident.closure()
+    running = await w.resident.closure()
+    # A resident unit that is down though nobody holds it down (it failed) comes back with the
+    # rest when the window closes: the window ends at the baseline, not at what it found.
+    fallen = await w.resident.fallen(running, set(w.held_down))
+    if fallen:
+        log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
+    rec.units = [*running, *fallen]
     await w.persist(required=True)
-    await w.resident.stop(rec.units)
+    await w.resident.stop(running)
 
 
 async def _wait_vram(op: Opening) -> None:
     gpu = op.window.config.gpu
     await op.window.vram.wait_free(op.needs, gpu.release_timeout)
+    op.rec.freeing, op.rec.freeing_unknown = [], False  # whatever was being freed is free
 
 
 async def _boot(op: Opening) -> None:
@@ -132,6 +167,7 @@ async def _boot(op: Opening) -> None:
     rec.container = await w.engine.bring_up(rec.id)
     if free is not None:
         rec.container["free_before_boot"] = free  # what the sleeping engine keeps is measured against it
+    await learn_pids(w, rec)
     await w.persist(required=True)
     await w.engine.wait_serving(w.profile.engine.boot_timeout)
 
@@ -139,6 +175,14 @@ async def _boot(op: Opening) -> None:
 async def _warm(op: Opening) -> None:
     await op.window.engine.warm()
     await learn_canary(op.window, op.rec)
+    await learn_pids(op.window, op.rec)
+
+
+async def learn_pids(w: Window, rec: WindowRecord) -> None:
+    """Record the engine's processes (all it ever had): the card lists their memory under these pids."""
+    if rec.container is not None:
+        known = rec.container.get("pids") or []
+        rec.container = {**rec.container, "pids": sorted({*known, *await w.engine.pids()})}
 
 
 async def learn_canary(w: Window, rec: WindowRecord) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
-from gpuswapd.errors import GpuswapError
+from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.record import WindowRecord, _Fields
 from gpuswapd.sizes import format_size
@@ -62,6 +62,11 @@ class Parked:
         return cls(container=container, since=d.number("since"), level=level,
                    residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
                    profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
+
+    @property
+    def pids(self) -> list[int]:
+        """Return the host pids of the parked engine's processes, as recorded when it served."""
+        return [pid for pid in self.container.get("pids") or [] if isinstance(pid, int) and not isinstance(pid, bool)]
 
     def status(self, keep: float) -> dict[str, Any]:
         """Describe it for ``status``."""
@@ -116,18 +121,35 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     level = _level(w)
     try:
         await w.engine.sleep(level)
-        reading = await w.vram.read(processes=False)
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False
     need = w.config.gpu.resident_needs if need is None else need
+    # A sleeping engine frees its memory some time after it says it sleeps, like an exiting
+    # process: wait for what comes next to fit, a while, before deciding.
+    settle = w.profile.engine.park.settle
+    waited = clock.monotonic()
+    try:
+        await w.vram.wait_free(need, settle)
+    except VramTimeout:
+        pass
+    except GpuswapError as err:
+        log.warning("engine_not_parked", reason=f"the GPU's memory cannot be read: {err.message}")
+        return False
+    reading = w.vram.last
     if reading is None or reading.free_bytes < need:
         free = "unknown" if reading is None else format_size(reading.free_bytes)
         log.warning("engine_not_parked", reason="what comes next would not fit beside the sleeping engine",
-                    free=free, need=format_size(need), level=level)
+                    free=free, need=format_size(need), level=level, waited_s=round(clock.monotonic() - waited, 3),
+                    settle_s=settle)
         return False
     before = c.get("free_before_boot")
-    if isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
+    pids = set(c.get("pids") or [])
+    listed = await w.vram.read(processes=True) if pids else None
+    held = [p.used_bytes for p in listed.processes if p.pid in pids] if listed is not None else []
+    if held:  # what the card lists under the engine's own processes
+        residual = sum(held)
+    elif isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
         residual = max(0, int(before) - reading.free_bytes)
     else:  # woken from park: it holds what it held before
         residual = int(c.get("residual_bytes") or 0)

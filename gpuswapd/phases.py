@@ -51,7 +51,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.CLOSING: frozenset({P.WAITING_VRAM, P.RESTORING, P.IDLE}),
     P.RESTORING: frozenset({P.RESUMING_TIMERS, P.DEGRADED}),
     P.DEGRADED: frozenset({P.RESTORING}),
-    P.RESUMING_TIMERS: frozenset({P.IDLE}),
+    # Calls that outlived their deadline landed after the timers resumed: the restore is made sure again.
+    P.RESUMING_TIMERS: frozenset({P.IDLE, P.RESTORING}),
 }
 
 class TransitionError(AssertionError):

@@ -22,10 +22,11 @@ import asyncio
 import fnmatch
 from typing import TYPE_CHECKING, Any
 
-from gpuswapd import clock
+from gpuswapd import clock, opening
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
+from gpuswapd.queueing import Waiter
 from gpuswapd.record import WindowRecord
 from gpuswapd.tasks import spawn
 
@@ -38,9 +39,14 @@ STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next wind
 def deadline(rec: WindowRecord) -> float | None:
     """Return when a pending preemption revokes the leases (None: none is pending)."""
     p = rec.preempted
-    if p is None or p.get("revoked_at") is not None or p.get("abandoned_at") is not None:
+    if p is None or any(p.get(k) is not None for k in ("revoked_at", "abandoned_at", "yielded_at")):
         return None
     return float(p["deadline"])
+
+
+def under_way(rec: WindowRecord) -> bool:
+    """Tell whether the window is being preempted: noticed and not abandoned (it then takes no joins)."""
+    return rec.preempted is not None and rec.preempted.get("abandoned_at") is None
 
 
 async def check(w: Window, rec: WindowRecord) -> None:
@@ -49,13 +55,46 @@ async def check(w: Window, rec: WindowRecord) -> None:
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
     pending = deadline(rec)
     if pending is None:
-        if by is not None and (rec.preempted is None or rec.preempted.get("abandoned_at") is not None):
+        if by is not None and (rec.preempted is None or rec.preempted.get("abandoned_at") is not None) \
+                and await _can_open(w, rec, by):
             await _notice(w, rec, by.holder, by.profile, by.priority, now)
         return
-    if by is None:
+    if not len(rec.leases):
+        # The holders let the card go before the grace ended: nothing to revoke, and the window
+        # closes now and switches to the request that preempted it.
+        await _yielded(w, rec, now)
+    elif by is None:
         await _abandon(w, rec, "the request that preempted it is no longer waiting", now)
     elif now >= pending:
         await _revoke(w, rec, now)
+
+
+async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
+    """Check, before anyone is told, that the preemptor's window could open; refuse it at once if not.
+
+    Its image and env file must be there, and it must fit on the card beside what stays once this
+    window's engine is gone: revoking work for a window that then fails helps nobody.
+    """
+    live = await w.engine.pids() if rec.kind == "engine" else []
+    going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
+    # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
+    unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
+    need = w.config.profile(by.profile).needs
+    parked = w.parked
+    if parked is not None and parked.profile == by.profile:
+        need = max(0, need - parked.residual_bytes)  # woken: it holds that much already
+    elif parked is not None:
+        going |= set(parked.pids)  # removed if the window does not fit beside it
+    try:
+        await opening.preflight(w, by.profile)
+        await opening.check_fit(w, need, frozenset(going), unsure)
+    except GpuswapError as err:
+        log.warning("preemptor_refused", by=by.holder, profile=by.profile, error=err.message, window=rec.id)
+        w.refuse(by, GpuswapError.from_dict({**err.to_dict(), "message": (
+            f"the window of profile {by.profile!r} could not open, so window {rec.id} was not preempted for it: "
+            f"{err.message}")}))
+        return False
+    return True
 
 
 async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
@@ -70,6 +109,15 @@ async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, prior
                 holders=[x.holder for x in leases], window=rec.id)
     w.tell_holders({"event": "preempting", "window": rec.id, "by": holder, "profile": profile,
                     "priority": priority, "grace_s": grace, "deadline": now + grace})
+    w.notify_status()
+
+
+async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
+    assert rec.preempted is not None
+    rec.preempted = {**rec.preempted, "yielded_at": now}
+    await w.persist(required=False)
+    log.info("preemption_yielded", by=rec.preempted.get("by"), window=rec.id,
+             reason="the preempted holders released their leases before the grace ended")
     w.notify_status()
 
 
@@ -95,7 +143,8 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
                 priority=rec.preempted["priority"], holders=[x.holder for x in leases], stopped_units=units)
     w.tell_holders({"event": "preempted", "window": rec.id, "by": rec.preempted["by"],
                     "profile": rec.preempted["profile"], "priority": rec.preempted["priority"],
-                    "leases": [_described(x) for x in leases]})
+                    "leases": [_described(x) for x in leases]}, leases)
+    w.end_watchers("preempted")
     for unit in units:  # the window goes on at once: the next one waits for the VRAM anyway
         spawn(_stop_unit(w, rec, unit), "preempt-stop")
     w.wake.set()

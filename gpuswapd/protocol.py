@@ -24,7 +24,7 @@ MAX_PRIORITY = 1000
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 OPS = ("acquire", "release", "renew", "status", "plan", "history", "park", "watch")
 _FIELDS: dict[str, set[str]] = {
-    "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold"},
+    "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold", "bind"},
     "release": {"lease", "holder"},
     "renew": {"lease", "holder", "for"},
     "status": set(),
@@ -50,6 +50,7 @@ class Request:
     profile: str = "default"
     priority: int = 0
     hold: bool = False  # keep the connection for the lease's events (preempting, preempted)
+    bind: bool = False  # "bind": "connection": the lease ends when its acquire connection does (implies hold)
 
 
 def _span(value: Any, key: str, infinite: bool = False) -> float:
@@ -119,7 +120,16 @@ def parse_request(line: bytes) -> Request:
         profile=_profile(data["profile"]) if "profile" in data else "default",
         priority=_priority(data.get("priority", 0)),
         hold=_flag(data.get("hold", False), "hold"),
+        bind=_bind(data.get("bind")),
     )
+
+
+def _bind(value: Any) -> bool:
+    if value is None:
+        return False
+    if value != "connection":
+        raise RequestError("'bind' must be \"connection\" (the lease ends when this connection does)")
+    return True
 
 
 def _priority(value: Any) -> int:

@@ -60,6 +60,14 @@ class WindowRecord:
     saved: dict[str, Any] | None = None
     # A preemption: who asked, at what priority, when the leases are revoked (at ``deadline``).
     preempted: dict[str, Any] | None = None
+    # Host pids of engines gpuswapd took down for this window (its own, or the one it switched
+    # from): the card may list them, and their memory, until it comes free. Never strangers.
+    freeing: list[int] = field(default_factory=list)
+    freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
+    # Switched to from a bare window: the holders' processes of that window may still hold memory.
+    after_bare: bool = False
+    # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
+    sealed: bool = field(default=False, compare=False)
 
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
@@ -73,8 +81,8 @@ class WindowRecord:
 
     @property
     def closing(self) -> bool:
-        """Tell whether the window has started closing (or rolling back)."""
-        return any(t.stage == "close" for t in self.timings)
+        """Tell whether the window has started closing (or rolling back), or is about to."""
+        return self.sealed or any(t.stage == "close" for t in self.timings)
 
     def enter(self, phase: Phase, now: float | None = None) -> None:
         """Move to ``phase`` (checked against the transition table) and time it."""
@@ -111,7 +119,8 @@ class WindowRecord:
             "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
             "start": self.start, "profile": self.profile, "kind": self.kind,
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
-            "preempted": self.preempted,
+            "preempted": self.preempted, "freeing": self.freeing,
+            "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
         }
 
     @classmethod
@@ -133,7 +142,8 @@ class WindowRecord:
             baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
             profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
-            saved=d.table("saved"), preempted=d.table("preempted"),
+            saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
+            freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
         )
 
 
@@ -183,6 +193,18 @@ class _Fields:
             raise ValueError(f"{self.where}.{key}: expected a list of strings")
         return list(value)
 
+    def pids(self, key: str) -> list[int]:
+        value = self.items(key)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            raise ValueError(f"{self.where}.{key}: expected a list of process ids")
+        return list(value)
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key, True, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}.{key}: expected true or false")
+        return value
+
     def table(self, key: str) -> dict[str, Any] | None:
         value = self._get(key, True)
         if value is not None and not isinstance(value, dict):
@@ -218,6 +240,9 @@ def _lease(data: Any, where: str) -> Lease:
     d = _Fields(data, where)
     uid = d.number("uid", optional=True)
     expires_at = _infinite(d.number("expires_at", optional=True))
+    bind = d.text("bind", optional=True)
+    if bind not in (None, "connection"):
+        raise ValueError(f"{where}.bind: expected null or 'connection', got {bind!r}")
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
-                 int(d.number("priority", default=0)))
+                 int(d.number("priority", default=0)), bind == "connection")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock, closing, holding, parking, preempting
+from gpuswapd import clock, closing, holding, opening, parking, preempting
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -51,6 +51,16 @@ async def recover_at_start(window: Window) -> None:
         window.restore_baseline(f"no copy of the state could be read ({problem})")
         return  # the baseline takes the configured engine down itself
     record = document.window if document is not None else None
+    # What the document holds is in memory before anything is written again: every write from
+    # here on (the one that drops the queue, say) keeps the window and the parked engine.
+    window.record = record
+    if document is not None:
+        window.held_down = dict(document.held_down)
+    if document is not None and document.parked is not None:
+        try:
+            window.parked = parking.Parked.from_dict(document.parked)
+        except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
+            log.error("parked_state_unreadable", error=str(err))
     if document is not None and document.queue:
         # Waiting requests are not kept across a restart: their clients saw the connection drop.
         log.warning("queue_dropped", waiting=len(document.queue),
@@ -58,13 +68,14 @@ async def recover_at_start(window: Window) -> None:
                     reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
         window.writer.request()
     await _learn_history(window)
-    if document is not None and document.parked is not None:
-        try:
-            window.parked = parking.Parked.from_dict(document.parked)
-        except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
-            log.error("parked_state_unreadable", error=str(err))
     if record is not None:
         window.recover(record)
+    elif (lost := await _lost_window(window)) is not None:
+        # Its engine still runs, but no record of it was kept and history never saw it close:
+        # what it stopped is unknown, so the configuration's baseline comes back.
+        window.restore_baseline(f"the engine of window {lost} was still running, but no record of that window "
+                                "was kept", cause="lost_record")
+        return  # the baseline takes every engine down itself
     # Reconcile before serving: nobody sees an engine no record knows about.
     try:
         await window.engine_of(DEFAULT_PROFILE).remove_orphans(window.engines_kept())
@@ -92,21 +103,46 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(clock.wall())
+    for lease in rec.leases.matching(lambda x: x.bound):
+        # Bound to a connection of the gpuswapd that stopped: that connection is gone.
+        rec.leases.release(lease.id)
+        log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
+    if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):
+        # The resident it stopped is up again: the close finished but its end was never written
+        # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
+        log.warning("window_stale", window=rec.id, units=rec.units,
+                    reason="its resident is up again: its close finished but was not recorded")
+        await closing.close(w, rec, "recovered")
+        return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
             rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
         log.info("window_adopted", leases=len(rec.leases))
+        if rec.kind == "engine":
+            await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
         w.notify_status()
         await holding.hold_then_close(w, rec)
         return
     await closing.close(w, rec, "recovered")
 
 
+async def _lost_window(w: Window) -> str | None:
+    """Name a window whose engine runs orphaned though history never saw it close (a lost record)."""
+    try:
+        orphans = await w.engine_of(DEFAULT_PROFILE).orphaned(w.engines_kept())
+    except (GpuswapError, asyncio.CancelledError) as err:
+        log.warning("orphan_check_failed", error=_why(err, w), retry="in the background")
+        return None
+    return next((win for win in orphans if win not in w.closed_windows), None)
+
+
 async def _learn_history(w: Window) -> None:
-    """Learn open and restore times from the history (queue ETAs, what a switch saves)."""
+    """Learn open and restore times from the history (queue ETAs, what a switch saves), and which windows closed."""
     try:
         for record in await w.outside.state.call("read_history", w.store.history, 200):
             w.times.learn(record)
+            if isinstance(record.get("id"), str):
+                w.closed_windows.add(record["id"])
     except (GpuswapError, OSError, asyncio.CancelledError) as err:  # an interruption at start: noted only
         log.warning("history_unreadable", error=_why(err, w),
                     consequence="queue ETAs are unknown until windows have opened")
@@ -141,7 +177,26 @@ async def restore_baseline(w: Window, rec: WindowRecord) -> None:
     rec.units, rec.timers = await _baseline_targets(w)
     w.unknown_baseline = None
     await w.persist(required=False)
+    await _other_engines_down(w)
     await closing.close(w, rec, "baseline_restored")
+
+
+async def _other_engines_down(w: Window) -> None:
+    """Take down every other engine profile's container too: which one held the card is unknown."""
+    for profile in w.config.engine_profiles():
+        if profile.name == DEFAULT_PROFILE:
+            continue  # the record's own: the close takes it down
+        c = profile.engine.container
+        attempt = 0
+        while True:
+            try:
+                await w.engine_of(profile.name).take_down({"name": c.name, "created": c.create})
+                break
+            except GpuswapError as err:
+                attempt += 1
+                delay = closing.backoff(w.backoffs.take_down, attempt)
+                log.error("engine_take_down_failed", container=c.name, error=err.message, retry_in_s=delay)
+                await asyncio.sleep(delay)
 
 
 async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:

@@ -28,14 +28,15 @@ class Resident:
         self.systemd = systemd
         self.http = http
         self.outside = outside
+        self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
 
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
-        idle = self.config.resident.idle
+        idle = self.config.idle_probe()
         deadline = clock.monotonic() + idle.wait
         while True:
             try:
-                busy = await self.outside.http.run("idle", self.http.idle(idle))
+                busy = await self.outside.http.run("idle", self.http.idle(idle, draining=True))
             except EndpointUnreachable as err:
                 # Nothing listens: nothing is in flight (the resident may be down already). A probe
                 # that answers wrongly is another matter: that fails the window below.
@@ -93,6 +94,29 @@ class Resident:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
         return await self.outside.systemd.call("closure", self.systemd.stop_closure, self.config.resident.units)
 
+    async def fallen(self, running: list[str], held: set[str]) -> list[str]:
+        """List the baseline's units that are down (not ``running``) though nobody holds them down.
+
+        ``held`` names resident units their operator stopped: those, and what depends on them, stay down.
+        """
+        wanted = [u for u in self.config.resident.units if u not in held]
+        if set(wanted) <= set(running):
+            return []
+        units = await self.outside.systemd.call("baseline_units", self.systemd.dependents_closure, wanted)
+        return [u for u in units if u not in running]
+
+    async def states(self, units: list[str]) -> dict[str, str]:
+        """Read each unit's ActiveState."""
+        lane = self.outside.systemd
+        return {u: (await lane.call("unit_state", self.systemd.state, u)).active_state for u in units}
+
+    async def all_active(self, units: list[str]) -> bool:
+        """Tell whether every one of these units is up now (False when systemd cannot say)."""
+        try:
+            return set(units) <= set(await self.closure())
+        except GpuswapError:
+            return False
+
     async def stop(self, units: list[str]) -> None:
         """Stop the units together; systemd stops dependents first (the reverse of After=)."""
         started = clock.monotonic()
@@ -127,4 +151,8 @@ class Resident:
         return units, timers
 
     async def _jobs(self, method: str, units: list[str], timeout: float, verb: str) -> None:
-        await run_jobs(self.systemd, self.outside.systemd, method, units, timeout, verb)
+        self.jobs_running += 1
+        try:
+            await run_jobs(self.systemd, self.outside.systemd, method, units, timeout, verb)
+        finally:
+            self.jobs_running -= 1

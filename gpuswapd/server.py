@@ -35,7 +35,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.timespan import format_span
-from gpuswapd.watch import Watchers
+from gpuswapd.watch import MAX_BUFFERED, Watchers
 from gpuswapd.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
@@ -75,6 +75,7 @@ class Server:
         self._accepting: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[Any]] = set()
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
+        self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
 
     def _in_group(self, peer: Peer) -> bool:
         """Tell whether the caller was in ``socket_group`` when it connected (SO_PEERGROUPS, not /proc)."""
@@ -128,14 +129,37 @@ class Server:
         if refusal is not None:
             _refuse(conn, refusal)
             return
-        task = spawn(self._handle(conn, peer), "client")
+        self._track(spawn(self._handle(conn, peer), "client"))
+
+    def serve_streams(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+        """Serve a connection given as streams (the simulation's), unless the caps refuse it; say why if so."""
+        refusal = self.admission.admit(peer)
+        if refusal is not None:
+            writer.write(encode(error_reply(TooManyClients(refusal))))
+            writer.close()
+            return refusal
+        self._track(spawn(self.serve_connection(peer, reader, writer), "client"))
+        return None
+
+    def _track(self, task: asyncio.Task[None]) -> None:
         self._clients.add(task)
         task.add_done_callback(self._clients.discard)
 
     async def _handle(self, conn: socket.socket, peer: Peer) -> None:
-        writer: asyncio.StreamWriter | None = None
         try:
             reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
+        except BaseException as err:
+            self.admission.leave(peer)
+            conn.close()
+            if not isinstance(err, Exception):
+                raise
+            log.debug("client_dropped", error=repr(err))
+            return
+        await self.serve_connection(peer, reader, writer)
+
+    async def serve_connection(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one admitted client's requests until it hangs up (the simulation's streams too)."""
+        try:
             await self._serve(peer, reader, writer)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
             log.debug("client_dropped", error=repr(err))
@@ -145,12 +169,9 @@ class Server:
             log.exception("client_handler_crashed")
         finally:
             self.admission.leave(peer)
-            if writer is None:
-                conn.close()
-            else:
-                writer.close()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.wait_closed(), 1)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
 
     async def _identify(self, peer: Peer) -> Peer:
         """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
@@ -315,12 +336,20 @@ class Server:
         started = clock.monotonic()
 
         def progress(event: dict[str, Any]) -> None:
-            if not writer.is_closing():
-                writer.write(encode(event))
+            if writer.is_closing():
+                return
+            if writer.transport.get_write_buffer_size() > self.max_buffered:
+                # A client that does not read its progress would make gpuswapd buffer without end:
+                # cut it, which withdraws its request (as a hang-up does).
+                log.warning("client_dropped_unread", holder=req.holder or peer.holder,
+                            reason=f"it left more than {self.max_buffered} bytes of progress unread")
+                writer.transport.abort()
+                return
+            writer.write(encode(event))
 
         acquire = asyncio.create_task(self.window.acquire(
             req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority))
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
         retrieve(acquire)
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
@@ -353,22 +382,29 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
-        if req.hold:
-            await self._hold(lease.id, reader, progress)
+        if req.hold or req.bind:
+            await self._hold(lease, reader, progress)
         return None
 
-    async def _hold(self, lease_id: str, reader: asyncio.StreamReader,
-                    tell: Callable[[dict[str, Any]], None]) -> None:
+    async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[dict[str, Any]], None]) -> None:
         """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
 
-        The lease is not bound to the connection: renew and release come on connections of their own.
+        Renew and release come on connections of their own. A lease bound to this connection
+        (``"bind": "connection"``) ends when the client hangs up, or dies: not when gpuswapd itself
+        stops (a lease it keeps across a restart is ended at the next start, its connection gone).
         """
-        self.window.lease_watchers[lease_id] = tell
+        self.window.lease_watchers[lease.id] = tell
+        self.window.end_watchers("ended")  # it may have ended already
         try:
-            while await reader.read(4096):
-                pass  # the client says nothing more; anything it sends is ignored
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(4096):
+                    pass  # the client says nothing more; anything it sends is ignored
         finally:
-            self.window.lease_watchers.pop(lease_id, None)
+            if self.window.lease_watchers.get(lease.id) is tell:
+                del self.window.lease_watchers[lease.id]
+        if lease.bound and lease.id in {x.id for x in self.window.leases()}:
+            with contextlib.suppress(GpuswapError):
+                await asyncio.shield(self.window.release(lease.id, reason="its connection ended"))
 
 
 def _pending(sock: socket.socket, most: int) -> list[socket.socket]:

@@ -1,7 +1,7 @@
 """The state directory: one versioned state document with its last good copy, and the history.
 
     state.json       {"version": 2, "seq": N, "window": {...} | null, "parked": null, "queue": [],
-                      "sha256": "..."}
+                      "held_down": {"UNIT": since}, "sha256": "..."}
     state.prev.json  the document as it was before the last write
     history.jsonl    finished windows, newest last
 
@@ -46,6 +46,8 @@ class Document:
     window: WindowRecord | None = None
     parked: dict[str, Any] | None = None
     queue: list[dict[str, Any]] = field(default_factory=list)
+    # Resident units an operator stopped while no window was open: left down until started again.
+    held_down: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ def encode(document: Document) -> bytes:
     body: dict[str, Any] = {"version": VERSION, "seq": document.seq,
             "window": document.window.to_dict() if document.window else None,
             "parked": document.parked, "queue": document.queue}
+    if document.held_down:
+        body["held_down"] = document.held_down
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["sha256"] = hashlib.sha256(canonical).hexdigest()
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + b"\n"
@@ -97,9 +101,13 @@ def decode(data: bytes) -> Document:
         raise ValueError("parked: expected an object or null")
     if not isinstance(queue, list):
         raise ValueError("queue: expected a list")
+    held = body.get("held_down") or {}
+    if not isinstance(held, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
+                                             not isinstance(v, bool) for k, v in held.items()):
+        raise ValueError("held_down: expected an object of unit names and times")
     window = body.get("window")
     return Document(seq=seq, window=None if window is None else WindowRecord.from_dict(window),
-                    parked=parked, queue=queue)
+                    parked=parked, queue=queue, held_down={k: float(v) for k, v in held.items()})
 
 
 class StateStore:

@@ -42,9 +42,13 @@ class Vram:
     async def unit_of(self, pid: int) -> str | None:
         """Name the unit of a process that holds VRAM (None if unknown or systemd does not say)."""
         try:
-            return await self.outside.systemd.call("unit_of_pid", self._units.unit_of_pid, pid)
+            return await self.unit_of_strictly(pid)
         except GpuswapError:
             return None
+
+    async def unit_of_strictly(self, pid: int) -> str | None:
+        """Name the unit of a process (None: it has none); raise when systemd cannot say."""
+        return await self.outside.systemd.call("unit_of_pid", self._units.unit_of_pid, pid)
 
     async def wait_free(self, need: int, timeout: float) -> float:
         """Wait until ``need`` bytes are free; return the seconds waited."""
@@ -86,12 +90,17 @@ class Holder:
 
 @dataclass(frozen=True)
 class Fit:
-    """What the card would have free once the window has stopped the units it stops."""
+    """What the card would have free once the window has stopped the units it stops.
+
+    Memory of gpuswapd's own engines that are being taken down (``ours``) comes free too, however
+    long the driver still lists it: only the others' processes stay.
+    """
 
     total_bytes: int
     free_bytes: int
-    freed_bytes: int  # held by processes of the units the window stops
-    others: tuple[Holder, ...]  # processes outside those units
+    freed_bytes: int  # held by processes of the units the window stops, or of gpuswapd's engines going
+    others: tuple[Holder, ...]  # everyone else's processes
+    unknown: tuple[Holder, ...] = ()  # whose unit systemd could not say: never blamed
 
     @property
     def held_by_others(self) -> int:
@@ -116,13 +125,21 @@ class Fit:
                 f"{held}; stop them, or lower gpu.window_needs")
 
 
-async def predict_fit(vram: Vram, reading: VramReading, units: list[str]) -> Fit:
-    """Split the card's users into the units the window stops and everyone else."""
-    freed, others = 0, []
+async def predict_fit(vram: Vram, reading: VramReading, units: list[str], ours: frozenset[int] = frozenset()) -> Fit:
+    """Split the card's users into what comes free (the units the window stops, ``ours``) and everyone else."""
+    freed, others, unknown = 0, [], []
     for proc in reading.processes:
-        unit = await vram.unit_of(proc.pid)
-        if unit is not None and unit in units:
+        if proc.pid in ours:
+            freed += proc.used_bytes
+            continue
+        try:
+            unit = await vram.unit_of_strictly(proc.pid)
+        except GpuswapError:
+            unknown.append(Holder(proc.pid, proc.used_bytes, None))
+            continue
+        # A process in no unit at all has exited: the driver lists it until its memory is free.
+        if unit is None or unit in units:
             freed += proc.used_bytes
         else:
             others.append(Holder(proc.pid, proc.used_bytes, unit))
-    return Fit(reading.total_bytes, reading.free_bytes, freed, tuple(others))
+    return Fit(reading.total_bytes, reading.free_bytes, freed, tuple(others), tuple(unknown))

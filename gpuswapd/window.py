@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import clock, closing, holding, opening, parking, recovery
+from gpuswapd import clock, closing, holding, opening, parking, preempting, recovery
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -91,6 +91,7 @@ class Window:
         self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
         self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
+        self.closed_windows: set[str] = set()  # ids history shows closed (an orphan of another is a lost record)
         self._listeners: set[Listener] = set()
         self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
         self._driver: asyncio.Task[None] | None = None
@@ -99,16 +100,19 @@ class Window:
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.parked: parking.Parked | None = None  # the engine asleep between windows
+        self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
+        self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
+        self.refusing = False  # told to stop (SIGTERM): no new lease or request, whatever the shutdown then does
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.queued()])
+                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down))
 
     @property
     def profile(self) -> Profile:
@@ -147,22 +151,23 @@ class Window:
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
                       wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE,
-                      priority: int = 0) -> Lease:
+                      priority: int = 0, bound: bool = False) -> Lease:
         """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
 
         A request for the open window's profile joins it, unless a queued request for another
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
-        if self.stopping.is_set():
+        if self.stopping.is_set() or self.refusing:
             raise Stopping("gpuswapd is stopping")
         if profile not in self.engines:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
         rec, now = self.record, clock.wall()
-        # A window being preempted takes no new leases: they would only be revoked.
+        # A window being preempted takes no new leases: they would only be revoked. Once the
+        # preemption is abandoned (its request went away), it takes them again.
         joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and rec.preempted is None and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority)
+                 and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         if rec is not None and rec.degraded:
@@ -175,6 +180,10 @@ class Window:
         if not joins and len(self.queue.queued()) >= self.config.daemon.max_queue:
             raise QueueFull(f"the queue is full: {self.config.daemon.max_queue} requests wait already "
                             "(daemon.max_queue); try again later")
+        if not joins and rec is not None and rec.profile != profile:
+            # It would wait behind another window: say now if it could never open (an image pruned
+            # while gpuswapd runs, an env file gone), not after that window has closed for it.
+            await opening.preflight(self, profile)
         waiter.window = rec.id if joins and rec is not None else None
         self.queue.waiters.append(waiter)
         if listener is not None:
@@ -240,7 +249,7 @@ class Window:
                                           "phase": str(self.record.phase)} if self.record is not None else None})
 
     async def release(self, lease_id: str | None = None, match: Owner | None = None,
-                      allowed: Owner | None = None) -> list[Lease]:
+                      allowed: Owner | None = None, reason: str | None = None) -> list[Lease]:
         """End a lease by id (if ``allowed``), or every lease ``match`` accepts."""
         rec = self._open_record()
         if lease_id is not None:
@@ -249,7 +258,10 @@ class Window:
         else:
             gone = [rec.leases.release(lease.id) for lease in rec.leases.matching(match or (lambda _: False))]
         for lease in gone:
-            log.info("lease_released", lease=lease.id, holder=lease.holder)
+            if reason is None:
+                log.info("lease_released", lease=lease.id, holder=lease.holder)
+            else:
+                log.info("lease_released", lease=lease.id, holder=lease.holder, reason=reason)
         await self._leases_changed()
         return gone
 
@@ -262,7 +274,7 @@ class Window:
         for lease in gone:
             log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="unit_gone", unit=unit)
         if gone:
-            await self._leases_changed()
+            await self._leases_changed(f"its unit {unit} stopped")
         return gone
 
     async def renew(self, lease_id: str, duration: float,
@@ -283,11 +295,17 @@ class Window:
             limit = max(lease.expires_at, claim[0])
             if until > limit:
                 until, capped_by = limit, claim[1]
-        lease = rec.leases.renew(lease_id, until - now, now)
+        was = lease.expires_at
+        rec.leases.renew(lease_id, until - now, now)
+        try:
+            await self._recorded(f"the renewal of lease {lease_id}")
+        except BaseException:
+            lease.expires_at = was  # it still ends when it did
+            raise
         log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at,
                  capped_by=None if capped_by is None else "fair_after",
                  waiting=None if capped_by is None else capped_by.holder)
-        await self._leases_changed()
+        self.wake.set()
         return lease, capped_by
 
     @staticmethod
@@ -317,7 +335,35 @@ class Window:
             "hung": self.outside.status(),
             "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
+            "resident_back": self.resident_back(now),
+            "boots": self.times.boots(),  # per profile: each boot to healthy, as history has it
         }
+
+    def resident_back(self, now: float) -> dict[str, Any] | None:
+        """Estimate when the resident serves again: the last lease's expiry, the linger, the measured close.
+
+        None while no window is open (it serves now) and when there is no estimate: a lease for
+        infinity, or another profile's request queued (a direct switch keeps the resident down).
+        """
+        rec = self.record
+        if rec is None:
+            return None
+        close_s = self.times.close_time()
+        if rec.closing:
+            started = next(t.started_at for t in rec.timings if t.stage == "close")
+            at = max(now, started + (close_s or 0.0))
+        else:
+            if any(w.profile != rec.profile for w in self.queue.queued(now)):
+                return None
+            ends = [lease.expires_at for lease in rec.leases.all()]
+            if rec.phase is not Phase.READY:  # still opening: those who wait hold it from READY on
+                opened = self.times.open_time(rec.profile) or 0.0
+                ends += [max(now, rec.opened_at + opened) + w.duration for w in self.queue.joined(rec.id)]
+            if not all(math.isfinite(end) for end in ends):
+                return None
+            at = max([now, *ends]) + self.config.daemon.linger + (close_s or 0.0)
+        return {"at": round(at, 3), "in_s": round(at - now, 3),
+                "close_s": None if close_s is None else round(close_s, 3)}
 
     async def remove_parked(self) -> dict[str, Any]:
         """Remove the parked engine now (``gpuswapctl park --remove``); say what was removed."""
@@ -352,15 +398,25 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)
+        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound)
+        try:
+            # A lease is granted once it is on disk: one that is not would be gone after a crash.
+            await self._recorded(f"the lease for {w.holder}")
+        except BaseException:
+            self._drop_lease(lease)  # its client is gone, or it could not be recorded
+            raise
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
                  waited_s=round(clock.wall() - w.since, 3))
-        try:
-            await self._leases_changed()
-        except asyncio.CancelledError:
-            self._drop_lease(lease)  # its client is gone: the lease must not outlive it
-            raise
+        self.wake.set()
         return lease
+
+    async def _recorded(self, what: str) -> None:
+        """Write the state now; StateError (naming ``what``) if it cannot be."""
+        try:
+            await self.writer.save()
+        except StateError as err:
+            raise StateError(f"{what} could not be recorded, so it is not granted: {err.message}; "
+                             "try again once the state directory is writable (gpuswapctl status)") from err
 
     def _drop_lease(self, lease: Lease) -> None:
         """End a lease whose client went away before it heard of it (no waiting: it is cancelled)."""
@@ -371,8 +427,9 @@ class Window:
             self.wake.set()
             self.writer.request()
 
-    async def _leases_changed(self) -> None:
+    async def _leases_changed(self, reason: str = "released") -> None:
         self.wake.set()
+        self.end_watchers(reason)
         await self.persist(required=False)
 
     # -- what the steps share ----------------------------------------------------------------
@@ -400,10 +457,22 @@ class Window:
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
         await failpoint(f"{phase}:closing" if rec.closing and phase is not Phase.CLOSING else str(phase))
 
-    def tell_holders(self, event: dict[str, Any]) -> None:
-        """Send an event to every lease holder whose client still holds its connection open."""
-        for listener in list(self.lease_watchers.values()):
+    def tell_holders(self, event: dict[str, Any], leases: list[Lease] | None = None) -> None:
+        """Send an event to the held connections of these leases (by default, every lease of the open window)."""
+        if leases is None:
+            self.end_watchers("ended")
+            listeners = list(self.lease_watchers.values())
+        else:
+            listeners = [self.lease_watchers[x.id] for x in leases if x.id in self.lease_watchers]
+        for listener in listeners:
             listener(event)
+
+    def end_watchers(self, reason: str) -> None:
+        """Tell the held connections of leases that have ended why, and stop telling them anything else."""
+        live = {lease.id for lease in self.leases()}
+        for lease_id in [x for x in self.lease_watchers if x not in live]:
+            listener = self.lease_watchers.pop(lease_id)
+            listener({"event": "lease_ended", "lease": lease_id, "reason": reason})
 
     def tell(self, event: dict[str, Any]) -> None:
         """Send an event to every client waiting for the window."""
@@ -427,13 +496,24 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority)) for w in waiters]
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound))
+                for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
-        """Enter READY and give every waiting acquire its lease."""
+        """Enter READY and give every waiting acquire its lease, once the leases are on disk."""
         await self.enter(rec, Phase.READY, required=not rec.restarts)
         granted = self.grant_waiters(rec)
-        await self._leases_changed()
+        if granted:
+            try:
+                await self._recorded(f"the lease of {granted[0][0].holder}" if len(granted) == 1 else
+                                     f"the leases of {len(granted)} waiting clients")
+            except StateError as err:
+                for waiter, lease in granted:
+                    rec.leases.release(lease.id)
+                    if not waiter.future.done():
+                        waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
+                granted = []
+        self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
                      waited_s=round(clock.wall() - waiter.since, 3))
@@ -441,6 +521,14 @@ class Window:
                 self._drop_lease(lease)
             else:
                 waiter.future.set_result(lease)
+
+    def refuse(self, waiter: Waiter, err: GpuswapError) -> None:
+        """Fail one queued request with ``err`` (it could never be served)."""
+        self.queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(err)
+        self.writer.request()
+        self.tell_queue()
 
     def fail_waiters(self, err: GpuswapError, window: str | None = None) -> None:
         """Fail the acquires that joined ``window`` with ``err`` (None: every waiting acquire)."""
@@ -462,7 +550,9 @@ class Window:
         rec.switched_to = switch_to.id if switch_to is not None else None
         rec.enter(Phase.IDLE)
         self.last, self.record = rec, switch_to
+        self.end_watchers(f"its window {rec.id} ended ({outcome})")
         record = rec.to_dict()
+        self.closed_windows.add(rec.id)
         self.writer.add_history(record)
         self.times.learn(record)
         for listener in self.finished:
@@ -476,14 +566,17 @@ class Window:
         else:
             self.writer.request()
 
-    def switch(self, rec: WindowRecord, profile: str) -> None:
-        """Close ``rec`` straight into a window of ``profile``, keeping the resident down."""
+    def switch(self, rec: WindowRecord, profile: str, outcome: str = "closed") -> None:
+        """Close ``rec`` (with ``outcome``) straight into a window of ``profile``, keeping the resident down."""
         nxt = WindowRecord.new()
         nxt.profile, nxt.kind = profile, self.config.profile(profile).kind
         nxt.timers, nxt.units = list(rec.timers), list(rec.units)
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
+        # The engine it took down is still being freed: the next window waits for it, never blames it.
+        nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
+        nxt.after_bare = rec.kind == "bare" or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
-        self.finish(rec, "closed", switch_to=nxt)
+        self.finish(rec, outcome, switch_to=nxt)
 
     # -- the driver ------------------------------------------------------------------------
 
@@ -493,10 +586,48 @@ class Window:
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
         self._drive(recovery.adopt_or_roll_back(self, rec))
 
-    def restore_baseline(self, reason: str) -> None:
-        """Restore what the configuration describes, when no state could be read at all."""
-        self.baseline_restore = {"reason": reason, "at": clock.wall()}
-        log.error("baseline_restore", reason=reason)
+    def resident_state(self, unit: str, state: str) -> None:
+        """Follow the resident's units: one its operator stops while no window is open stays down.
+
+        gpuswapd stops the resident only inside a window, and only through jobs of its own; a
+        stop with neither is its operator's (``systemctl stop strata``), and the reconcile
+        leaves that unit down until it is started again (any other state lifts the hold). A unit
+        that fails is no such stop: the reconcile brings it back.
+        """
+        if unit not in self.config.resident.units:
+            return  # a dependent (llama-swap) follows its resident: it is never held down by itself
+        if state != "inactive" and unit in self.held_down:  # started again (or tried to): no longer held
+            del self.held_down[unit]
+            log.info("resident_hold_lifted", unit=unit, state=state)
+            self.writer.request()
+        elif (state == "inactive" and self.record is None and not self.resident.jobs_running
+              and unit not in self.held_down and not self.stopping.is_set()):
+            self.held_down[unit] = clock.wall()
+            log.warning("resident_held_down", unit=unit, reason="it was stopped while no window was open, not by "
+                        "gpuswapd: it is left down until it is started again (systemctl start)")
+            self.writer.request()
+
+    async def reconcile(self) -> None:
+        """Restore the baseline if the resident is down while no window is open and nobody holds it down."""
+        if self.stopping.is_set() or self.refusing or self.record is not None or len(self.queue) \
+                or self._driver is not None:
+            return
+        states = await self.resident.states(self.config.resident.units)
+        if any(state in ("activating", "deactivating", "reloading") for state in states.values()):
+            return  # someone is starting or stopping it right now: look again next time
+        for unit, state in states.items():
+            if state != "inactive" and unit in self.held_down:  # started (or failed) while nobody watched
+                self.resident_state(unit, state)
+        down = [u for u, state in states.items() if state in ("inactive", "failed") and u not in self.held_down]
+        if down and self.record is None and self._driver is None and not len(self.queue):
+            self.restore_baseline("the resident was found down while no window was open ("
+                                  + ", ".join(f"{u} {states[u]}" for u in down) + ", not stopped by its operator)",
+                                  cause="found_down")
+
+    def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
+        """Restore what the configuration describes: no state could be read, or it was found broken."""
+        self.baseline_restore = {"reason": reason, "at": clock.wall(), "cause": cause}
+        log.error("baseline_restore", reason=reason, cause=cause)
         rec = recovery.baseline_record(self)
         self.record, self.unknown_baseline = rec, rec
         self.hung_mark = closing.hung_mark(self)
@@ -606,16 +737,22 @@ class Window:
                                    "the resident is being restored (see journalctl -u gpuswapd)")
         finally:
             self._opening = None
+        if failure is None:
+            try:
+                await self.ready(rec)
+            except StateError as err:  # READY could not be recorded: nobody gets a lease a crash would lose
+                failure = err
         if failure is not None:
             await self._fail_opening(rec, failure)
             return
-        await self.ready(rec)
         await holding.hold_then_close(self, rec)
 
     async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:
         rec.fail(err)
         log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase, profile=rec.profile)
         self.fail_waiters(err, rec.id)
+        if rec.phase is Phase.IDLE:  # it never began (its last client went away at once)
+            rec.enter(Phase.DRAINING)
         if rec.phase is Phase.DRAINING and not rec.switched_from:  # nothing was changed yet
             self.finish(rec, "refused")
         else:
@@ -623,24 +760,46 @@ class Window:
 
     # -- shutdown --------------------------------------------------------------------------
 
-    async def shutdown(self, restore: bool) -> None:
-        """Stop serving the window; with ``restore``, close it and give the GPU back first."""
+    def refuse_new(self) -> None:
+        """Take no new lease or request from now on, and fail those that wait: gpuswapd is about to stop."""
+        self.refusing = True
+        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
+                                   "acquire again once it is back"))
+
+    async def shutdown(self, restore: bool, bound: float = math.inf) -> bool:
+        """Stop serving the window; with ``restore``, close it and give the GPU back first.
+
+        The close retries as it always does, for up to ``bound`` seconds; then gpuswapd gives up
+        and the record stays for the next start. Tell whether the GPU was given back.
+        """
         self.stopping.set()
         self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
                                    "acquire again once it is back"))
         driver = self._driver
         await parking.stop_watching(self)
         if not restore:
+            self.abort.set()
             if driver is not None:
                 driver.cancel()
                 await asyncio.wait({driver})
-            return  # a parked engine stays parked, for the next start to adopt
+            return True  # a parked engine stays parked, for the next start to adopt
         if self._opening is not None:
             self._opening.cancel()
         self.wake.set()
         if driver is not None:
-            await asyncio.wait({driver})
-        await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
+            await asyncio.wait({driver}, timeout=None if math.isinf(bound) else bound)
+            if not driver.done():
+                log.error("shutdown_bound_reached", bound_s=bound, phase=str(self.phase),
+                          consequence="the window is left for the next start of gpuswapd to finish")
+                self.abort.set()  # its next pause ends it, with the record kept
+                await asyncio.wait({driver}, timeout=10.0)
+                if not driver.done():
+                    driver.cancel()
+                    await asyncio.wait({driver})
+                return False
+        if self.record is not None:
+            return False  # the close was left part-way (it said so in the log)
+        return await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
 
 
 def _backoff(bounds: tuple[float, float], attempt: int) -> float:

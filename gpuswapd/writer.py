@@ -22,7 +22,7 @@ from gpuswapd.errors import GpuswapError, StateError
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
 from gpuswapd.state import Document, StateStore, encode
-from gpuswapd.tasks import reap, spawn, uncancel
+from gpuswapd.tasks import reap, sleep_unless, spawn, uncancel
 
 BACKOFF_S = (0.2, 30.0)
 
@@ -41,6 +41,7 @@ class StateWriter:
         self._failed = 0    # the newest change a failed attempt covered
         self._history: list[dict[str, Any]] = []
         self._dirty = asyncio.Event()
+        self._urgent = asyncio.Event()  # someone waits for a write: a failed one is retried at once
         self._progress = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.seq = 0
@@ -64,15 +65,16 @@ class StateWriter:
         self.seq = seq
         self._task = spawn(self._run(), "state-writer", on_failure=self._crashed)
 
-    async def stop(self, timeout: float) -> None:
-        """Write what is pending (within ``timeout``), then end the writer task."""
-        if self.pending and self.writable:
+    async def stop(self, timeout: float) -> bool:
+        """Write what is pending (within ``timeout``), then end the writer task; tell whether all of it is on disk."""
+        if self.pending:
             try:
                 await asyncio.wait_for(self.save_now(), timeout)
             except (TimeoutError, GpuswapError) as err:
                 log.error("state_not_saved_at_exit", error=getattr(err, "message", repr(err)))
         self._stopped = True
         await reap(self._task)
+        return not self.pending
 
     def request(self) -> int:
         """Ask for a write of the current state; return the change number that covers it."""
@@ -87,6 +89,7 @@ class StateWriter:
 
     async def save(self) -> None:
         """Write the current state; return when it is on disk, raise StateError if that failed."""
+        self._urgent.set()
         await self.wait(self.request())
 
     async def save_now(self) -> None:
@@ -106,6 +109,7 @@ class StateWriter:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
+            self._urgent.clear()
             change = self._wanted
             history = list(self._history)
             document = self._snapshot()
@@ -122,7 +126,7 @@ class StateWriter:
                         raise
                     uncancel()  # nobody asked the writer to stop: the state must still reach the disk
                 await self._failed_attempt(change, err)
-                await asyncio.sleep(delay)
+                await sleep_unless(self._urgent, delay)  # a client waiting on a write tries again now
                 delay = min(delay * 2, self._backoff[1])
                 self._dirty.set()  # try again: the state must reach the disk
                 continue

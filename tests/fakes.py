@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuswapd.adapters.docker import ContainerState
+from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
@@ -107,6 +107,7 @@ FAKE_CONFIG = parse_config(CONFIG, "<fake>")
 PARK_CONFIG = parse_config(CONFIG + """
 [window.park]
 mode = "sleep"
+settle = "100ms"
 """, "<fake, park = sleep>")
 PROFILES = f"""
 [profiles.eval]
@@ -189,6 +190,9 @@ class FakeSystemd:
         self._lock = threading.RLock()
         self._watchers: list[Any] = []
         self.started: list[str] = []  # every unit started, in order
+        # One sequence for this world's starts and completions, so their order can be checked.
+        self.moments = itertools.count(1)
+        self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
         self.fail_stops: dict[str, int] = {}  # unit -> how many stops fail (its stop job times out)
 
@@ -208,6 +212,9 @@ class FakeSystemd:
 
     def connect(self) -> None:
         """Connect (nothing to do)."""
+
+    def close(self) -> None:
+        """Close (nothing to do)."""
 
     def watch_active_state(self, watcher: Any) -> None:
         """Remember who wants to hear of state changes."""
@@ -257,6 +264,7 @@ class FakeSystemd:
                 return "failed"
             unit.active_state = "active"
             self.started.append(name)
+            self.started_at.append((next(self.moments), name))
             return "done"
 
     def _stop(self, name: str) -> str:
@@ -334,8 +342,11 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a process."""
-        return next((u.name for u in self.units.values() if u.pid == pid and pid), None)
+        """Name the unit of a live process (None: it is gone); one on the card outside these units is a session's."""
+        unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
+        if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
+            return "session-1.scope"
+        return unit
 
     def control_group(self, unit: str) -> str | None:
         """Return a unit's cgroup."""
@@ -476,6 +487,14 @@ class FakeDocker:
         """Tell whether the image is here."""
         return image in self.images
 
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Say what an image runs with: nothing of its own."""
+        return RunSettings(image, {}, [], [], "") if image in self.images else None
+
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Say what a container runs with: nothing of its own."""
+        return RunSettings("", {}, [], [], "") if name in self.containers else None
+
     def state(self, name: str) -> ContainerState | None:
         """Inspect a container."""
         c = self.containers.get(name)
@@ -572,6 +591,11 @@ class FakeDocker:
         """Return the log's end."""
         return "EngineDeadError\n"
 
+    def top(self, name: str) -> list[int]:
+        """List the host pids of a running container's processes."""
+        c = self.containers.get(name)
+        return [self.engine_pid] if c is not None and c.status == "running" else []
+
     def find(self, labels: dict[str, str]) -> list[ContainerState]:
         """List containers carrying all these labels."""
         out = []
@@ -590,6 +614,7 @@ class FakeHttp:
         self.systemd = systemd
         self.docker = docker
         self.completions: list[str] = []
+        self.completed_at: list[tuple[int, str]] = []  # (moment, url) of every completion
         self.garble_wakes = 0  # the next wakes answer differently
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
 
@@ -663,6 +688,7 @@ class FakeHttp:
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
         self.completions.append(url)
+        self.completed_at.append((next(self.systemd.moments), url))
         text = CANARY if sampling is not None else "ready"
         if c is not None and c.garbled:
             text = text[::-1]
@@ -678,7 +704,7 @@ class FakeHttp:
                     raise
                 await asyncio.sleep(0.005)
 
-    async def idle(self, idle: Any, timeout: float = 10.0) -> Busy:
+    async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
         """Say the resident is idle."""
         return Busy(False, "idle")
 

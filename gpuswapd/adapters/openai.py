@@ -241,18 +241,23 @@ class ModelHttp:
         if response.status_code != 200:
             await _raise_status("POST", url, response)
 
-    async def idle(self, idle: IdleConfig, timeout: float = IDLE_TIMEOUT_S) -> Busy:
-        """Ask the resident whether a request is in flight, the way ``idle.kind`` says."""
+    async def idle(self, idle: IdleConfig, timeout: float = IDLE_TIMEOUT_S, draining: bool = False) -> Busy:
+        """Ask the resident whether a request is in flight, the way ``idle.kind`` says.
+
+        ``draining``: a window is draining the resident (not a dry run); the gateway then holds new
+        resident requests until the window has passed.
+        """
         if idle.kind == "none":
             return Busy(False, "no idle probe (kind = none)")
         if idle.kind == "command":
             return await _run_idle_command(idle.command, timeout)
-        if idle.kind not in ("llama.cpp-slots", "prometheus"):
+        if idle.kind not in ("llama.cpp-slots", "prometheus", "gateway"):
             raise ValueError(f"unknown idle probe kind {idle.kind!r}")
-        with _mapped("GET", idle.url, timeout):
+        url = idle.url + ("?draining=1" if draining and idle.kind == "gateway" else "")
+        with _mapped("GET", url, timeout):
             # Connection: close: an idle keep-alive connection makes llama-server take ~0.1 s
             # longer to exit when the window stops it right after this probe.
-            response = await self._http().get(idle.url, timeout=self._timeout(timeout),
+            response = await self._http().get(url, timeout=self._timeout(timeout),
                                               headers={"Connection": "close"})
         if response.status_code == 501 and idle.kind == "llama.cpp-slots":
             await _raise_status(
@@ -268,6 +273,8 @@ class ModelHttp:
             await _raise_status("GET", idle.url, response)
         if idle.kind == "llama.cpp-slots":
             return _slots_busy(idle.url, response.content)
+        if idle.kind == "gateway":
+            return _gateway_busy(idle.url, response.content)
         return _gauge_busy(idle.url, idle.metric, response.text)
 
 
@@ -288,6 +295,15 @@ def _slots_busy(url: str, raw: bytes) -> Busy:
                 f"({snip(json.dumps(slot))})"
             )
     return Busy(busy > 0, f"{busy} of {len(slots)} slots processing")
+
+
+def _gateway_busy(url: str, raw: bytes) -> Busy:
+    """Read gpuswapd-gateway's count of resident requests in flight: busy while any is."""
+    answer = _json(raw, f"GET {url}")
+    count = answer.get("resident_in_flight") if isinstance(answer, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise BadResponse(f"GET {url}: no resident_in_flight count: is this gpuswapd-gateway? ({snip(raw)})")
+    return Busy(count > 0, f"{count} resident request(s) in flight through the gateway")
 
 
 def _gauge_busy(url: str, metric: str, text: str) -> Busy:

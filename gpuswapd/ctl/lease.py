@@ -18,13 +18,15 @@ def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False,
     """Acquire a lease, renew it in the background at half its duration, release it at the end.
 
     The acquire's connection stays open for the whole lease: gpuswapd sends the lease's events on
-    it (a preemption's ``preempting`` notice, then ``preempted``), which go to ``on_event``.
+    it (a preemption's ``preempting`` notice, then ``preempted``), which go to ``on_event``. The
+    lease is bound to that connection (``"bind": "connection"``): if this process dies, even by
+    SIGKILL, its connection ends and so does the lease, instead of lasting until it expires.
     """
     progress = Progress(enabled=not quiet)
     holding = Client(socket)
     try:
         # No read timeout: the window may take minutes to open; gpuswapd bounds it.
-        reply = holding.request({**acquire, "hold": True}, on_event=progress.event, timeout=None)
+        reply = holding.request({**acquire, "bind": "connection"}, on_event=progress.event, timeout=None)
     except BaseException:
         holding.close()
         raise
@@ -73,10 +75,14 @@ def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False,
     finally:
         stop.set()
         renewer.join()
-        holding.close()
-        if not revoked.is_set():  # a preemption revoked it already
-            try:
-                with Client(socket) as client:
-                    client.request({"op": "release", "lease": lease["id"]})
-            except Exception as err:  # the window may already be gone; the work's result still stands
-                print(f"gpuswapctl: could not release lease {lease['id']}: {err}", file=sys.stderr)
+        try:
+            if not revoked.is_set():  # a preemption revoked it already
+                # Released on a connection of its own (which says whether it worked) before the
+                # bound connection closes; closing it alone would end the lease too.
+                try:
+                    with Client(socket) as client:
+                        client.request({"op": "release", "lease": lease["id"]})
+                except Exception as err:  # the window may already be gone; the work's result still stands
+                    print(f"gpuswapctl: could not release lease {lease['id']}: {err}", file=sys.stderr)
+        finally:
+            holding.close()

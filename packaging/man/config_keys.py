@@ -90,9 +90,13 @@ MEANINGS: dict[str, str] = {
                     "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
     "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
                             "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
+    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the configured resident units "
+                        "are up, and restores the baseline when one is down (0: never). A resident unit its operator "
+                        "stopped while no window was open (systemctl stop, not through gpuswapd) is left down until "
+                        "it is started again; one that failed is brought back.",
     "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
                          "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
-                         "its ExecStopPost= runs as usual. The defaults are gpuswapd's own units and the services "
+                         "its ExecStopPost= runs as usual. The defaults are gpuswapd's own units (the gateway's too) and the services "
                          "that run the work of many users (cron, atd, sshd, slurmd, systemd's own): a lease is "
                          "bound to a unit only when the unit is the caller's own (see gpuswapctl(1), "
                          "\"Who may ask\" in the README), and this list keeps those services running whatever "
@@ -114,8 +118,11 @@ MEANINGS: dict[str, str] = {
     "resident.start_timeout": "How long starting one unit may take.",
     "resident.idle.kind": "How to tell whether a request is in flight on the resident: \"llama.cpp-slots\" (GET url, "
                           "busy while any slot is_processing), \"prometheus\" (GET url, busy while metric > 0), "
-                          "\"command\" (run command, idle when it exits 0) or \"none\" (never busy).",
-    "resident.idle.url": "The URL that kind = \"llama.cpp-slots\" or \"prometheus\" reads.",
+                          "\"command\" (run command, idle when it exits 0), \"gateway\" (ask gpuswapd-gateway at "
+                          "gateway.listen how many resident requests pass through it now; while the window drains, "
+                          "the gateway holds new ones) or \"none\" (never busy).",
+    "resident.idle.url": "The URL that kind = \"llama.cpp-slots\" or \"prometheus\" reads. With a [gateway] table it "
+                         "must not be on gateway.listen: the probes bypass the gateway.",
     "resident.idle.metric": "The gauge that kind = \"prometheus\" reads.",
     "resident.idle.command": "The command (argument list, no shell) that kind = \"command\" runs; required then. It "
                              "runs as gpuswapd does, inside the sandbox of gpuswapd.service.",
@@ -129,6 +136,12 @@ MEANINGS: dict[str, str] = {
     "timers.wait_for_jobs": "How long the services of those timers that are running when a window opens may take "
                             "to finish.",
     "window.health_url": "The engine's health endpoint, polled until it answers 200.",
+    "window.serves": "The model names that open this profile's window on demand through gpuswapd-gateway(8) "
+                     "([window] for the profile \"default\", [profiles.NAME] for the others). A name two profiles "
+                     "serve, or a profile and resident.verify.model, is refused naming both.",
+    "window.api": "The engine's OpenAI base URL, to which the gateway sends this profile's requests "
+                  "(\"http://HOST:PORT\", a trailing /v1 is taken off). Empty: the scheme, host and port of "
+                  "verify.url.",
     "window.boot_timeout": "How long the engine may take to become healthy (a cold vLLM compiles kernels first).",
     "window.watch_interval": "How often the engine's health is probed while the window is READY.",
     "window.max_restarts": "How many times per window a failed engine is restarted before the window closes and the "
@@ -160,6 +173,9 @@ MEANINGS: dict[str, str] = {
                          "(a slower wake that reloads them).",
     "window.park.keep": "A parked engine unused this long is removed (the resident is not touched). It holds across "
                         "restarts of gpuswapd.",
+    "window.park.settle": "A sleeping engine frees its memory some time after it says it sleeps: park only once "
+                          "what comes next (the resident, or the next window of a direct switch) is free, waiting "
+                          "up to this long; otherwise the engine is removed, with the numbers in the log.",
     "window.park.host_ram_needs": "Sleep at level 1 only if at least this much host memory is available "
                                   "(MemAvailable); otherwise sleep at level 2. 0: do not check.",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
@@ -167,6 +183,11 @@ MEANINGS: dict[str, str] = {
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
     **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
                                   if k == "url" else "") for k, v in _VERIFY.items()},
+    # The known-bad table (KNOWN-BAD SETTINGS below).
+    "window.allow_known_bad": "The ids of the known-bad rows (KNOWN-BAD SETTINGS) that this engine may match: "
+                              "such a row neither warns nor refuses for this profile, and gpuswapd logs at start "
+                              "that it is allowed (known_bad_allowed). An id no row has is a warning. Each engine "
+                              "profile has its own list; none is inherited from [window].",
     "metrics.listen": "host:port on which gpuswapd serves GET /metrics (Prometheus's text format) from its own "
                       "event loop, within the socket's connection caps and timeouts, e.g. \"127.0.0.1:9477\". "
                       "Port 0 is refused; a port that cannot be had stops the start (exit 78). Empty: off.",
@@ -188,6 +209,22 @@ MEANINGS: dict[str, str] = {
                     "preempted is accepted for the window queue to come.",
     "hooks.timeout": "A hook still running after this long is killed with its process group; that is logged "
                      "(hook_timed_out), and nothing else happens.",
+    "gateway.listen": "host:port of gpuswapd-gateway(8), the one OpenAI-compatible address of every model. Ignored "
+                      "under socket activation (gpuswapd-gateway.socket's ListenStream= says where then); it is also "
+                      "where resident.idle.kind = \"gateway\" asks, and the address resident.verify.url and "
+                      "resident.idle.url must not use.",
+    "gateway.resident": "The base URL of the resident's models: llama-swap, moved off 8080 (e.g. "
+                        "\"http://127.0.0.1:8090\"). Its GET /v1/models names the resident's models.",
+    "gateway.idle": "An on-demand window is released this long after its last request through the gateway ended.",
+    "gateway.hold": "The longest a request waits for its model's window to open (or for the resident to serve "
+                    "again); then 503, or an SSE error event once its stream has started.",
+    "gateway.on_resident_busy": "A resident request while other holders keep a window: \"wait\" (up to hold) or "
+                                "\"fail\" (503 with Retry-After, naming who holds the card and until when). Either "
+                                "way, a window kept only by the gateway's own idle lease is released at once.",
+    "gateway.priority": "The priority of the gateway's on-demand leases (above daemon.priority_max_nonroot only if "
+                        "gpuswapd-gateway runs as root).",
+    "gateway.max_body": "A request body larger than this gets 413.",
+    "gateway.max_waiting": "How many requests may wait for a window at once; beyond that 429.",
 }
 
 _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -211,6 +248,9 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_abs_path": lambda c: "absolute path, or empty",
     "_command": lambda c: "list of strings, the first an absolute path",
     "_event_names": lambda c: "list of event names",
+    "_model_names": lambda c: "list of model names",
+    "_base_url": lambda c: "http(s) base URL",
+    "_api_url": lambda c: "http(s) base URL, or empty",
 }
 
 
@@ -218,7 +258,7 @@ def all_keys(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[tuple
     """Yield every key's dotted name and field, in the order of the dataclasses."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in ("source", "profiles"):
+        if f.name in ("source", "profiles", "gateway_configured"):
             continue
         if "parse" in f.metadata:
             yield prefix + f.name, f
@@ -230,7 +270,7 @@ def sections(cls: type[Any] = config.Config, prefix: str = "") -> Iterator[str]:
     """Yield the dotted name of every TOML table, in order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name not in ("source", "profiles") and "parse" not in f.metadata:
+        if f.name not in ("source", "profiles", "gateway_configured") and "parse" not in f.metadata:
             yield prefix + f.name
             yield from sections(hints[f.name], f"{prefix}{f.name}.")
 

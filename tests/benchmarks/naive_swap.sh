@@ -17,7 +17,7 @@
 set -euo pipefail
 
 ENGINE_PORT=${ENGINE_PORT:-18020}
-PROXY_PORT=${PROXY_PORT:-8080}
+PROXY_PORT=${PROXY_PORT:-8090}
 IMAGE=${IMAGE:-hyperqwen-sim:latest}
 NAME=${NAME:-hyperqwen}
 GPU_DIR=${GPU_DIR:?set GPU_DIR to the ledger directory}

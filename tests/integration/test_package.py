@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gzip
+import json
 import os
 import re
 import shutil
@@ -32,6 +33,10 @@ BUILD_BUDGET_S = 180  # without the one-time download of the build tools
 EXPECTED = {
     "usr/bin/gpuswapd": None,
     "usr/bin/gpuswapctl": None,
+    "usr/bin/gpuswapd-gateway": None,
+    "usr/lib/systemd/system/gpuswapd-gateway.service": "units/gpuswapd-gateway.service",
+    "usr/lib/systemd/system/gpuswapd-gateway.socket": "units/gpuswapd-gateway.socket",
+    "usr/share/man/man8/gpuswapd-gateway.8.gz": "packaging/man/gpuswapd-gateway.8",
     "usr/lib/systemd/system/gpuswapd.service": "units/gpuswapd.service",
     "usr/lib/systemd/system/gpuswapd.socket": "units/gpuswapd.socket",
     "usr/lib/systemd/system/gpuswapd@.service": "units/gpuswapd@.service",
@@ -51,6 +56,7 @@ EXPECTED = {
     "usr/share/doc/gpuswapd/examples/metrics-textfile.conf": "packaging/examples/metrics-textfile.conf",
     "usr/share/doc/gpuswapd/examples/gpuswap-notify": "packaging/examples/gpuswap-notify",
     "usr/share/gpuswapd/grafana/gpuswapd.json": "packaging/grafana/gpuswapd.json",
+    "usr/share/gpuswapd/known-bad.toml": "gpuswapd/data/known-bad.toml",
 }
 
 
@@ -140,12 +146,14 @@ def test_package_holds_the_python_package_and_nothing_stray(built: Built) -> Non
     assert len(init) == 1, sorted(n for n in names if n.endswith("__init__.py"))
     site = init[0].rpartition("/gpuswapd/")[0]
     assert f"{site}/gpuswapd/ctl/main.py" in names
+    assert f"{site}/gpuswapd/data/known-bad.toml" in names  # package data: every install has the table
+    assert built.members["etc/gpuswapd/known-bad.d"].isdir()  # the operator's rows go here
     assert f"{site}/gpuswapd-{__version__}.dist-info/entry_points.txt" in names
     for name in names - {".PKGINFO", ".BUILDINFO", ".MTREE"}:
         assert name.split("/")[0] in ("usr", "etc"), name
         assert "/tests/" not in name and "/packaging/" not in name, name
     # The scripts run the system's python, not a build-time virtualenv or scratch directory.
-    for script in ("usr/bin/gpuswapd", "usr/bin/gpuswapctl"):
+    for script in ("usr/bin/gpuswapd", "usr/bin/gpuswapctl", "usr/bin/gpuswapd-gateway"):
         shebang = built.read(script).split(b"\n", 1)[0].decode()
         assert re.fullmatch(r"#!/usr/bin/python3?(\.\d+)?", shebang), f"{script}: {shebang}"
 
@@ -157,7 +165,8 @@ def test_pkginfo_marks_the_config_as_backup_and_lists_the_dependencies(built: Bu
     assert info["arch"] == ["any"]
     assert info["backup"] == ["etc/gpuswapd/gpuswapd.toml"]
     assert set(info["depend"]) == {"python", "python-gobject", "python-pydbus", "python-httpx", "python-docker",
-                                   "python-structlog", "python-nvidia-ml-py", "python-prometheus_client"}
+                                   "python-structlog", "python-nvidia-ml-py", "python-prometheus_client",
+                                   "python-uvicorn", "python-httptools", "python-uvloop"}
     assert {d.split(":")[0] for d in info["optdepend"]} == {"docker", "nvidia-utils"}
 
 
@@ -171,7 +180,7 @@ def test_installed_units_verify_against_the_package_tree(built: Built, tmp_path:
                          filter="tar")
     proc = subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket", "gpuswapd@0.service",
-         "gpuswapd@0.socket"],
+         "gpuswapd@0.socket", "gpuswapd-gateway.service", "gpuswapd-gateway.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(root / "usr/share/man")},
     )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
@@ -192,6 +201,31 @@ def test_packaged_gpuswapctl_runs(built: Built, tmp_path: Path) -> None:
     assert action.choices is not None
     for name in action.choices:
         assert name in proc.stdout
+
+
+def test_packaged_gpuswapd_reads_the_known_bad_table_the_package_ships(built: Built, tmp_path: Path) -> None:
+    """The packaged module finds its table as package data, and reads /usr/share's copy first."""
+    root = tmp_path / "root"
+    built.tar.extractall(root, members=[m for m in built.tar.getmembers() if m.name.startswith("usr/")],
+                         filter="tar")
+    site = next(root.glob("usr/lib/python3*/*-packages"))
+    interpreter = built.read("usr/bin/gpuswapctl").split(b"\n", 1)[0][2:].decode()
+    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+            "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1",
+           "GPUSWAPD_KNOWN_BAD_DIR": str(tmp_path / "none")}
+    for shipped in (None, root / "usr/share/gpuswapd/known-bad.toml"):
+        extra = {} if shipped is None else {"GPUSWAPD_KNOWN_BAD": str(shipped)}
+        proc = subprocess.run([interpreter, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr
+        module, files, ids = json.loads(proc.stdout)
+        assert module.startswith(str(site))
+        if shipped is not None:
+            assert files == [str(shipped)]
+        elif not Path("/usr/share/gpuswapd/known-bad.toml").exists():  # a host with the package reads that
+            assert files == [str(site / "gpuswapd/data/known-bad.toml")]
+        assert ids[0] == "dflash-tokens-above-7-at-20k"
 
 
 def test_build_stays_within_budget(built: Built) -> None:

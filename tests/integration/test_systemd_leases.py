@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -91,6 +94,34 @@ def test_run_returns_the_commands_exit_code_and_leaves_no_lease(gpuswapd: Start)
     assert out.returncode == 7, out.stderr
     status = daemon.status()
     assert status["phase"] == "READY" and status["window"]["leases"] == []
+
+
+def test_run_killed_with_sigkill_leaves_no_lease_until_its_expiry(gpuswapd: Start, probe: Probe,
+                                                                 world: Stack) -> None:
+    daemon = gpuswapd(daemon={"linger": "0.3s"})
+    marker = world.paths.control / "run-sigkill.pid"
+    marker.unlink(missing_ok=True)
+    run = subprocess.Popen([str(BIN / "gpuswapctl"), "run", "--for", "30m", "--holder", "doomed", "--",
+                            "sh", "-c", f"echo $$ > {marker}; exec sleep 300"], env=daemon.env)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text().strip():
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.05)
+        [lease] = daemon.status()["window"]["leases"]
+        assert lease["holder"] == "doomed" and lease["bind"] == "connection" and lease["remaining_s"] > 600
+        killed = time.monotonic()
+        run.kill()  # no release, no ExecStopPost=: only its connection ends
+        run.wait()
+        while daemon.status()["window"] and daemon.status()["window"]["leases"]:
+            assert time.monotonic() - killed < 5, "the killed run's lease outlived it"
+            time.sleep(0.05)
+    finally:
+        if marker.exists() and marker.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(marker.read_text()), signal.SIGKILL)  # the orphaned command
+    daemon.wait_phase("IDLE", timeout=60)
+    assert_resident_back(probe)
 
 
 def test_run_without_the_gpu_does_not_run_the_command(gpuswapd: Start, world: Stack) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ from types import ModuleType
 import pytest
 
 from gpuswapd import __version__, daemon, instances
-from gpuswapd.config import DEFAULT_PATH, DaemonConfig
+from gpuswapd.config import DEFAULT_PATH, DaemonConfig, GatewayConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
 from gpuswapd.timespan import parse_span
@@ -29,7 +30,7 @@ UNITS = ROOT / "units"
 MAN = ROOT / "packaging" / "man"
 COMPLETIONS = ROOT / "packaging" / "completions"
 ARCH = ROOT / "packaging" / "arch"
-PAGES = {"gpuswapctl.1": 1, "gpuswapd.toml.5": 5, "gpuswapd.8": 8}
+PAGES = {"gpuswapctl.1": 1, "gpuswapd.toml.5": 5, "gpuswapd.8": 8, "gpuswapd-gateway.8": 8}
 SHELL_FILES = {"bash": "gpuswapctl.bash", "zsh": "_gpuswapctl", "fish": "gpuswapctl.fish"}
 SECURITY_TARGET = 3.0
 INSTANCE_SECURITY_TARGET = 2.1  # gpuswapd.service's exposure when the templates came
@@ -171,19 +172,21 @@ def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
     root = tmp_path / "root"
     unit_dir = root / "usr/lib/systemd/system"
     shutil.copytree("/usr/lib/systemd/system", unit_dir, symlinks=True)
-    for name in ("gpuswapd.service", "gpuswapd.socket", "gpuswapd@.service", "gpuswapd@.socket"):
+    for name in ("gpuswapd.service", "gpuswapd.socket", "gpuswapd@.service", "gpuswapd@.socket",
+                 "gpuswapd-gateway.service", "gpuswapd-gateway.socket"):
         shutil.copy(UNITS / name, unit_dir / name)
-    stub = root / "usr/bin/gpuswapd"
-    stub.parent.mkdir(parents=True)
-    stub.write_text("#!/bin/sh\nexit 0\n")
-    stub.chmod(0o755)
+    for binary in ("gpuswapd", "gpuswapd-gateway"):
+        stub = root / "usr/bin" / binary
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
     manpath = tmp_path / "man"
     for page, section in PAGES.items():
         (manpath / f"man{section}").mkdir(parents=True, exist_ok=True)
         shutil.copy(MAN / page, manpath / f"man{section}" / page)
     proc = subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", "gpuswapd.service", "gpuswapd.socket",
-         "gpuswapd@0.service", "gpuswapd@0.socket"],
+         "gpuswapd@0.service", "gpuswapd@0.socket", "gpuswapd-gateway.service", "gpuswapd-gateway.socket"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(manpath)},
     )
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout + proc.stderr
@@ -216,6 +219,39 @@ def exposure(unit: str, root: Path | None = None) -> float:
 def test_security_exposure_is_at_most_the_target() -> None:
     need("systemd-analyze")
     assert exposure("gpuswapd.service") <= SECURITY_TARGET
+
+
+def test_the_gateway_unit_is_hardened_socket_activated_and_never_restarts() -> None:
+    need("systemd-analyze")
+    assert exposure("gpuswapd-gateway.service") <= SECURITY_TARGET
+    s = unit_settings(UNITS / "gpuswapd-gateway.service")
+    # A restart policy would keep a crashed gateway "activating (auto-restart)": never inactive, so
+    # gpuswapd would never end its leases. The socket starts it again instead.
+    assert "Restart" not in s["Service"]
+    assert one(s, "Unit", "Requires") == "gpuswapd-gateway.socket"
+    assert one(s, "Service", "SupplementaryGroups") == "gpuswap"  # may acquire (daemon.socket_group)
+    sock = unit_settings(UNITS / "gpuswapd-gateway.socket")
+    assert one(sock, "Socket", "ListenStream") == GatewayConfig().listen
+    # A preemption revokes the gateway's leases but never stops its units.
+    assert {"gpuswapd-gateway.service", "gpuswapd-gateway.socket"} <= set(DaemonConfig().never_stop)
+
+
+def test_gateway_page_covers_every_option_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuswapd.gateway import main as gateway_main
+
+    text = page_text("gpuswapd-gateway.8")
+    with pytest.raises(SystemExit):
+        gateway_main.main(["--help"])
+    found = set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", capsys.readouterr().out))
+    assert {"--config", "--socket", "--check-config", "--log-level", "--version", "--help"} <= found
+    opts = section(text, "OPTIONS")
+    for opt in found:
+        assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", opts), f"OPTIONS: {opt}"
+    status = section(text, "EXIT STATUS")
+    for code in (0, 1, 2, gateway_main.EX_CONFIG):
+        assert re.search(rf"^\.B {code}$", status, re.M), f"EXIT STATUS lacks {code}"
+    for word in ("bind", "Retry-After", "never_stop", "Restart=", "LISTEN_FDS", "8090", "kind = \"gateway\""):
+        assert word in text, f"gpuswapd-gateway(8) lacks {word}"
 
 
 def test_security_exposure_of_an_instance_is_at_most_the_plain_units(tmp_path: Path) -> None:
@@ -567,3 +603,55 @@ def test_the_unit_leaves_room_for_the_connection_caps() -> None:
     s = unit_settings(UNITS / "gpuswapd.service")
     d = DaemonConfig()
     assert int(one(s, "Service", "LimitNOFILE")) >= 4 * (d.max_clients + 256)
+
+
+# --- the known-bad table: package data, documented ---------------------------------------------
+
+def test_a_fresh_virtualenv_install_finds_the_known_bad_table(tmp_path: Path) -> None:
+    """A wheel of this checkout, installed into a new virtualenv, carries the table as package data."""
+    from gpuswapd import knownbad
+
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels),
+                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    [wheel] = wheels.glob("gpuswapd-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    install = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    # Out of the checkout (cwd), without the test layer's table: only what the wheel installed.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", knownbad.SHIPPED_ENV)}
+    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+            "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
+    proc = subprocess.run([str(venv / "bin/python"), "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**env, knownbad.DIR_ENV: str(tmp_path / "no-rows")})
+    assert proc.returncode == 0, proc.stderr
+    module, files, ids = json.loads(proc.stdout)
+    assert module.startswith(str(venv)), module
+    if not knownbad.SHIPPED.exists():  # a host with the Arch package reads /usr/share's copy first
+        [data] = files
+        assert data.startswith(str(venv)) and data.endswith("gpuswapd/data/known-bad.toml")
+        assert Path(data).read_bytes() == (ROOT / "gpuswapd" / knownbad.PACKAGE_DATA).read_bytes()
+    assert ids == knownbad.load_table((str(ROOT / "gpuswapd" / knownbad.PACKAGE_DATA),
+                                       (ROOT / "gpuswapd" / knownbad.PACKAGE_DATA).read_text()),
+                                      tmp_path / "no-rows").ids
+
+
+def test_toml_page_documents_every_shipped_known_bad_row() -> None:
+    from gpuswapd import knownbad
+
+    path = ROOT / "gpuswapd" / knownbad.PACKAGE_DATA
+    rows = knownbad.parse_rows(path.read_text(), str(path))
+    text = page_text("gpuswapd.toml.5")
+    body = section(text, "KNOWN-BAD SETTINGS")
+    shipped = body.partition('.SS "The shipped rows"')[2]
+    assert shipped, "gpuswapd.toml(5) has no \"The shipped rows\" in KNOWN-BAD SETTINGS"
+    documented = re.findall(r"^\.TP\n\.B (\S+)$", shipped, re.M)
+    assert documented == [r.id for r in rows]
+    for row in rows:
+        entry = shipped.split(f".B {row.id}\n", 1)[1].split(".TP", 1)[0]
+        plain = re.sub(r"\s+", " ", entry.replace("\n.B ", " "))
+        assert f"refuse = {'true' if row.refuse else 'false'}" in plain, row.id
+        assert row.reason in plain, f"{row.id}: the page does not give its reason as the table does"

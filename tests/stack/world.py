@@ -38,7 +38,8 @@ VRAM_TOTAL = "24GiB"
 RESIDENT_VRAM = "21GiB"
 ENGINE_VRAM = "19.5GiB"
 RELEASE_LAG_S = 0.5
-RESIDENT_PORT, PROXY_PORT, ENGINE_PORT = 8081, 8080, 18020
+# llama-swap moved off 8080 (the README's "One address for every model"): the gateway's port.
+RESIDENT_PORT, PROXY_PORT, ENGINE_PORT, GATEWAY_PORT = 8081, 8090, 18020, 8080
 REPO = Path(__file__).resolve().parents[2]
 HELD_ENV = "GPUSWAPD_STACK_HELD"
 
@@ -251,11 +252,12 @@ class Stack:
             raise StackError("the test world needs root (it boots systemd and dockerd)")
         llama.ensure_llama_server(self.cache)
         models = {kind: llama.ensure_model(self.cache, kind) for kind in ("tiny", "slow")}
-        if self.running():
+        if self.running() and self._units_as_rendered():
             self.reset()
             return 0.0
+        # Not running, or running units of another checkout (llama-swap on another port, say): anew.
         self.down()
-        for port in (RESIDENT_PORT, PROXY_PORT, ENGINE_PORT):
+        for port in (RESIDENT_PORT, PROXY_PORT, ENGINE_PORT, GATEWAY_PORT):
             if _listening(port):
                 raise StackError(f"port {port} is taken by a process outside the test world: "
                                  f"`ss -ltnp 'sport = :{port}'` shows which")
@@ -270,6 +272,14 @@ class Stack:
             self.down()
             raise
         return time.monotonic() - started
+
+    def _units_as_rendered(self) -> bool:
+        """Tell whether the running world's unit files are the ones this checkout writes."""
+        try:
+            return all((self.paths.units / name).read_text() == text
+                       for name, text in units.render(self._spec()).items())
+        except OSError:
+            return False
 
     def _lay_out(self, models: dict[str, Path]) -> None:
         p = self.paths

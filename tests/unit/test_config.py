@@ -41,7 +41,7 @@ def _keys(table: dict, prefix: str = "") -> set[str]:
 def _fields(cls: type, prefix: str = "") -> set[str]:
     out = set()
     for f in dataclasses.fields(cls):
-        if f.name in ("source", "profiles"):
+        if f.name in ("source", "profiles", "gateway_configured"):
             continue
         if "parse" in f.metadata:
             out.add(prefix + f.name)
@@ -139,3 +139,59 @@ def test_check_config_warns_about_an_engine_without_sleep_mode() -> None:
                          + '[window.park]\nmode = "sleep"\n')
     assert warnings(ready) == []
     assert warnings(parse_config(MINIMAL)) == []  # mode = "stop": nothing to say
+
+
+@pytest.mark.parametrize(("patch", "names"), [
+    ("[gateway]\nlisten = '8080'", "gateway.listen"),
+    ("[gateway]\nresident = ''", "gateway.resident: must not be empty"),
+    ("[gateway]\nresident = 'http://127.0.0.1:8090/v1/models'", "gateway.resident: not an http"),
+    ("[gateway]\nidle = 'a while'", "gateway.idle"),
+    ("[gateway]\nhold = '0s'", "gateway.hold"),
+    ("[gateway]\non_resident_busy = 'cry'", "gateway.on_resident_busy"),
+    ("[gateway]\nmax_body = 'big'", "gateway.max_body"),
+    ("[gateway]\nmax_waiting = 0", "gateway.max_waiting"),
+    ("[gateway]\nsurprise = 1", "gateway.surprise: unknown key"),
+    ("[window]\nserves = 'hyperqwen'", "window.serves"),
+    ("[window]\nserves = ['a', 'a']", r"window.serves\[1\]: 'a' is named twice"),
+    ("[window]\nserves = ['strata']", "window.serves: 'strata' is also served by the resident"),
+    ("[resident.idle]\nkind = 'gateway-ish'", "resident.idle.kind"),
+])
+def test_gateway_keys_name_the_key(patch: str, names: str) -> None:
+    header = patch.partition("\n")[0]
+    text = MINIMAL.replace(header, patch) if header in MINIMAL else MINIMAL + "\n" + patch
+    with pytest.raises(ConfigError, match=names):
+        parse_config(text, "test.toml")
+
+
+def test_a_name_served_by_two_profiles_names_both() -> None:
+    text = MINIMAL.replace('[window]\n', '[window]\nserves = ["hyperqwen"]\n') + """
+[profiles.eval]
+kind = "engine"
+health_url = "http://127.0.0.1:18021/health"
+serves = ["hyperqwen"]
+[profiles.eval.container]
+name = "qwen-eval"
+image = "qwen-eval:latest"
+[profiles.eval.verify]
+url = "http://127.0.0.1:18021/v1/chat/completions"
+model = "qwen-eval"
+"""
+    with pytest.raises(ConfigError, match=r"profiles.eval.serves: 'hyperqwen' is also served by window.serves "
+                                          r"\(profile 'default'\)"):
+        parse_config(text)
+
+
+def test_the_resident_probes_must_bypass_the_gateway() -> None:
+    # Without a [gateway] table nothing is checked: a box without the gateway keeps llama-swap on 8080.
+    assert parse_config(MINIMAL).resident.verify.url.startswith("http://127.0.0.1:8080/")
+    with pytest.raises(ConfigError, match=r"resident.verify.url: .* is the gateway's own address"):
+        parse_config(MINIMAL + "[gateway]\n")
+    with pytest.raises(ConfigError, match=r"resident.idle.url: .* is the gateway's own address"):
+        parse_config(MINIMAL.replace(":8080/", ":8090/") + "[resident.idle]\nurl = 'http://localhost:8080/slots'\n"
+                     "[gateway]\n")
+    moved = parse_config(MINIMAL.replace(":8080/", ":8090/") + "[gateway]\n")
+    assert moved.gateway.resident == "http://127.0.0.1:8090"
+    assert moved.window.api_base == "http://127.0.0.1:18020"  # api defaults to verify.url's origin
+    gateway_probe = parse_config(MINIMAL.replace(":8080/", ":8090/") + "[resident.idle]\nkind = 'gateway'\n"
+                                 "[gateway]\nlisten = '127.0.0.1:8099'\n")
+    assert gateway_probe.idle_probe().url == "http://127.0.0.1:8099/gpuswapd/in-flight"

@@ -138,7 +138,8 @@ def test_a_failing_subscriber_neither_stops_the_others_nor_loops(bus: EventBus) 
 
 
 def test_every_known_event_is_logged_somewhere_and_the_default_hooks_name_known_ones() -> None:
-    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    # The gateway is a process of its own, a client of gpuswapd: its log never reaches gpuswapd's bus.
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if "gateway" not in p.relative_to(PACKAGE).parts)
     logged = set(re.findall(r'log\.(?:info|warning|error|exception|critical|debug)\(\s*"([a-z_]+)"', source))
     assert logged >= KNOWN_EVENTS - PLANNED, sorted(KNOWN_EVENTS - PLANNED - logged)
     assert logged <= KNOWN_EVENTS | INTERNAL, f"logged but unknown to hooks: {sorted(logged - KNOWN_EVENTS - INTERNAL)}"

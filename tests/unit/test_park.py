@@ -22,7 +22,8 @@ def run(coro: Any) -> Any:
 def park_world(**park: str) -> FakeWorld:
     """A world whose gpuswapd parks its engine (``park`` overrides keys of [window.park])."""
     keys = "".join(f'{k} = "{v}"\n' for k, v in park.items())
-    config = parse_config(CONFIG + f'[window.park]\nmode = "sleep"\n{keys}', "<park>") if park else PARK_CONFIG
+    text = CONFIG + f'[window.park]\nmode = "sleep"\nsettle = "100ms"\n{keys}'
+    config = parse_config(text, "<park>") if park else PARK_CONFIG
     return FakeWorld(config=config)
 
 

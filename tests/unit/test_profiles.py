@@ -252,7 +252,8 @@ def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> 
 @pytest.mark.parametrize(("needs", "stays"), [("21GiB", True), ("23.5GiB", False)])
 def test_a_parked_engine_of_another_profile_stays_only_if_the_next_window_fits(needs: str, stays: bool) -> None:
     profiles = PROFILES.replace('kind = "engine"\n', f'kind = "engine"\nneeds = "{needs}"\n', 1)
-    fw = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\n' + profiles, "<park+profiles>"))
+    fw = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\nsettle = "100ms"\n' + profiles,
+                                      "<park+profiles>"))
 
     async def main() -> None:
         async with running(fw.window()) as w:
@@ -334,7 +335,7 @@ def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directl
             with pytest.raises(NotReady):  # a window being preempted takes no new leases
                 await w.acquire("late", 60, wait=False)
             lease = await urgent
-            assert [e["event"] for e in told] == ["preempting", "preempted"]
+            assert [e["event"] for e in told] == ["preempting", "preempted", "lease_ended"]
             assert w.record is not None and w.record.kind == "bare" and w.record.switched_from
             assert len(fw.systemd.started) == starts  # the resident was not started in between
             assert w.last is not None and w.last.preempted is not None and w.last.preempted["revoked_at"]

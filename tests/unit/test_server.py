@@ -134,3 +134,38 @@ def test_a_client_that_hangs_up_after_its_lease_was_granted_holds_nothing(tmp_pa
             await server.close()
 
     run(main())
+
+
+def test_a_lease_bound_to_its_connection_ends_with_it_and_a_held_one_does_not(tmp_path: Path) -> None:
+    world = FakeWorld()
+    server, path = _serve(world, tmp_path)
+
+    async def held(message: dict[str, Any]) -> tuple[asyncio.StreamWriter, dict[str, Any]]:
+        reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
+        writer.write(json.dumps(message).encode() + b"\n")
+        while "event" in (reply := json.loads(await reader.readline())):
+            pass
+        return writer, reply
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            await server.start(own_socket(str(path), "", 0o600))
+            refused = await _ask(path, {"op": "acquire", "for": 60, "holder": "x", "bind": "forever"})
+            assert not refused["ok"] and "'bind' must be \"connection\"" in refused["error"]["message"]
+            bound_conn, bound = await held({"op": "acquire", "for": 60, "holder": "gateway", "bind": "connection"})
+            kept_conn, kept = await held({"op": "acquire", "for": 60, "holder": "run", "hold": True})
+            assert bound["lease"]["bind"] == "connection" and kept["lease"]["bind"] is None
+            status = await _ask(path, {"op": "status"})
+            assert status["resident_back"]["in_s"] >= 59.9  # the last lease's expiry, the linger, the close
+            bound_conn.close()  # the gateway died: its lease ends at once
+            kept_conn.close()
+            deadline = time.monotonic() + 5
+            while [x.holder for x in w.leases()] != ["run"]:
+                assert time.monotonic() < deadline, [x.holder for x in w.leases()]
+                await asyncio.sleep(0.01)
+            assert (await _ask(path, {"op": "release", "lease": kept["lease"]["id"]}))["ok"]
+            await settle(w)
+            assert (await _ask(path, {"op": "status"}))["resident_back"] is None  # it serves now
+            await server.close()
+
+    run(main())

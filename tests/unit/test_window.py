@@ -212,3 +212,28 @@ def test_adopting_with_docker_failing_does_not_kill_the_driver() -> None:
 
     run(main())
     assert world.snapshot() == BASELINE
+
+
+def test_a_restart_ends_the_leases_bound_to_the_connections_of_the_gpuswapd_that_stopped() -> None:
+    from gpuswapd.recovery import recover_at_start
+
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.acquire("gpuswapd-gateway[7]", 600, bound=True)
+            await w.acquire("job", 600)
+            await w.shutdown(restore=False)
+        again = world.window()
+        await recover_at_start(again)
+        async with running(again):
+            deadline = asyncio.get_running_loop().time() + 5
+            while again.phase is not Phase.READY:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            assert [(x.holder, x.bound) for x in again.leases()] == [("job", False)]  # its connection is gone
+            await again.release(again.leases()[0].id)
+            await settle(again)
+
+    run(main())
+    assert world.snapshot() == BASELINE

@@ -1,6 +1,6 @@
 """One agent job, as an agent timer's oneshot service runs it.
 
-    agent_job.py --url http://127.0.0.1:8080/v1/chat/completions --model strata --name NAME
+    agent_job.py --url http://127.0.0.1:8090/v1/chat/completions --model strata --name NAME
                  [--hold-file PATH] [--retry-for 2] [--timeout 300]
 
 Sends one real chat completion (non-streaming, max_tokens 16), retrying only connection errors
@@ -65,7 +65,7 @@ def hold_seconds(path: str | None) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Run the job."""
     parser = argparse.ArgumentParser(description="one agent job: a chat completion")
-    parser.add_argument("--url", default="http://127.0.0.1:8080/v1/chat/completions")
+    parser.add_argument("--url", default="http://127.0.0.1:8090/v1/chat/completions")
     parser.add_argument("--model", default="strata")
     parser.add_argument("--name", required=True)
     parser.add_argument("--hold-file")

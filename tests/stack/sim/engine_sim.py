@@ -534,6 +534,9 @@ class Handler(BaseHTTPRequestHandler):
     """HTTP/1.1 handler with vLLM's routes."""
 
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY, as uvicorn (vLLM) and Go's net/http (llama-swap) set it: headers and body go out in
+    # separate writes, and Nagle's algorithm would hold the body for the client's delayed ACK (40 ms).
+    disable_nagle_algorithm = True
     server: EngineServer
 
     def version_string(self) -> str:
@@ -798,6 +801,9 @@ class EngineServer(ThreadingHTTPServer):
     """A threaded HTTP server that knows its engine."""
 
     daemon_threads = True
+    # A burst of clients (a gateway letting its waiting requests through at once) must queue in
+    # the kernel, as with a real server's backlog (uvicorn: 2048), not be refused at 5.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], engine: Engine) -> None:
         self.engine = engine

@@ -1,6 +1,6 @@
 """A llama-swap-like proxy in front of one member (the resident llama-server).
 
-    llama_swap.py --listen 127.0.0.1:8080 --upstream http://127.0.0.1:8081 --model strata
+    llama_swap.py --listen 127.0.0.1:8090 --upstream http://127.0.0.1:8081 --model strata
                   [--poll 0.25] [--health-timeout 120]
 
 - ``/v1/*`` (any method) is forwarded to the upstream with status and headers kept; responses
@@ -90,6 +90,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
     """Routes of the proxy."""
 
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY, as uvicorn (vLLM) and Go's net/http (llama-swap) set it: headers and body go out in
+    # separate writes, and Nagle's algorithm would hold the body for the client's delayed ACK (40 ms).
+    disable_nagle_algorithm = True
     server: ProxyServer
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -224,6 +227,9 @@ class ProxyServer(ThreadingHTTPServer):
     """A threaded HTTP server that knows its configuration."""
 
     daemon_threads = True
+    # A burst of clients (a gateway letting its waiting requests through at once) must queue in
+    # the kernel, as with a real server's backlog (uvicorn: 2048), not be refused at 5.
+    request_queue_size = 1024
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -233,7 +239,7 @@ class ProxyServer(ThreadingHTTPServer):
 def parse_args(argv: list[str] | None) -> Config:
     """Build the configuration from the command line."""
     parser = argparse.ArgumentParser(description="llama-swap-like proxy for one member")
-    parser.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT")
+    parser.add_argument("--listen", default="127.0.0.1:8090", help="HOST:PORT")
     parser.add_argument("--upstream", default="http://127.0.0.1:8081", help="member base URL")
     parser.add_argument("--model", default="strata", help="member (model) name")
     parser.add_argument("--poll", type=float, default=0.25, help="health poll interval, s")

@@ -1,0 +1,412 @@
+"""The gateway's ASGI application: OpenAI's routes, routed by ``model``, and the gateway's own.
+
+    POST /v1/chat/completions, /v1/completions, /v1/embeddings   to the tenant that serves body.model
+    GET  /v1/models              every model of every tenant, with "tenant" and "on_card"
+    GET  /health                 the gateway's own health
+    GET  /metrics                Prometheus
+    GET  /gpuswapd/in-flight     resident requests in flight ([resident.idle] kind = "gateway")
+
+A streaming request that must wait for its window gets its response started at once, and an SSE
+comment every few seconds (``: gpuswapd BOOTING 35s``); if its window then fails, or ``hold``
+passes, it gets an SSE error event (``data: {"error": {...}}``) and the end of the stream. Every
+other failure before the answer starts is an HTTP status with OpenAI's error object. A client that
+hangs up is noticed at once: its request withdraws from the wait, and its upstream request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuswapd import __version__, clock
+from gpuswapd.config import GATEWAY_IN_FLIGHT_PATH, Config
+from gpuswapd.errors import GpuswapError
+from gpuswapd.gateway.demand import Demand, Flight
+from gpuswapd.gateway.errors import (
+    BadBody,
+    BodyTooLarge,
+    ClientTooSlow,
+    GatewayError,
+    NoRoute,
+    TooManyWaiting,
+    Unavailable,
+    UnknownModel,
+    UpstreamFailed,
+)
+from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.meters import UNKNOWN_MODEL, Meters
+from gpuswapd.gateway.tenants import RESIDENT, Tenant, Tenants
+from gpuswapd.gateway.upstream import WRITE_S, Answer, Upstream
+from gpuswapd.logs import log
+from gpuswapd.tasks import in_daemon_thread, reap, spawn, uncancel
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MODEL_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+BODY_S = 60.0  # the whole request body must arrive within this
+MODELS_FRESH_S = 10.0  # the resident's model list is read again at most this often
+SAVE_S = 5.0
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+       (b"x-accel-buffering", b"no")]
+
+
+@dataclass(eq=False)
+class Call:
+    """One client request on its way: what it asked, and how far its answer has come."""
+
+    send: Send
+    model: str
+    tenant: Tenant | None = None
+    stream: bool = False
+    started: bool = False  # the response has started (status and headers sent)
+    gone: bool = False  # the client hung up
+    finished: bool = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the status and headers."""
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = True) -> None:
+        """Send a piece of the body."""
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _send(self, message: Message) -> None:
+        # A client that stops reading must not hold its request for ever.
+        async with asyncio.timeout(WRITE_S):
+            await self.send(message)
+
+
+class Gateway:
+    """The ASGI application."""
+
+    def __init__(self, config: Config, demand: Demand, follow: Follow, tenants: Tenants, upstream: Upstream,
+                 meters: Meters) -> None:
+        self.config = config
+        self.demand = demand
+        self.follow = follow
+        self.tenants = tenants
+        self.upstream = upstream
+        self.meters = meters
+        self._models_read = -MODELS_FRESH_S
+        self._following: asyncio.Task[None] | None = None
+        follow.listeners.append(self._event)
+
+    # -- lifespan ------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Follow gpuswapd, give back what an earlier gateway left, learn the resident's names."""
+        self._following = spawn(self.follow.run(), "gateway-follow")
+        await self.demand.start()
+        spawn(self._learn_models(), "gateway-models")
+
+    async def shutdown(self) -> None:
+        """Give back the gateway's leases and close the upstream connections."""
+        await self.demand.close()
+        await reap(self._following)
+        await self.upstream.aclose()
+
+    # -- ASGI ----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in MODEL_ROUTES:
+                if method != "POST":
+                    raise NoRoute(f"{method} {path}: use POST")
+                await self._model_request(scope, receive, send)
+            elif path == "/v1/models" and method == "GET":
+                await _json(send, 200, await self._models())
+            elif path == "/health" and method == "GET":
+                await _json(send, 200, {"status": "ok", "version": __version__, "gpuswapd": self.follow.reachable,
+                                        "phase": self.follow.phase, "waiting": self.demand.waiting,
+                                        "resident_in_flight": self.demand.resident_in_flight()})
+            elif path == "/metrics" and method == "GET":
+                await _reply(send, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+                             self.meters.render())
+            elif path == GATEWAY_IN_FLIGHT_PATH and method == "GET":
+                await self._in_flight(scope, send)
+            else:
+                raise NoRoute(f"no route {method} {path}: the gateway serves POST "
+                              f"{', '.join(sorted(MODEL_ROUTES))} and GET /v1/models, /health, /metrics")
+        except _Gone:
+            return
+        except GatewayError as err:
+            if path in MODEL_ROUTES and not isinstance(err, UnknownModel):
+                self.meters.requests.labels(UNKNOWN_MODEL, "none", "client_error").inc()
+            await _error(send, err)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as err:  # uvicorn stops and exits: say why
+                    log.exception("gateway_startup_failed", error=repr(err))
+                    await send({"type": "lifespan.startup.failed", "message": repr(err)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- the model routes ----------------------------------------------------------------------
+
+    async def _model_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = await self._read_body(scope, receive)
+        model, stream = _model_of(raw)
+        call = Call(send, model, stream=stream)
+        tenant = self.tenants.route(model)
+        if tenant is None:
+            self.meters.requests.labels(UNKNOWN_MODEL, "none", "client_error").inc()
+            served = ", ".join(name for name, _ in self.tenants.served())
+            raise UnknownModel(f"the model {model!r} is not served here; the models are: {served} "
+                               "(GET /v1/models)", param="model")
+        call.tenant = tenant
+        task = asyncio.current_task()
+        assert task is not None
+        # Nothing more comes from the client but its hang-up: that ends the request at once.
+        watcher = spawn(_until_gone(receive, call, task), "gateway-client")
+        outcome = "ok"
+        try:
+            outcome = await self._serve(call, scope, raw)
+        except asyncio.CancelledError:
+            if not call.gone:
+                raise
+            uncancel()
+            outcome = "gone"
+        except GatewayError as err:
+            outcome = _outcome(err)
+            await self._fail(call, err)
+        finally:
+            call.finished = True
+            watcher.cancel()
+            self.meters.requests.labels(model, tenant.name, outcome).inc()
+
+    async def _serve(self, call: Call, scope: Scope, raw: bytes) -> str:
+        assert call.tenant is not None
+        tell = self._heartbeat(call) if call.stream else _quiet
+        async with self.demand.serving(call.tenant, tell) as flight:
+            answer = await self.upstream.open("POST", call.tenant.base + scope["path"], scope["headers"], raw)
+            try:
+                return await self._relay(call, answer, flight)
+            finally:
+                await answer.close()
+
+    async def _relay(self, call: Call, answer: Answer, flight: Flight) -> str:
+        """Pass the answer through; an upstream that breaks off ends an SSE stream with an error event."""
+        if call.started:  # the wait started the stream: the status is said, only the body follows
+            if answer.status != 200:
+                body = await _read_some(answer)
+                raise UpstreamFailed(f"{call.tenant.name if call.tenant else '?'} answered HTTP {answer.status}: "
+                                     f"{body.decode(errors='replace')[:500]}")
+        else:
+            await call.start(answer.status, answer.headers)
+        task = asyncio.current_task()
+        assert task is not None
+        flight.on_cut = task.cancel
+        try:
+            async for piece in answer.pieces():
+                await call.body(piece)
+        except asyncio.CancelledError:
+            if flight.cut is None:
+                raise
+            uncancel()
+            raise Unavailable(flight.cut) from None
+        except UpstreamFailed as err:
+            if not (call.stream or answer.event_stream):
+                raise _Truncated(err.message) from err  # a JSON answer cut short cannot be mended: drop the connection
+            raise
+        finally:
+            flight.on_cut = None
+        await call.body(b"", more=False)
+        return "ok" if answer.status < 400 else "client_error" if answer.status < 500 else "upstream_error"
+
+    def _heartbeat(self, call: Call) -> Callable[[str, float], Awaitable[None]]:
+        async def tell(phase: str, waited: float) -> None:
+            if not call.started:
+                await call.start(200, SSE)
+            await call.body(f": gpuswapd {phase} {waited:.0f}s\n\n".encode())
+        return tell
+
+    async def _fail(self, call: Call, err: GatewayError) -> None:
+        """Tell the client: an HTTP error before the answer started, an SSE error event after."""
+        log.info("gateway_request_failed", model=call.model, tenant=call.tenant.name if call.tenant else None,
+                 code=err.code, error=err.message)
+        if call.gone:
+            return
+        if isinstance(err, _Truncated):
+            raise err  # uvicorn drops the connection: the client sees the answer end short
+        if not call.started:
+            await _error(call.send, err)
+            return
+        with contextlib.suppress(Exception):
+            await call.body(b"data: " + json.dumps(err.body()).encode() + b"\n\n", more=False)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.gateway.max_body
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"the body is {int(declared)} bytes, over gateway.max_body = {limit} bytes")
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(BODY_S):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _Gone()  # nobody to answer
+                    piece = message.get("body", b"")
+                    size += len(piece)
+                    if size > limit:
+                        raise BodyTooLarge(f"the body is over gateway.max_body = {limit} bytes")
+                    pieces.append(piece)
+                    if not message.get("more_body"):
+                        return b"".join(pieces)
+        except TimeoutError:
+            raise ClientTooSlow(f"the request body did not arrive within {BODY_S:g}s") from None
+
+    # -- the gateway's own routes --------------------------------------------------------------
+
+    async def _in_flight(self, scope: Scope, send: Send) -> None:
+        if b"draining=1" in scope.get("query_string", b""):
+            self.follow.mark_draining()
+            spawn(self._check_drain(), "gateway-drain-check")
+        await _json(send, 200, {"resident_in_flight": self.demand.resident_in_flight(),
+                                "waiting": self.demand.waiting})
+
+    async def _check_drain(self) -> None:
+        """Drop a drain mark that gpuswapd does not confirm (anyone local may ask that route)."""
+        with contextlib.suppress(GpuswapError):
+            status = await self.demand.daemon.request({"op": "status"})
+            if status.get("window") is None:
+                self.follow.take_status(status)
+                self.follow.take({"event": "window_finished"})
+
+    async def _models(self) -> dict[str, Any]:
+        if self.follow.resident_serves() and clock.monotonic() - self._models_read > MODELS_FRESH_S:
+            await self._learn_models()
+        window: dict[str, Any] = {}
+        with contextlib.suppress(GpuswapError):
+            if self.follow.reachable:
+                window = (await self.demand.daemon.request({"op": "status"})).get("window") or {}
+        ready = window.get("profile") if window.get("phase") == "READY" else None
+        data = []
+        for name, tenant in self.tenants.served():
+            on_card = self.follow.resident_serves() if tenant.name == RESIDENT else tenant.name == ready
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "gpuswapd-gateway",
+                         "tenant": tenant.name, "on_card": on_card})
+        return {"object": "list", "data": data}
+
+    async def _learn_models(self) -> None:
+        """Read the resident's model names from its ``/v1/models``, while it serves."""
+        if not self.follow.resident_serves():
+            return
+        self._models_read = clock.monotonic()
+        url = f"{self.tenants.resident.base}/v1/models"
+        try:
+            listing = await self.upstream.get_json(url, timeout=5.0)
+        except GatewayError as err:
+            log.info("gateway_resident_models_unread", url=url, error=err.message)
+            return
+        entries = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(entries, list):
+            return
+        if self.tenants.learn([str(e["id"]) for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]):
+            # Off the event loop, and never waited for long: a hung disk must not hold the requests.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SAVE_S):
+                    await in_daemon_thread(self.tenants.save, name="gateway-save-models")
+
+    def _event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "window_finished" and not event.get("switched_to"):
+            spawn(self._learn_models(), "gateway-models")
+
+
+class _Gone(Exception):
+    """The client hung up before its request was read."""
+
+
+class _Truncated(UpstreamFailed):
+    """A non-SSE answer broke off after it started: the connection is dropped."""
+
+
+async def _quiet(_phase: str, _waited: float) -> None:
+    """Send nothing while a non-streaming request waits."""
+
+
+async def _until_gone(receive: Receive, call: Call, task: asyncio.Task[Any]) -> None:
+    """Cancel the request when its client hangs up (uvicorn says http.disconnect)."""
+    while not call.finished:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not call.finished:
+                call.gone = True
+                task.cancel()
+            return
+
+
+def _model_of(raw: bytes) -> tuple[str, bool]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadBody("the body is not JSON: send a JSON object with \"model\"", param=None) from None
+    if not isinstance(body, dict):
+        raise BadBody("the body must be a JSON object with \"model\"")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadBody("the body names no \"model\": GET /v1/models lists them", param="model")
+    return model, body.get("stream") is True
+
+
+async def _read_some(answer: Answer, limit: int = 4096) -> bytes:
+    out = b""
+    with contextlib.suppress(UpstreamFailed):
+        async for piece in answer.pieces():
+            out += piece
+            if len(out) >= limit:
+                break
+    return out
+
+
+def _outcome(err: GatewayError) -> str:
+    if isinstance(err, TooManyWaiting):
+        return "too_many"
+    if isinstance(err, Unavailable):
+        return "cut" if "preempted" in err.message else "unavailable"
+    if isinstance(err, UpstreamFailed):
+        return "upstream_error"
+    return "client_error" if err.status < 500 else "unavailable"
+
+
+async def _reply(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
+    await _reply(send, status, JSON, json.dumps(body).encode())
+
+
+async def _error(send: Send, err: GatewayError) -> None:
+    headers = list(JSON)
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(err.retry_after).encode()))
+    await _reply(send, err.status, headers, json.dumps(err.body()).encode())

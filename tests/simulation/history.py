@@ -1,0 +1,247 @@
+"""What a seed draws: a configuration of the machine and gpuswapd, and a history of events.
+
+Both are plain data (JSON), so a shrunk failing history is kept as a case and replays exactly
+even after the generator changes. Events name clients by id; an event whose client was dropped
+by shrinking does nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from gpuswapd.outside import CALLS
+
+ENV_FILE = Path(__file__).with_name("engine.env")
+USERS = ("root", "alice", "bob", "eve")  # eve is not in the socket's group
+# Calls only the daemon's start and the socket server make: faults there are drawn too, but
+# the driver's own calls are what most histories need.
+FAULTABLE = sorted((system, call) for system, calls in CALLS.items() for call in calls)
+
+
+@dataclass
+class Setup:
+    """The machine and gpuswapd's configuration for one history."""
+
+    park: bool = False
+    park_level: int = 1
+    residual_gib: float = 1.0
+    eval_profile: bool = False
+    eval_sleeps: bool = True
+    bare_profile: bool = False
+    linger: float = 5.0
+    grace: float = 10.0
+    fair_after: float = 120.0
+    aging: float = 0.0
+    max_queue: int = 16
+    default_lease: float = 300.0
+    max_lease: float = 1800.0
+    exit_lag: float = 0.5
+    sleep_lag: float = 0.5
+    engine_boot: float = 8.0
+    eval_boot: float = 6.0
+    resident_start: float = 2.0
+    idle_wait: float = 10.0
+    on_busy: str = "proceed"
+    max_restarts: int = 1
+    watch_interval: float = 5.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Setup:
+        """Rebuild, ignoring keys of another version of the generator."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def profiles(self) -> list[str]:
+        """Name the profiles this configuration has."""
+        return ["default", *(["eval"] if self.eval_profile else []), *(["bare"] if self.bare_profile else [])]
+
+    def toml(self) -> str:
+        """Write gpuswapd's configuration file."""
+        park = f'mode = "sleep"\nlevel = {self.park_level}\nkeep = "30min"' if self.park else 'mode = "stop"'
+        text = f'''
+[daemon]
+socket = "/sim/gpuswapd.sock"
+socket_group = "root"
+state_dir = "/sim/state"
+linger = "{self.linger:g}s"
+default_lease = "{self.default_lease:g}s"
+max_lease = "{self.max_lease:g}s"
+preempt_grace = "{self.grace:g}s"
+fair_after = "{self.fair_after:g}s"
+aging = "{self.aging:g}s"
+max_queue = {self.max_queue}
+on_shutdown = "restore"
+[gpu]
+probe = "nvml"
+window_needs = "21GiB"
+resident_needs = "22GiB"
+release_timeout = "60s"
+[resident]
+units = ["strata.service"]
+stop_timeout = "90s"
+start_timeout = "120s"
+[resident.idle]
+kind = "llama.cpp-slots"
+url = "http://resident.sim:8081/slots"
+wait = "{self.idle_wait:g}s"
+on_busy = "{self.on_busy}"
+[resident.verify]
+url = "http://resident.sim:8080/v1/chat/completions"
+model = "strata"
+timeout = "60s"
+[timers]
+pause = ["agent-*.timer"]
+wait_for_jobs = "30s"
+[window]
+health_url = "http://engine.sim:18020/health"
+boot_timeout = "120s"
+watch_interval = "{self.watch_interval:g}s"
+max_restarts = {self.max_restarts}
+[window.container]
+name = "hyperqwen"
+image = "hyperqwen:latest"
+env_file = "{ENV_FILE}"
+stop_timeout = "10s"
+[window.warmup]
+requests = 1
+[window.verify]
+url = "http://engine.sim:18020/v1/chat/completions"
+model = "hyperqwen"
+timeout = "60s"
+[window.park]
+{park}
+'''
+        if self.eval_profile:
+            text += f'''
+[profiles.eval]
+kind = "engine"
+health_url = "http://eval.sim:18021/health"
+boot_timeout = "120s"
+watch_interval = "{self.watch_interval:g}s"
+max_restarts = {self.max_restarts}
+[profiles.eval.container]
+name = "qwen-eval"
+image = "qwen-eval:latest"
+stop_timeout = "10s"
+[profiles.eval.warmup]
+requests = 1
+[profiles.eval.verify]
+url = "http://eval.sim:18021/v1/chat/completions"
+model = "qwen-eval"
+timeout = "60s"
+[profiles.eval.park]
+{park}
+'''
+        if self.bare_profile:
+            text += '''
+[profiles.bare]
+kind = "bare"
+needs = "20GiB"
+'''
+        return text
+
+
+def draw_setup(rng: random.Random) -> Setup:
+    """Draw a configuration: park or not, which profiles, the lengths, the release lags."""
+    return Setup(
+        park=rng.random() < 0.5,
+        park_level=rng.choice((1, 2)),
+        residual_gib=rng.choice((0.5, 1.0, 1.5, 2.0, 3.0, 3.5)),
+        eval_profile=rng.random() < 0.65,
+        eval_sleeps=rng.random() < 0.8,
+        bare_profile=rng.random() < 0.6,
+        linger=rng.choice((0.0, 2.0, 5.0, 30.0)),
+        grace=rng.choice((0.0, 3.0, 10.0, 30.0)),
+        fair_after=rng.choice((20.0, 60.0, 300.0)),
+        aging=rng.choice((0.0, 0.0, 120.0)),
+        max_queue=rng.choice((4, 16, 64)),
+        default_lease=rng.choice((60.0, 300.0)),
+        max_lease=rng.choice((600.0, 1800.0)),
+        exit_lag=round(rng.uniform(0.0, 3.0), 2),
+        sleep_lag=round(rng.uniform(0.0, 3.0), 2),
+        engine_boot=rng.choice((2.0, 8.0, 30.0)),
+        eval_boot=rng.choice((2.0, 6.0)),
+        resident_start=rng.choice((0.5, 2.0, 5.0)),
+        idle_wait=rng.choice((0.0, 10.0)),
+        on_busy=rng.choice(("proceed", "proceed", "fail")),
+        max_restarts=rng.choice((0, 1, 2)),
+        watch_interval=rng.choice((2.0, 5.0)),
+    )
+
+
+def draw_events(rng: random.Random, setup: Setup, count: int) -> list[dict[str, Any]]:
+    """Draw ``count`` events at increasing virtual times."""
+    profiles = setup.profiles()
+    events: list[dict[str, Any]] = []
+    clients: list[str] = []
+    t = 1.0
+    for n in range(count):
+        t = round(t + rng.expovariate(1 / 12.0), 2)
+        roll = rng.random()
+        event: dict[str, Any]
+        if roll < 0.36 or not clients:
+            cid = f"c{n}"
+            clients.append(cid)
+            who = rng.choices((*USERS, "unit"), weights=(3, 4, 2, 0.3, 2))[0]
+            kind = "run" if rng.random() < 0.3 else "acquire"
+            infinite = who == "root" and rng.random() < 0.05
+            event = {"do": "acquire", "id": cid, "as": who, "kind": kind, "profile": rng.choice(profiles),
+                     "priority": rng.choice((0, 0, 0, 0, -5, 1, 3, 10)),
+                     "for": "infinity" if infinite else rng.choice((20.0, 60.0, 180.0, 600.0)),
+                     "wait": rng.random() < 0.9,
+                     "timeout": rng.choice((30.0, 120.0)) if rng.random() < 0.1 else None,
+                     "reads": rng.random() < 0.92,
+                     "cmd_s": rng.choice((5.0, 30.0, 120.0, 400.0)),
+                     "ignores_term": rng.random() < 0.15, "term_s": rng.choice((0.5, 3.0)),
+                     "bare_gib": rng.choice((4.0, 12.0, 18.0))}
+        elif roll < 0.50:
+            event = {"do": "release", "id": rng.choice(clients)}
+        elif roll < 0.55:
+            event = {"do": "renew", "id": rng.choice(clients), "for": rng.choice((30.0, 300.0))}
+        elif roll < 0.63:
+            event = {"do": "hangup", "id": rng.choice(clients)}
+        elif roll < 0.67:
+            event = {"do": "unit_stop", "id": rng.choice(clients)}
+        elif roll < 0.71:
+            event = {"do": "engine_dies", "profile": rng.choice(profiles)}
+        elif roll < 0.73:
+            event = {"do": "garble_wake"}
+        elif roll < 0.81:
+            system, call = rng.choice(FAULTABLE)
+            event = {"do": "fault", "system": system, "call": call, "kind": rng.choice(("raise", "raise", "hang")),
+                     "times": rng.choice((1, 1, 2, 4))}
+        elif roll < 0.83:
+            event = {"do": "image_gone", "profile": rng.choice([p for p in profiles if p != "bare"]),
+                     "for": rng.choice((10.0, 60.0))}
+        elif roll < 0.845:
+            event = {"do": "env_unreadable", "for": rng.choice((10.0, 60.0))}
+        elif roll < 0.865:
+            event = {"do": "state_broken", "errno": rng.choice(("ENOSPC", "EACCES")), "for": rng.choice((5.0, 40.0))}
+        elif roll < 0.885:
+            event = {"do": "resident_start_fails", "times": rng.choice((1, 1, 2))}
+        elif roll < 0.925:
+            event = {"do": "sigkill", "restart_after": rng.choice((0.5, 2.0, 5.0)),
+                     "again_after": rng.choice((1.0, 3.0, 6.0)) if rng.random() < 0.3 else None}
+        elif roll < 0.94:
+            event = {"do": "shutdown", "restart_after": rng.choice((1.0, 5.0))}
+        elif roll < 0.955:
+            event = {"do": "park_remove"}
+        elif roll < 0.962:
+            event = {"do": "operator_stop", "for": rng.choice((30.0, 200.0))}
+        elif roll < 0.968:
+            event = {"do": "resident_crash"}
+        elif roll < 0.975:
+            # A burst of clients that ask and give up at once (a retry loop with a short --timeout).
+            event = {"do": "churn", "n": rng.choice((20, 60, 150)), "profile": rng.choice(profiles)}
+        else:
+            event = {"do": "release", "id": rng.choice(clients)}
+        event["at"] = t
+        events.append(event)
+    return events

@@ -1,0 +1,64 @@
+"""An asyncio event loop that runs on virtual time: when nothing is ready, time jumps to the next timer."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from typing import Any
+
+EPOCH = 1_800_000_000.0  # the wall clock at virtual time 0 (January 2027)
+
+
+class Deadlock(RuntimeError):
+    """Nothing is ready and nothing is scheduled: the history can never go on."""
+
+
+class VirtualClock:
+    """Virtual seconds shared by every incarnation of the daemon and by the simulated world."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        """Return the virtual monotonic time."""
+        return self.now
+
+    def wall(self) -> float:
+        """Return the virtual wall-clock time."""
+        return EPOCH + self.now
+
+
+class _Selector(selectors.SelectSelector):
+    """No file descriptor is ever ready (the simulation has none): select() only moves the clock."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None:
+            raise Deadlock("nothing is ready and no timer is scheduled")
+        if timeout > 0:
+            self.clock.now += timeout
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """One incarnation's event loop on the shared virtual clock."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__(_Selector(clock))
+        self.clock = clock
+        self.errors: list[str] = []
+        self.set_exception_handler(self._unhandled)
+
+    def time(self) -> float:
+        """Return the virtual time: asyncio's sleeps and timeouts follow it."""
+        return self.clock.now
+
+    def _write_to_self(self) -> None:
+        """Nothing to wake: every callback comes from this thread."""
+
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        self.errors.append(f"{context.get('message')}: {exc!r}" if exc is not None else str(context.get("message")))

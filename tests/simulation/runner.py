@@ -1,0 +1,1194 @@
+"""Play one history: the real daemon, its clients and the world, on virtual time, with the invariants checked.
+
+``play(setup, events)`` returns what went wrong (the first violation of each invariant) and,
+when asked, a trace of every event, phase change and daemon log line. Nothing here is random:
+the same setup and events give the same run.
+
+The invariants, checked after every event and every virtual second, and once all is quiet (no
+lease, queue or waiter, and quiet for longer than ``daemon.reconcile``):
+
+ 1. Quiescent means restored: the resident's units are up, and verified by a completion after
+    gpuswapd last started them; exactly the timers that ran at the start run (a baseline restore
+    starts every matching one, as documented); no window record in memory or on disk; no container
+    but a parked, sleeping, recorded engine whose residual leaves ``gpu.resident_needs`` free.
+ 2. The resident is down only while a window record exists in memory or on disk (after a
+    SIGKILL), while its operator holds it down, or within ``daemon.reconcile`` (and a start) of
+    gpuswapd being idle after it crashed.
+ 3. No out-of-memory on the card, ever (but an engine started by a Docker call that outlived
+    its deadline and landed late, which gpuswapd could not stop).
+ 4. A lease ends only for a reason: its release, its expiry, its unit stopping, its bound
+    connection ending, a preemption (whose preemptor could open when it was noticed), a failed
+    window (the engine gave up, the opening or the recovery rolled it back), a shutdown, or a
+    baseline restore (no state readable).
+ 5. A READY window of profile P grants a request for P at once, unless a preemption is under
+    way, the window is closing or has a switch pending, fairness blocks joins, or the window is
+    DEGRADED (or the state directory, which a grant waits for, is failing).
+ 6. Every client that stays connected gets exactly one final reply; what gpuswapd keeps unread
+    for one client stays under a fixed bound (a client dropped for not reading is answered).
+ 7. After any SIGKILL, 1 holds again once the restarted daemon quiesces (the same final check).
+Beyond the seven:
+ 8. A held connection hears of a preemption only for a lease it holds, of its own window.
+ 9. No exception escapes its owner: no "Task exception was never retrieved", and none of
+    gpuswapd's own bug reports (task_failed, window_driver_failed, request_crashed, ...).
+10. "Won't fit" is said only of memory that others than gpuswapd's own processes hold.
+11. A shutdown with on_shutdown = "restore" exits 0 only with the resident back, the timers
+    resumed and no window on disk (or when its operator holds the resident down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fnmatch
+import gc
+import inspect
+import json
+import logging
+import math
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from gpuswapd import clock, ids, tasks, workers
+from gpuswapd.config import Config, parse_config
+from gpuswapd.daemon import Daemon, Systems
+from gpuswapd.errors import ConfigError, GpuswapError
+from gpuswapd.outside import _ERRORS, Late, close_unawaited
+from gpuswapd.peers import Peer
+from gpuswapd.phases import Phase
+from gpuswapd.protocol import encode
+from tests.simulation import world as world_module
+from tests.simulation.history import Setup
+from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop
+from tests.simulation.streams import Connection
+from tests.simulation.world import EngineSpec, GiB, Unit, World
+
+RESIDENT_BYTES = 21 * GiB
+ENGINE_BYTES = int(19.5 * GiB)
+TOTAL_BYTES = 24 * GiB
+CHECK_EVERY_S = 1.0
+QUIET_WITHIN_S = 6 * 3600.0
+SERVER_CAP = 16 * 1024  # the socket server's cap on what one client leaves unread, smaller than in service
+BUFFER_BOUND = SERVER_CAP + 4 * 1024  # the cap and one line more
+UIDS = {"root": (0, 0), "alice": (50001, 0), "bob": (50002, 0), "eve": (50003, 50003)}
+FAULT_HEALS_S = 120.0
+HANG_LATE_S = 90.0  # a hung blocking call answers this late: past every lane's deadline
+BUGS = ("task_failed", "window_driver_failed", "window_open_crashed", "request_crashed", "client_handler_crashed",
+        "window_driver_interrupted")
+
+
+@dataclass
+class Violation:
+    """An invariant that did not hold, when, and what was seen."""
+
+    invariant: str
+    at: float
+    detail: str
+
+    def __str__(self) -> str:
+        return f"invariant {self.invariant} at {self.at:.2f}s: {self.detail}"
+
+
+@dataclass
+class Outcome:
+    """What one history did."""
+
+    violations: list[Violation]
+    trace: list[str]
+    events: int
+    windows: int
+    virtual_s: float
+    buffered: int = 0
+
+
+class Record:
+    """What a run saw: its violations and its trace (kept apart from the run, which is thrown away)."""
+
+    def __init__(self, clock: VirtualClock, tracing: bool) -> None:
+        self.clock = clock
+        self.tracing = tracing
+        self.trace: list[str] = []
+        self.violations: dict[str, Violation] = {}
+        self.buffered = 0  # the most gpuswapd kept unread for one client
+
+    def note(self, what: str) -> None:
+        if self.tracing:
+            self.trace.append(f"{self.clock.now:9.2f}  {what}")
+
+    def violate(self, invariant: str, detail: str) -> None:
+        if invariant not in self.violations:
+            self.violations[invariant] = Violation(invariant, self.clock.now, detail)
+            self.note(f"VIOLATION of invariant {invariant}: {detail}")
+
+
+class SimPool:
+    """Runs a blocking call on the loop itself; an awaitable answer is awaited; a Late one comes late."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name = name
+
+    def submit(self, work: Callable[[], Any], done: workers.Done, late: float = 0.0) -> None:
+        loop = asyncio.get_running_loop()
+
+        def run() -> None:
+            try:
+                result = work()
+            except BaseException as err:  # handed to the awaiting side, as a thread would
+                done(None, err)
+                return
+            if inspect.isawaitable(result):
+                future = asyncio.ensure_future(result)
+
+                def finished(f: asyncio.Future[Any]) -> None:
+                    if f.cancelled():
+                        done(None, asyncio.CancelledError())
+                    elif f.exception() is not None:
+                        done(None, f.exception())
+                    else:
+                        done(f.result(), None)
+
+                future.add_done_callback(finished)
+            else:
+                done(result, None)
+
+        if late > 0:
+            def late_run() -> None:
+                world_module.LATE[0] = True  # what a call that outlived its deadline does now is not gpuswapd's choice
+                try:
+                    run()
+                finally:
+                    world_module.LATE[0] = False
+            loop.call_later(late, late_run)
+        else:
+            loop.call_soon(run)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+async def _late(awaitable: Any) -> Any:
+    try:
+        await asyncio.sleep(3600)  # its deadline cancels it first
+    except BaseException:
+        close_unawaited(awaitable)
+        raise
+    return await awaitable
+
+
+@dataclass
+class Fault:
+    """A transient failure of one outside call: it fails ``times`` times, or until it heals."""
+
+    kind: str
+    times: int
+    until: float
+
+
+class Faults:
+    """The lanes' hook: the outside calls that fail now, and how."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.calls: dict[tuple[str, str], list[Fault]] = {}
+        self.env_until = 0.0
+        self.fired: dict[str, float] = {}
+
+    def add(self, system: str, call: str, kind: str, times: int) -> None:
+        self.calls.setdefault((system, call), []).append(Fault(kind, times, self.run.clock.now + FAULT_HEALS_S))
+
+    def active(self, systems: tuple[str, ...]) -> bool:
+        """Tell whether a fault of these systems may fire now, or fired recently (a hung call is still out)."""
+        now = self.run.clock.now
+        if any(now - self.fired.get(system, -1e9) < HANG_LATE_S + 5 for system in systems):
+            return True
+        return any(f.until > now and f.times > 0 for (s, _), fs in self.calls.items() if s in systems for f in fs)
+
+    def heal(self) -> None:
+        self.calls.clear()
+        self.env_until = 0.0
+
+    async def inject(self, system: str, call: str, asynchronous: bool) -> Any:
+        now = self.run.clock.now
+        if system == "docker" and call == "env_file" and now < self.env_until:
+            return _unreadable
+        pending = self.calls.get((system, call))
+        while pending and (pending[0].until <= now or pending[0].times <= 0):
+            pending.pop(0)
+        if not pending:
+            return None
+        fault = pending[0]
+        fault.times -= 1
+        self.fired[system] = now
+        self.run.note(f"fault fires: {system}.{call} {fault.kind}")
+        if fault.kind == "raise":
+            if system == "state":
+                raise OSError(errno.EIO, "Input/output error (simulated)")
+            raise _ERRORS[system](f"simulated failure of {system}.{call}")
+        return _late if asynchronous else Late(HANG_LATE_S)
+
+
+def _unreadable(work: Callable[[], Any]) -> Callable[[], Any]:
+    def fail() -> Any:
+        from gpuswapd.errors import DockerError
+        raise DockerError("cannot read the env file ([window.container] env_file): [Errno 13] Permission denied "
+                          "(simulated)")
+    return fail
+
+
+@dataclass(eq=False)
+class Client:
+    """One client process (gpuswapctl acquire, gpuswapctl run, or a unit's ExecStartPre)."""
+
+    id: str
+    spec: dict[str, Any]
+    peer: Peer
+    unit: str | None = None
+    conn: Connection | None = None
+    conns: list[Connection] = field(default_factory=list)
+    finals: int = 0
+    reply: dict[str, Any] | None = None
+    lease: str | None = None
+    window: str | None = None
+    granted_at: float = 0.0
+    released: bool = False
+    releasing: bool = False
+    release_sent: bool = False  # a release went out (whatever became of its reply)
+    revoked: bool = False
+    running: bool = False  # its command (run) or its service (unit) runs
+    renewer: int | None = None
+    ender: int | None = None
+    vram_key: str | None = None
+    dropped: str | None = None  # why its connection went: "kill", "shutdown"
+    hung_up: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "unit" if self.spec["as"] == "unit" else str(self.spec["kind"])
+
+    @property
+    def wants(self) -> bool:
+        """Tell whether it still waits for something (a reply, its command's end)."""
+        waiting = (self.conn is not None and self.finals == 0 and self.conn.open and self.spec.get("reads", True)
+                   and self.dropped is None)
+        return waiting or self.running or self.releasing
+
+
+class Host:
+    """The daemon's process: started, killed, shut down and started again."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.state = "down"
+        self.daemon: Daemon | None = None
+        self.backlog: list[tuple[Peer, Connection]] = []
+        self.connections: list[Connection] = []
+        self.boots = 0
+        self.kill_pending: int | None = None
+
+    def start(self) -> None:
+        if self.state != "down":
+            return
+        self.state = "starting"
+        self.boots += 1
+        tasks.spawn(self._boot(), "sim-boot")
+
+    async def _boot(self) -> None:
+        run = self.run
+        daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
+                                                    run.world.card, run.world.store,  # type: ignore[arg-type]
+                                                    host=run.world.peers))
+        daemon.outside.inject(run.faults.inject)
+        daemon.server.max_buffered = SERVER_CAP
+        daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
+        daemon.window.finished.append(run.window_finished)
+        try:
+            await daemon.connect()
+        except (ConfigError, GpuswapError) as err:
+            run.note(f"gpuswapd did not start: {err.message}")
+            run.world.systemd.watchers = []  # the process that registered them has exited
+            self.state = "down"
+            run.world.scheduler.after(10.0, self.start)  # systemd (or its operator, once fixed) starts it again
+            return
+        self.daemon = daemon
+        await daemon.begin()
+        if self.daemon is not daemon:
+            return
+        self.state = "up"
+        run.note(f"gpuswapd up (start {self.boots})")
+        backlog, self.backlog = self.backlog, []
+        for peer, conn in backlog:
+            self._serve(peer, conn)
+
+    def connect(self, peer: Peer) -> Connection:
+        conn = Connection()
+        self.connections.append(conn)
+        if self.state == "up":
+            self._serve(peer, conn)
+        else:
+            self.backlog.append((peer, conn))  # the socket unit keeps it until gpuswapd accepts
+        return conn
+
+    def _serve(self, peer: Peer, conn: Connection) -> None:
+        if conn.hung_up:
+            return
+        assert self.daemon is not None
+        self.daemon.server.serve_streams(peer, conn.server_reader, conn.server_writer)
+
+    def kill(self, why: str) -> None:
+        """SIGKILL: the process is gone with everything it had; no finally block runs."""
+        self.run.note(f"SIGKILL ({why})")
+        # Every connection goes with the loop that served it (even those the socket unit still held:
+        # the simulation's clients live on that loop too).
+        for conn in self.connections:
+            if conn.open:
+                self.run.dropped(conn, "kill")
+        self.connections, self.backlog = [], []
+        self.state, self.daemon = "down", None
+        self.run.abandon()
+
+    async def shutdown(self, restart_after: float) -> None:
+        daemon = self.daemon
+        if daemon is None or self.state != "up":
+            return
+        self.state = "stopping"
+        self.run.note("SIGTERM: gpuswapd shuts down (on_shutdown = restore)")
+        self.run.shutdowns.append(self.run.clock.now)
+        for conn in self.connections:
+            if conn.open:
+                self.run.dropped(conn, "shutdown")
+        status = await daemon.shutdown()
+        if self.daemon is not daemon:
+            return
+        self.run.note(f"gpuswapd exited with status {status}")
+        self.run.check_exit(daemon, status)
+        for conn in self.connections:
+            if conn.open:
+                self.run.dropped(conn, "shutdown")
+        self.state, self.daemon = "down", None
+        self.connections, self.backlog = [], []
+        self.run.world.scheduler.after(restart_after, self.start)
+        self.run.abandon()
+
+
+class Run:
+    """One history being played."""
+
+    def __init__(self, setup: Setup, events: list[dict[str, Any]], record: Record,
+                 graveyard: list[VirtualLoop]) -> None:
+        self.setup = setup
+        self.events = events
+        self.record = record
+        self.tracing = record.tracing
+        self.clock = record.clock
+        self.config: Config = parse_config(setup.toml(), "<simulation>")
+        self.world = self._build_world()
+        self.faults = Faults(self)
+        self.host = Host(self)
+        self.clients: dict[str, Client] = {}
+        self.leases: dict[str, Client] = {}
+        self.requests: list[tuple[Client, Connection, str]] = []
+        self.unjudged: dict[str, Client] = {}  # leases gone while their window still closes
+        self.ending = False
+        self.quiet_since: float | None = None
+        self.idle_since: float | None = None
+        self.lease_expiry: dict[str, float] = {}
+        self.finished: dict[str, dict[str, Any]] = {}
+        self.shutdowns: list[float] = []
+        self.held: list[list[float]] = []  # [stopped, started]: the operator held the resident down
+        self.crashes: list[float] = []
+        self.baseline_restores: list[float] = []
+        self.images_gone: list[tuple[float, float, str]] = []
+        self.env_unreadable: list[tuple[float, float]] = []
+        self.loop: VirtualLoop | None = None
+        self.graveyard = graveyard
+        self.done = False
+        self.ended_at = 0.0
+        self._pids = iter(range(5_000_000, 6_000_000))
+        self._last_status = ""
+        self.windows = 0
+        self.notifier = _Notifier(self)
+        self.initial_timers = {name: t.active for name, t in self.world.systemd.timer_units.items()}
+
+    # -- the world -----------------------------------------------------------------------------
+
+    def _build_world(self) -> World:
+        s = self.setup
+        world = World(self.clock, TOTAL_BYTES, s.exit_lag, s.sleep_lag)
+        sd = world.systemd
+        sd.add(Unit("strata.service", "active", gpu_bytes=RESIDENT_BYTES, start_s=s.resident_start, stop_s=0.3))
+        sd.add(Unit("llama-swap.service", "active", requires=("strata.service",), start_s=0.2, stop_s=0.1))
+        world.resident_units = ("strata.service", "llama-swap.service")
+        sd.add_timer("agent-triage.timer", True, 47.0, 4.0)
+        sd.add_timer("agent-review.timer", True, 113.0, 9.0)
+        sd.add_timer("agent-digest.timer", True, 301.0, 2.0)
+        sd.add_timer("agent-off.timer", False, 60.0, 1.0)
+        sd.add_timer("backup-models.timer", True, 900.0, 30.0)
+        residual = int(s.residual_gib * GiB)
+        world.docker.images = {"hyperqwen:latest", "qwen-eval:latest"}
+        world.docker.specs["hyperqwen"] = EngineSpec(ENGINE_BYTES, residual, s.engine_boot)
+        world.docker.specs["qwen-eval"] = EngineSpec(ENGINE_BYTES, residual, s.eval_boot, sleeps=s.eval_sleeps)
+        world.http.engines = {"engine.sim:18020": "hyperqwen", "eval.sim:18021": "qwen-eval"}
+        return world
+
+    def container_of(self, profile: str) -> str | None:
+        return {"default": "hyperqwen", "eval": "qwen-eval"}.get(profile)
+
+    # -- the trace ---------------------------------------------------------------------------
+
+    def note(self, what: str) -> None:
+        self.record.note(what)
+
+    def status_line(self, line: str) -> None:
+        phase = line.split(" ", 1)[0].split(",")[0]
+        if phase != self._last_status:
+            self._last_status = phase
+            self.note(f"  phase {line}")
+
+    def window_finished(self, record: dict[str, Any]) -> None:
+        self.windows += 1
+        if record.get("baseline") is not None:
+            self.baseline_restores.append(self.clock.now)
+        self.finished[str(record.get("id"))] = record
+        self.note(f"  window {record.get('id')} finished: {record.get('outcome')} (profile {record.get('profile')})")
+
+    def violate(self, invariant: str, detail: str) -> None:
+        self.record.violate(invariant, detail)
+
+    # -- incarnations ------------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """End this incarnation's loop: its tasks never run again."""
+        assert self.loop is not None
+        self.world.scheduler.detach()
+        self.loop.stop()
+
+    def play(self) -> Outcome:
+        for event in self.events:
+            self.world.scheduler.at(float(event["at"]), lambda e=event: self.do(e))
+        self.ended_at = max((float(e["at"]) for e in self.events), default=0.0) + 1.0
+        self.world.scheduler.at(self.ended_at, self.end)
+        self.world.scheduler.at(CHECK_EVERY_S, self.tick)
+        self.world.scheduler.at(0.0, self.host.start)
+        while not self.done:
+            loop = VirtualLoop(self.clock)
+            self.loop = loop
+            asyncio.set_event_loop(loop)
+            self.world.new_incarnation(loop)
+            try:
+                loop.run_forever()
+            except Deadlock as err:
+                self.violate("liveness", f"the simulation deadlocked: {err}")
+                self.done = True
+            self.graveyard.append(loop)
+            if self.clock.now > self.ended_at + QUIET_WITHIN_S + 60:
+                self.done = True
+        return Outcome(sorted(self.record.violations.values(), key=lambda v: v.at), self.record.trace,
+                       len(self.events), self.windows, self.clock.now, self.record.buffered)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def do(self, e: dict[str, Any]) -> None:
+        what = e["do"]
+        self.note(f"event {json.dumps({k: v for k, v in e.items() if k != 'at'}, sort_keys=True)}")
+        handler = getattr(self, f"_do_{what}", None)
+        if handler is None:
+            raise ValueError(f"unknown event {what!r}")
+        handler(e)
+        self.check_now()
+
+    def _do_acquire(self, e: dict[str, Any]) -> None:
+        who = e["as"]
+        unit = None
+        if who == "unit":
+            unit = f"job-{e['id']}.service"
+            self.world.systemd.units[unit] = Unit(unit)
+            self.world.systemd.start_now(unit)
+            pid, (uid, gid) = self.world.systemd.units[unit].pid, UIDS["alice"]
+            self.world.peers.run_as[unit] = uid  # User=alice: the unit is its client's own
+        else:
+            pid, (uid, gid) = next(self._pids), UIDS[who]
+        if who == "unit" or e["kind"] == "run" or e["for"] == "infinity":
+            e = {**e, "reads": True}  # only a plain acquire for a while may be a client that never reads
+        c = Client(e["id"], e, Peer(pid, uid, gid), unit=unit, running=unit is not None)
+        self.clients[c.id] = c
+        request: dict[str, Any] = {"op": "acquire", "profile": e["profile"], "priority": e["priority"],
+                                   "wait": e["wait"], "for": e["for"] if e["for"] == "infinity" else f"{e['for']:g}s"}
+        if e.get("timeout"):
+            request["timeout"] = f"{e['timeout']:g}s"
+        if e["for"] == "infinity":  # as a Slurm Prolog takes it: by a holder name its Epilog releases
+            request["holder"] = f"slurm-job-{c.id}"
+        if c.kind == "run":
+            request["bind"] = "connection"  # as gpuswapctl run asks: the lease ends with its connection
+        c.conn = self.host.connect(c.peer)
+        c.conns.append(c.conn)
+        c.conn.send(encode(request))
+        self.expect_join(c)
+        if e.get("reads", True):
+            tasks.spawn(self._read(c, c.conn), "sim-client")
+
+    async def _read(self, c: Client, conn: Connection) -> None:
+        while True:
+            line = await conn.readline()
+            if not line:
+                if c.conn is conn and c.finals == 0 and c.dropped is None and not conn.hung_up:
+                    self.note(f"  {c.id}: connection closed with no reply")
+                return
+            message = json.loads(line)
+            if "ok" in message:
+                c.finals += 1
+                if c.finals > 1:
+                    self.violate("6", f"client {c.id} got a second final reply: {message}")
+                self._final(c, message)
+                if c.kind != "run" or not message["ok"]:
+                    conn.hang_up()  # gpuswapctl acquire exits with the reply
+                    return
+            else:
+                self._told(c, message)
+
+    def _final(self, c: Client, message: dict[str, Any]) -> None:
+        c.reply = message
+        if not message["ok"]:
+            self.note(f"  {c.id}: refused: {message['error'].get('code')}: {message['error'].get('message')[:160]}")
+            if message["error"].get("code") == "wont_fit":
+                self._check_wont_fit(c, message["error"].get("message", ""))
+            if c.unit is not None:  # ExecStartPre failed: the unit does not start
+                c.running = False
+                self.world.systemd.crash(c.unit)
+            return
+        lease = message["lease"]
+        c.lease, c.granted_at = lease["id"], self.clock.now
+        daemon = self.host.daemon
+        c.window = daemon.window.record.id if daemon is not None and daemon.window.record is not None else None
+        expires = lease.get("expires_at")
+        self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+        self.leases[c.lease] = c
+        self.note(f"  {c.id}: lease {c.lease} on window {c.window} ({message.get('profile')})")
+        if self.ending and c.spec.get("for") == "infinity" and c.kind == "acquire":
+            c.releasing = c.release_sent = True  # its Epilog, once the history is over
+            self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
+        if c.kind == "run":
+            c.running = True
+            if message.get("kind") == "bare":
+                self._allocate(c)
+            duration = float(lease["expires_at"] - lease["granted_at"]) if expires is not None else None
+            if duration is not None:
+                c.renewer = self.world.scheduler.after(max(1.0, duration / 2), lambda: self._renew_run(c, duration))
+            c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._command_ends(c))
+        elif c.unit is not None:
+            c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._unit_ends(c))
+
+    def _check_wont_fit(self, c: Client, why: str) -> None:
+        """Invariant 10: "won't fit" is said only of memory that others than gpuswapd's own hold."""
+        card = self.world.card
+        card.free()  # settle what has come free
+        theirs = sum(h.bytes for name, h in card.holdings.items() if not name.startswith(("engine:", "strata.")))
+        needs = self.config.profile(c.spec["profile"]).needs
+        if card.total - theirs >= needs:
+            self.violate("10", f"client {c.id} was refused wont_fit for profile {c.spec['profile']!r}, but only "
+                               f"gpuswapd's own processes hold the memory ({card.describe()}): {why[:200]}")
+
+    def _allocate(self, c: Client) -> None:
+        """A bare window's command takes its memory; holders that overcommit among themselves are their own fault."""
+        want = int(c.spec["bare_gib"] * GiB)
+        theirs = sum(h.bytes for name, h in self.world.card.holdings.items() if name.startswith("run:"))
+        if theirs + want > self.config.profile("bare").needs:
+            self.note(f"  {c.id}: its command does not allocate: the bare window's holders would overcommit")
+            return
+        c.vram_key = f"run:{c.id}"
+        self.world.systemd.scopes[c.peer.pid] = "session-2.scope"
+        self.world.card.claim(c.vram_key, c.peer.pid, want)
+
+    def _told(self, c: Client, message: dict[str, Any]) -> None:
+        event = message.get("event")
+        if event not in ("preempting", "preempted"):
+            return
+        live = c.lease is not None and c.lease in self.leases and not c.released
+        if not live or message.get("window") != c.window:
+            self.violate("8", f"client {c.id} (lease {c.lease} of window {c.window}, "
+                              f"{'live' if live else 'ended'}) was told {event} of window {message.get('window')}")
+        self.note(f"  {c.id}: told {event} by {message.get('by')}")
+        if event == "preempted":
+            c.revoked = True
+        elif c.kind == "run" and c.running and not c.spec["ignores_term"]:
+            self.world.scheduler.cancel(c.ender)
+            c.ender = self.world.scheduler.after(float(c.spec["term_s"]), lambda: self._command_ends(c))
+
+    def _renew_run(self, c: Client, duration: float) -> None:
+        c.renewer = None
+        if not c.running or c.hung_up or c.lease is None:
+            return
+        self.request(c, {"op": "renew", "lease": c.lease, "for": f"{duration:g}s"}, self._renewed)
+        c.renewer = self.world.scheduler.after(max(1.0, duration / 2), lambda: self._renew_run(c, duration))
+
+    def _renewed(self, c: Client, reply: dict[str, Any]) -> None:
+        if reply.get("ok") and c.lease is not None:
+            expires = reply["lease"].get("expires_at")
+            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+
+    def _command_ends(self, c: Client) -> None:
+        if not c.running:
+            return
+        c.running = False
+        self.world.scheduler.cancel(c.renewer)
+        self.world.scheduler.cancel(c.ender)
+        if c.vram_key is not None:
+            self.world.card.release(c.vram_key)
+            self.world.systemd.scopes.pop(c.peer.pid, None)
+        self.note(f"  {c.id}: its command ended")
+        if not c.revoked and not c.hung_up and c.lease is not None:
+            self.release(c)
+        if c.conn is not None:
+            c.conn.hang_up()
+
+    def _unit_ends(self, c: Client) -> None:
+        if c.unit is not None and c.running:
+            c.running = False
+            self.world.systemd.crash(c.unit)
+
+    def release(self, c: Client) -> None:
+        if c.lease is None or c.released:
+            return
+        c.releasing = c.release_sent = True
+        self.request(c, {"op": "release", "lease": c.lease}, self._released)
+
+    def _released(self, c: Client, reply: dict[str, Any]) -> None:
+        c.releasing = False
+        if reply.get("ok"):
+            c.released = True
+
+    def request(self, c: Client, request: dict[str, Any], then: Callable[[Client, dict[str, Any]], None]) -> None:
+        """Send one request on a connection of its own, as a second gpuswapctl of the same client would."""
+        conn = self.host.connect(c.peer)
+        conn.send(encode(request))
+        self.requests.append((c, conn, request["op"]))
+
+        async def answer() -> None:
+            line = await conn.readline()
+            conn.hang_up()
+            with contextlib.suppress(ValueError):
+                self.requests.remove((c, conn, request["op"]))
+            if line:
+                then(c, json.loads(line))
+            elif request["op"] == "release":
+                c.releasing = False
+
+        tasks.spawn(answer(), "sim-request")
+
+    def _client(self, e: dict[str, Any]) -> Client | None:
+        return self.clients.get(str(e.get("id")))
+
+    def _do_release(self, e: dict[str, Any]) -> None:
+        c = self._client(e)
+        if c is None:
+            return
+        if c.kind == "run":
+            self._command_ends(c)  # the user's command finished
+        elif c.kind == "unit":
+            self._unit_ends(c)
+        else:
+            self.release(c)
+
+    def _do_renew(self, e: dict[str, Any]) -> None:
+        c = self._client(e)
+        if c is not None and c.lease is not None and not c.released:
+            self.request(c, {"op": "renew", "lease": c.lease, "for": f"{e['for']:g}s"}, self._renewed)
+
+    def _do_hangup(self, e: dict[str, Any]) -> None:
+        c = self._client(e)
+        if c is None or c.conn is None or not c.conn.open:
+            return
+        c.hung_up = True
+        c.conn.hang_up()
+        if c.kind == "run":  # gpuswapctl run was killed: its command runs on, nobody renews
+            self.world.scheduler.cancel(c.renewer)
+        if c.unit is not None and c.finals == 0:  # systemd killed the ExecStartPre: the unit failed
+            c.running = False
+            self.world.systemd.crash(c.unit)
+
+    def _do_unit_stop(self, e: dict[str, Any]) -> None:
+        c = self._client(e)
+        if c is not None and c.unit is not None:
+            if c.conn is not None and c.finals == 0:
+                c.hung_up = True
+                c.conn.hang_up()  # its ExecStartPre was still waiting: killed with the unit
+            self._unit_ends(c)
+
+    def _do_engine_dies(self, e: dict[str, Any]) -> None:
+        name = self.container_of(str(e.get("profile")))
+        if name is not None:
+            self.world.docker.die(name)
+
+    def _do_garble_wake(self, e: dict[str, Any]) -> None:
+        self.world.docker.garble_wakes += 1
+
+    def _do_fault(self, e: dict[str, Any]) -> None:
+        self.faults.add(e["system"], e["call"], e["kind"], int(e["times"]))
+
+    def _do_image_gone(self, e: dict[str, Any]) -> None:
+        image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(str(e.get("profile")))
+        if image is not None and image in self.world.docker.images:
+            self.world.docker.images.discard(image)
+            self.world.scheduler.after(float(e["for"]), lambda: self.world.docker.images.add(image))
+            self.images_gone.append((self.clock.now, self.clock.now + float(e["for"]), image))
+
+    def _do_env_unreadable(self, e: dict[str, Any]) -> None:
+        self.faults.env_until = max(self.faults.env_until, self.clock.now + float(e["for"]))
+        self.env_unreadable.append((self.clock.now, self.faults.env_until))
+
+    def _do_state_broken(self, e: dict[str, Any]) -> None:
+        self.world.store.broken_until = self.clock.now + float(e["for"])
+        self.world.store.broken_since = self.clock.now
+        self.world.store.broken_errno = errno.ENOSPC if e["errno"] == "ENOSPC" else errno.EACCES
+
+    def _do_resident_start_fails(self, e: dict[str, Any]) -> None:
+        fails = self.world.systemd.fail_starts
+        fails["strata.service"] = fails.get("strata.service", 0) + int(e["times"])
+
+    def _do_sigkill(self, e: dict[str, Any]) -> None:
+        if self.host.state not in ("up", "starting"):
+            return
+        self.world.scheduler.after(float(e["restart_after"]), self.host.start)
+        if e.get("again_after"):
+            self.world.scheduler.after(float(e["restart_after"]) + float(e["again_after"]),
+                                       lambda: self._do_sigkill({"restart_after": e["restart_after"]}))
+        self.host.kill("history")
+
+    def _do_shutdown(self, e: dict[str, Any]) -> None:
+        if self.host.state == "up":
+            tasks.spawn(self.host.shutdown(float(e["restart_after"])), "sim-shutdown")
+
+    def _do_churn(self, e: dict[str, Any]) -> None:
+        """Clients that queue and hang up, one after another, 0.2 s each."""
+        for n in range(int(e["n"])):
+            self.world.scheduler.after(0.2 * n, lambda n=n: self._churn_one(e, n))
+
+    def _churn_one(self, e: dict[str, Any], n: int) -> None:
+        peer = Peer(next(self._pids), *UIDS["bob"])
+        conn = self.host.connect(peer)
+        conn.send(encode({"op": "acquire", "profile": e["profile"], "for": "60s", "timeout": "1s"}))
+        self.world.scheduler.after(0.1, conn.hang_up)
+
+    def _do_operator_stop(self, e: dict[str, Any]) -> None:
+        """The operator stops the resident (systemctl stop strata) while no window is open, and starts it later."""
+        daemon = self.host.daemon
+        if self.host.state != "up" or daemon is None or daemon.window.record is not None \
+                or not self.world.resident_serves():
+            return
+        self.world.systemd.queue_jobs("StopUnit", ["strata.service"])
+        self.held.append([self.clock.now, math.inf])
+        self.world.scheduler.after(float(e["for"]), self._operator_starts)
+
+    def _operator_starts(self) -> None:
+        if not self.held or not math.isinf(self.held[-1][1]):
+            return
+        daemon = self.host.daemon
+        if daemon is None or daemon.window.record is not None or self._disk_window() or \
+                self.world.card.free() < RESIDENT_BYTES:
+            self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
+            return
+        self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
+        self.world.systemd.queue_jobs("StartUnit", ["llama-swap.service"])
+        # Its start takes a moment, and if it fails the reconcile brings it back in its own time.
+        self.held[-1][1] = self.clock.now + self.config.daemon.reconcile + 60.0
+
+    def _do_resident_crash(self, e: dict[str, Any]) -> None:
+        """The resident's server dies by itself (it fails); gpuswapd's reconcile brings it back."""
+        unit = self.world.systemd.units["strata.service"]
+        if unit.active_state == "active":
+            self.world.systemd._exit(unit, "failed")
+            self.crashes.append(self.clock.now)
+
+    def _do_park_remove(self, e: dict[str, Any]) -> None:
+        root = Client("operator", {"as": "root", "kind": "acquire"}, Peer(next(self._pids), 0, 0))
+        self.request(root, {"op": "park", "remove": True}, lambda c, r: None)
+
+    def dropped(self, conn: Connection, why: str) -> None:
+        for c, request_conn, op in [r for r in self.requests if r[1] is conn]:
+            self.requests.remove((c, request_conn, op))
+            if op == "release":
+                c.releasing = False  # gpuswapctl release exits 3: the daemon went away
+        for c in self.clients.values():
+            if c.conn is conn and c.dropped is None:
+                c.dropped = why
+                if c.unit is not None and c.finals == 0:  # its ExecStartPre exits 3: the unit fails to start
+                    c.running = False
+                    self.world.systemd.crash(c.unit)
+
+    def check_exit(self, daemon: Daemon, status: int | None) -> None:
+        """Invariant 11: on_shutdown = "restore" exits with the resident back, or with a status that says not."""
+        if status:
+            return
+        now = self.clock.now
+        if any(start <= now <= end for start, end in self.held) or any(
+                now - t <= self.config.daemon.reconcile + 60.0 for t in self.crashes):
+            return  # its operator holds it down, or it crashed just now: not the window's to give back
+        world = self.world
+        document = world.store.document()
+        paused = [t for t, active in self.initial_timers.items() if active and not world.systemd.timer_units[t].active]
+        if not world.resident_serves() or paused or (document is not None and document.window is not None):
+            states = {u: world.systemd.units[u].active_state for u in world.resident_units}
+            self.violate("11", f"gpuswapd shut down with on_shutdown = \"restore\" and exited 0, but the resident is "
+                               f"{states}, timers still paused: {paused}, a window on disk: "
+                               f"{document is not None and document.window is not None}")
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def end(self) -> None:
+        """Heal every fault, let every lease for infinity go, then wait until all is quiet."""
+        self.note("the history is over: every fault heals")
+        self.ending = True
+        now = self.clock.now
+        self.images_gone = [(a, min(b, now), img) for a, b, img in self.images_gone]
+        self.env_unreadable = [(a, min(b, now)) for a, b in self.env_unreadable]
+        self.faults.heal()
+        self._operator_starts()
+        self.world.docker.images |= {"hyperqwen:latest", "qwen-eval:latest"}
+        self.world.store.broken_until = 0.0
+        self.world.systemd.fail_starts.clear()
+        self.world.docker.garble_wakes = 0
+        for c in self.clients.values():
+            if c.spec.get("for") == "infinity":
+                if c.kind == "run":
+                    self._command_ends(c)
+                elif c.kind == "unit":
+                    self._unit_ends(c)
+                else:
+                    c.releasing = c.release_sent = True
+                    self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
+        self.world.scheduler.after(5.0, self.quiesce)
+
+    def quiesce(self) -> None:
+        why = self.busy()
+        if why is not None:
+            self.quiet_since = None
+        elif self.quiet_since is None:
+            self.quiet_since = self.clock.now
+        # Quiet means it stayed so long enough for the reconcile to have looked once (and acted).
+        if why is None and self.clock.now - (self.quiet_since or 0.0) >= self.config.daemon.reconcile + 60.0:
+            self.final_checks()
+            self.done = True
+            self.abandon()
+            return
+        if self.clock.now > self.ended_at + QUIET_WITHIN_S:
+            self.violate("1", f"gpuswapd never became quiet within {QUIET_WITHIN_S / 3600:g}h of the last event: {why}")
+            self.done = True
+            self.abandon()
+            return
+        self.world.scheduler.after(5.0, self.quiesce)
+
+    def busy(self) -> str | None:
+        """Say what is still going on (None: quiet)."""
+        daemon = self.host.daemon
+        if self.host.state != "up" or daemon is None:
+            return f"gpuswapd is {self.host.state}"
+        w = daemon.window
+        if w.record is not None:
+            rec = w.record
+            return (f"window {rec.id} is {rec.phase} with {len(rec.leases)} lease(s)"
+                    f"{f', degraded: {rec.degraded}' if rec.degraded else ''}")
+        if len(w.queue) or w._driver is not None or w.writer.pending:
+            return f"{len(w.queue)} waiting, driver {'running' if w._driver else 'idle'}"
+        wanting = [c.id for c in self.clients.values() if c.wants]
+        if wanting:
+            return f"clients still waiting: {', '.join(wanting[:5])}"
+        return None
+
+    # -- the invariants --------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        if self.done:
+            return
+        self.check_now()
+        self.world.scheduler.after(CHECK_EVERY_S, self.tick)
+
+    def check_now(self) -> None:
+        world = self.world
+        if world.card.ooms:
+            self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
+        daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
+        on_disk = self._disk_window()
+        in_memory = daemon is not None and daemon.window.record is not None
+        now = self.clock.now
+        if in_memory or on_disk or self.host.state != "up":
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        held = any(start <= now <= end for start, end in self.held)
+        # A resident that crashed (or whose operator's start failed) comes back within the reconcile's
+        # bound of gpuswapd being idle; while systemd is hung, nothing can start it.
+        grace = self.config.daemon.reconcile + 60.0
+        crashed = bool(self.crashes or self.held) and (
+            any(now - t <= grace for t in self.crashes) or now - (self.idle_since or now) <= grace
+            or self.faults.active(("systemd",)))
+        if not world.resident_up() and not in_memory and not on_disk and not held and not crashed:
+            states = {u: world.systemd.units[u].active_state for u in world.resident_units}
+            self.violate("2", f"the resident is down ({states}) with no window record in memory or on disk "
+                              f"(gpuswapd {self.host.state})")
+        for conn in self.host.connections:
+            self.record.buffered = max(self.record.buffered, conn.buffered())
+            if conn.buffered() > BUFFER_BOUND:
+                who = next((c.id for c in self.clients.values() if conn in c.conns), "?")
+                self.violate("6", f"gpuswapd keeps {conn.buffered()} bytes unread by client {who} "
+                                  f"(bound {BUFFER_BOUND})")
+        if daemon is not None and self.host.state == "up":
+            self._check_leases(daemon)
+        for loop in (self.loop,):
+            if loop is not None and loop.errors:
+                self.violate("9", f"an exception escaped its owner: {loop.errors[0]}")
+
+    def _disk_window(self) -> bool:
+        data = self.world.store.current
+        return data is not None and b'"window":null' not in data
+
+    def _check_leases(self, daemon: Daemon, final: bool = False) -> None:
+        now = self.clock.now
+        rec = daemon.window.record
+        current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
+        for lease_id, c in list(self.leases.items()):
+            if lease_id in current:
+                continue
+            del self.leases[lease_id]
+            self.unjudged[lease_id] = c
+        for lease_id, c in list(self.unjudged.items()):
+            why = self._why_ended(c, lease_id, now)
+            if why is None and str(c.window) not in self.finished and not final:
+                continue  # its window is still closing: its outcome says whether that was a failure
+            del self.unjudged[lease_id]
+            if why is None:
+                self.violate("4", f"lease {lease_id} of client {c.id} ({c.spec['as']}, window {c.window}) ended "
+                                  f"for no reason: not released, not expired (expires at "
+                                  f"{self.lease_expiry.get(lease_id, math.inf):.1f}s), its unit still up, no "
+                                  f"preemption, no failure, no shutdown; gpuswapd's window now: "
+                                  f"{rec.id if rec is not None else None}")
+            else:
+                self.note(f"  lease {lease_id} of {c.id} ended: {why}")
+
+    def _why_ended(self, c: Client, lease_id: str, now: float) -> str | None:
+        if c.released or c.release_sent:
+            return "released"
+        if c.kind == "run" and c.conn is not None and (c.hung_up or c.dropped is not None or not c.conn.open):
+            return "its bound connection ended"
+        if now + 1e-6 >= self.lease_expiry.get(lease_id, math.inf) - 0.01:
+            return "expired"
+        if c.unit is not None and self.world.systemd.units[c.unit].active_state not in ("active", "activating"):
+            return "its unit stopped"
+        if any(t >= c.granted_at for t in self.shutdowns):
+            return "gpuswapd shut down"
+        daemon = self.host.daemon
+        if any(t >= c.granted_at for t in self.baseline_restores) or (
+                daemon is not None and daemon.window.baseline_restore is not None
+                and daemon.window.baseline_restore["at"] - EPOCH >= c.granted_at):
+            return "no state could be read: the baseline was restored"
+        record = self.finished.get(str(c.window)) or self._window_in_memory(c.window)
+        if record is None:
+            return None
+        preempted = record.get("preempted") or {}
+        if preempted.get("revoked_at") is not None and any(h.get("lease") == lease_id
+                                                           for h in preempted.get("holders") or []):
+            if not self._could_open(str(preempted.get("profile")), float(preempted.get("at") or 0) - EPOCH):
+                self.violate("4", f"lease {lease_id} of client {c.id} was revoked for preemptor "
+                                  f"{preempted.get('by')} (profile {preempted.get('profile')}), which could not "
+                                  "open a window when it was noticed (its image or env file was missing)")
+            return "preempted"
+        if record.get("error") is not None or record.get("outcome") in ("engine_failed", "rolled_back", "recovered",
+                                                                          "baseline_restored"):
+            return f"its window failed ({record.get('outcome')})"
+        return None
+
+    def _could_open(self, profile: str, at: float) -> bool:
+        """Tell whether a window of ``profile`` could open at virtual time ``at``: its image and env file, or asleep."""
+        name = self.container_of(profile)
+        docker = self.world.docker
+        slept = max((t for n, t in docker.slept if n == name and t <= at), default=None)
+        if slept is not None and not any(n == name and slept < t < at - 1e-3 for n, t in docker.woke) and \
+                not any(n == name and slept < t < at - 1e-3 for t, n in docker.removed):
+            return True  # parked: it is woken, not created
+        image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(profile)
+        gone = any(img == image and start <= at < end for start, end, img in self.images_gone)
+        unreadable = profile == "default" and any(start <= at < end for start, end in self.env_unreadable)
+        return not gone and not unreadable
+
+    def _window_in_memory(self, window: str | None) -> dict[str, Any] | None:
+        daemon = self.host.daemon
+        if daemon is None or window is None:
+            return None
+        rec = daemon.window.record
+        if rec is not None and rec.id == window:
+            return rec.to_dict()
+        return None
+
+    def expect_join(self, c: Client) -> None:
+        """Invariant 5: a READY window of profile P grants a request for P at once, unless it may not."""
+        daemon = self.host.daemon
+        if self.host.state != "up" or daemon is None:
+            return
+        w, e = daemon.window, c.spec
+        rec = w.record
+        if rec is None or rec.phase is not Phase.READY or rec.profile != e["profile"]:
+            return
+        if e["as"] == "eve" or (e["priority"] > 0 and e["as"] != "root"):
+            return  # refused for who asks, whatever the window
+        if e["for"] == "infinity" and e["as"] != "root":
+            return
+        preempted = rec.preempted
+        if preempted is not None and preempted.get("revoked_at") is None and preempted.get("abandoned_at") is None:
+            return
+        if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.wall()) is not None:
+            return
+        if self.faults.active(("systemd", "state")) or self.clock.now < self.world.store.broken_until \
+                or not w.writer.writable or {"systemd", "state"} & set(daemon.outside.hung()):
+            return  # a grant waits for its write: a failing or hung state directory delays it
+        window = rec.id
+
+        asked = self.clock.now
+
+        def granted() -> None:
+            if c.reply is not None and c.reply.get("ok"):
+                return
+            if self.world.store.broken_since >= asked or self.faults.active(("systemd", "state")):
+                return  # the state directory broke meanwhile: the grant waits for (or fails on) its write
+            if c.conn is not None and not c.spec.get("reads", True) and b'"ok":true' in c.conn.pending:
+                return  # written to a client that does not read
+            if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:
+                return
+            now_rec = daemon.window.record
+            if now_rec is not rec or now_rec.phase is not Phase.READY or now_rec.closing:
+                return  # the window failed or began closing in that instant: the request went with it
+            error = (c.reply or {}).get("error") or {}
+            got = "no reply yet" if c.reply is None else f"{error.get('code')}: {error.get('message')}"
+            self.violate("5", f"client {c.id} asked READY window {window} of profile {e['profile']!r} for a lease "
+                              f"and was not granted one at once ({got})")
+
+        self.world.scheduler.after(3.0, granted)
+
+    def final_checks(self) -> None:
+        world, daemon = self.world, self.host.daemon
+        assert daemon is not None
+        self._check_leases(daemon, final=True)
+        if not world.resident_serves():
+            states = {u: world.systemd.units[u].active_state for u in world.resident_units}
+            self.violate("1", f"quiet, but the resident is not up: {states}")
+        restarted = world.last_resident_start()
+        if restarted > 0 and not any(t >= restarted and who == "resident" for t, who in world.http.completions):
+            self.violate("1", f"quiet, but the resident was not verified after its last start at {restarted:.1f}s")
+        timers = {name: t.active for name, t in world.systemd.timer_units.items()}
+        expected = dict(self.initial_timers)
+        if self.baseline_restores:  # documented: the baseline starts every matching timer, even one that was off
+            expected.update({name: True for name in expected if fnmatch.fnmatchcase(name, "agent-*.timer")})
+        if timers != expected:
+            wrong = {n: ("active" if a else "inactive") for n, a in timers.items() if a != expected[n]}
+            self.violate("1", f"quiet, but timers are not as they were: {wrong}")
+        document = world.store.document()
+        if daemon.window.record is not None or (document is not None and document.window is not None):
+            self.violate("1", "quiet, but a window record is left open "
+                              f"(memory: {daemon.window.record is not None}, disk: {document is not None})")
+        parked = daemon.window.parked
+        for name, c in world.docker.containers.items():
+            held = world.card.holdings.get(c.key)
+            ok = (parked is not None and parked.container.get("name") == name and c.status == "running"
+                  and c.sleeping is not None and document is not None and document.parked is not None
+                  and held is not None and held.bytes + self.config.gpu.resident_needs <= TOTAL_BYTES)
+            if not ok:
+                self.violate("1", f"quiet, but container {name} is left ({c.status}, sleeping {c.sleeping}, "
+                                  f"parked {parked is not None}, holding {held.bytes / GiB if held else 0:.1f} GiB)")
+        for c in self.clients.values():
+            if c.conn is None or not c.spec.get("reads", True):
+                continue
+            if c.finals == 0 and not c.hung_up and c.dropped is None:
+                self.violate("6", f"client {c.id} stayed connected and never got a final reply")
+        if self.loop is not None and self.loop.errors:
+            self.violate("9", f"an exception escaped its owner: {self.loop.errors[0]}")
+
+
+class _Notifier:
+    """The daemon's sd_notify: its STATUS= lines go into the trace."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def send(self, **fields: str) -> None:
+        status = fields.get("status")
+        if status is not None and self.run.tracing:
+            self.run.status_line(status)
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+
+def _forget_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Drop gpuswapd's references to a dead loop's tasks (they never finish)."""
+    for task in [t for t in tasks._running if t.get_loop() is loop]:
+        tasks._running.discard(task)
+
+
+@contextlib.contextmanager
+def seams(record: Record) -> Iterator[list[VirtualLoop]]:
+    """Point gpuswapd's clock, ids and workers at the simulation for one run, and its log at the record.
+
+    The run's dead incarnations (and the last one) are closed afterwards, and only then collected:
+    nothing of a dead daemon may run while the history is played (the cyclic collector is off), and
+    whatever its coroutines do when they are closed lands in a world that is thrown away.
+    """
+    counter = iter(range(1, 1 << 30))
+    clock.use(record.clock.wall, record.clock.monotonic)
+    ids.use(lambda nbytes: f"{next(counter):0{2 * nbytes}x}")
+    workers.use(SimPool)
+    saved = structlog.get_config()
+
+    def capture(_logger: Any, method: str, event: Any) -> Any:
+        name = event.get("event")
+        if name in BUGS:
+            exc = event.get("exc_info")
+            err = exc if isinstance(exc, BaseException) else sys.exc_info()[1] if exc else None
+            where = ""
+            if err is not None:
+                where = " ".join(traceback.format_exception(err)[-3:]).replace("\n", " ")[:600]
+            record.violate("9", f"gpuswapd logged {name}: {event.get('error') or event.get('reason') or ''} {where}")
+        if record.tracing:
+            fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "instance"))
+            record.note(f"    log {method} {name} {fields}"[:400])
+        raise structlog.DropEvent
+
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture],
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if record.tracing
+                                                                            else logging.ERROR),
+                        cache_logger_on_first_use=False)
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None  # dead incarnations' coroutines are closed at collection
+    graveyard: list[VirtualLoop] = []
+    gc.disable()
+    try:
+        yield graveyard
+    finally:
+        asyncio.set_event_loop(None)
+        record.tracing = False
+        with warnings.catch_warnings():  # "coroutine ... was never awaited": the dead ones' leftovers
+            warnings.simplefilter("ignore")
+            for loop in graveyard:
+                _forget_tasks(loop)
+                loop.close()
+            graveyard.clear()
+            gc.collect()
+        gc.enable()
+        clock.reset()
+        ids.reset()
+        workers.reset()
+        structlog.configure(**saved)
+        sys.unraisablehook = hook
+
+
+def play(setup: Setup, events: list[dict[str, Any]], trace: bool = False) -> Outcome:
+    """Play one history and check it."""
+    record = Record(VirtualClock(), trace)
+    with seams(record) as graveyard:
+        run = Run(setup, events, record, graveyard)
+        outcome = run.play()
+        del run
+    return outcome

@@ -1,0 +1,992 @@
+"""The simulated machine: a card with a release lag, systemd, Docker, the model servers, the state directory.
+
+Everything here runs on the simulation's one event loop and answers at once, or schedules its
+effect on the world's own ``Scheduler``, whose actions outlive every incarnation of the daemon
+(systemd finishes a job, an engine finishes booting, whether gpuswapd is alive or not). A call
+that would block (Docker's wait for a container's exit) returns an awaitable, which the
+simulation's worker pool awaits. What one incarnation of the daemon registered (signal
+watchers, job waiters, exit waiters) is forgotten when it is killed: a dead process hears nothing.
+
+The card keeps memory that is being freed listed under the process that held it until the
+release lag has passed, after a process exits and after an engine sleeps, as real drivers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fnmatch
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpuswapd.adapters.docker import ContainerState, RunSettings
+from gpuswapd.adapters.gpu import GpuProcess, VramReading
+from gpuswapd.adapters.kernel import Process
+from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.streams import Completion
+from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
+from gpuswapd.errors import (
+    BadResponse,
+    ContainerNotFound,
+    DockerError,
+    EndpointUnreachable,
+    ImageNotFound,
+    UnitNotFound,
+)
+from gpuswapd.peers import Peer
+from gpuswapd.state import Document, Loaded, decode
+from tests.simulation.loop import VirtualClock
+
+GiB = 1 << 30
+CANARY = "2, 3, 5, 7, 11"
+# True while a blocking call that outlived its deadline does its work late: an engine it starts
+# then may find the card taken (an out-of-memory gpuswapd could not prevent: the call was gone).
+LATE = [False]
+
+
+class Scheduler:
+    """The world's timed actions, on whichever loop runs now (they outlive a killed daemon)."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self._pending: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._ids = itertools.count(1)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the pending actions on ``loop`` from now on (the last loop is abandoned)."""
+        self.loop = loop
+        for action, (when, _) in sorted(self._pending.items(), key=lambda kv: (kv[1][0], kv[0])):
+            loop.call_at(when, self._fire, action)
+
+    def at(self, when: float, fn: Callable[[], None]) -> int:
+        """Run ``fn`` at virtual time ``when``."""
+        action = next(self._ids)
+        when = max(when, self.clock.now)
+        self._pending[action] = (when, fn)
+        if self.loop is not None:
+            self.loop.call_at(when, self._fire, action)
+        return action
+
+    def after(self, delay: float, fn: Callable[[], None]) -> int:
+        """Run ``fn`` ``delay`` seconds from now."""
+        return self.at(self.clock.now + max(0.0, delay), fn)
+
+    def cancel(self, action: int | None) -> None:
+        """Forget an action that has not run."""
+        if action is not None:
+            self._pending.pop(action, None)
+
+    def detach(self) -> None:
+        """The loop is abandoned: what it would still run this turn waits for the next loop."""
+        self.loop = None
+
+    def _fire(self, action: int) -> None:
+        if self.loop is None or self.loop is not asyncio.get_running_loop():
+            return  # a dead loop's turn: the action stays pending for the next one
+        entry = self._pending.pop(action, None)
+        if entry is not None:
+            entry[1]()
+
+
+# -- the card ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Holding:
+    """What one process holds on the card; ``until``: being freed, listed until then, then ``then``."""
+
+    pid: int
+    bytes: int
+    until: float | None = None
+    then: int = 0
+
+
+class Card:
+    """The GPU's memory, read like NVML: used, free, and the processes that hold it."""
+
+    def __init__(self, clock: VirtualClock, total: int, exit_lag: float, sleep_lag: float) -> None:
+        self.clock = clock
+        self.total = total
+        self.exit_lag = exit_lag
+        self.sleep_lag = sleep_lag
+        self.holdings: dict[str, Holding] = {}
+        self.ooms: list[str] = []
+        self.late_ooms: list[str] = []
+
+    def _settle(self) -> None:
+        now = self.clock.now
+        for name, h in list(self.holdings.items()):
+            if h.until is not None and h.until <= now:
+                if h.then:
+                    h.bytes, h.until, h.then = h.then, None, 0
+                else:
+                    del self.holdings[name]
+
+    def used(self) -> int:
+        """Return the memory in use now (what is being freed still counts)."""
+        self._settle()
+        return sum(h.bytes for h in self.holdings.values())
+
+    def free(self) -> int:
+        """Return the memory free now."""
+        return self.total - self.used()
+
+    def claim(self, name: str, pid: int, size: int) -> bool:
+        """Take memory for a process starting now; False (an out-of-memory, recorded) if it does not fit."""
+        free = self.free()
+        if free < size:
+            (self.late_ooms if LATE[0] else self.ooms).append(
+                f"at {self.clock.now:.1f}s {name} needed {size / GiB:.1f} GiB with {free / GiB:.1f} GiB free "
+                f"(held: {self.describe()})")
+            return False
+        self.holdings[name] = Holding(pid, size)
+        return True
+
+    def release(self, name: str, lag: float | None = None) -> None:
+        """A process exited: its memory comes free after the lag (listed under it until then)."""
+        h = self.holdings.get(name)
+        if h is None:
+            return
+        lag = self.exit_lag if lag is None else lag
+        if lag <= 0:
+            del self.holdings[name]
+        else:
+            h.until, h.then = self.clock.now + lag, 0
+
+    def shrink(self, name: str, to: int) -> None:
+        """An engine slept: it keeps ``to``, the rest comes free after the sleep lag."""
+        h = self.holdings.get(name)
+        if h is not None:
+            h.until, h.then = self.clock.now + max(self.sleep_lag, 1e-6), to
+
+    def grow(self, name: str, to: int) -> bool:
+        """A sleeping engine wakes: it takes its memory back now, or fails (an out-of-memory)."""
+        self._settle()
+        h = self.holdings.get(name)
+        if h is None:
+            return False
+        # Memory still being freed from its sleep is held yet: waking then costs nothing more.
+        extra = to - h.bytes
+        free = self.total - sum(x.bytes for x in self.holdings.values())
+        if free < extra:
+            self.ooms.append(f"at {self.clock.now:.1f}s {name} woke needing {extra / GiB:.1f} GiB more with "
+                             f"{free / GiB:.1f} GiB free (held: {self.describe()})")
+            return False
+        h.bytes, h.until, h.then = to, None, 0
+        return True
+
+    def describe(self) -> str:
+        """Name every holder and its size."""
+        self._settle()
+        return ", ".join(f"{n} {h.bytes / GiB:.1f}" + (" (freeing)" if h.until is not None else "")
+                         for n, h in sorted(self.holdings.items())) or "nothing"
+
+    def read(self, processes: bool = True) -> VramReading:
+        """Read the card as the probe adapters do."""
+        used = self.used()
+        procs = tuple(GpuProcess(h.pid, h.bytes) for _, h in sorted(self.holdings.items())) if processes else ()
+        return VramReading(self.total, used, self.total - used, procs)
+
+
+# -- systemd -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Unit:
+    """A unit the simulated manager knows."""
+
+    name: str
+    active_state: str = "inactive"
+    requires: tuple[str, ...] = ()
+    gpu_bytes: int = 0
+    start_s: float = 0.1
+    stop_s: float = 0.1
+    pid: int = 0
+    starts: int = 0
+    started_at: list[float] = field(default_factory=list)
+    job: tuple[str, int] | None = None  # the pending job: (method, world action)
+    job_paths: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Timer:
+    """A timer and its service (an agent job that uses the resident while it runs)."""
+
+    name: str
+    active: bool
+    service: str
+    every_s: float
+    runs_s: float
+    next_run: int | None = None
+    job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
+
+
+class Systemd:
+    """The system manager, answering what gpuswapd's systemd adapter answers."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.units: dict[str, Unit] = {}
+        self.timer_units: dict[str, Timer] = {}
+        self.jobs = JobResults()
+        self.watchers: list[Callable[[str, str], None]] = []
+        self._paths = itertools.count(1)
+        self._pids = itertools.count(7_000_000)
+        self.fail_starts: dict[str, int] = {}
+        self.scopes: dict[int, str] = {}  # live processes outside gpuswapd's units: a user's session
+        self.operator_jobs: set[str] = set()  # units whose pending start their operator asked for
+        self.operator_started: list[float] = []
+        self.history: list[tuple[float, str, str]] = []  # (time, unit, state): what went on
+
+    def add(self, unit: Unit) -> None:
+        """Load a unit (running if it says it is active)."""
+        self.units[unit.name] = unit
+        if unit.active_state == "active":
+            unit.pid = next(self._pids)
+            unit.starts += 1
+            unit.started_at.append(self.world.clock.now)
+            if unit.gpu_bytes:
+                assert self.world.card.claim(self._key(unit), unit.pid, unit.gpu_bytes)
+
+    def add_timer(self, name: str, active: bool, every_s: float, runs_s: float) -> None:
+        """Load a timer and its service; an active timer runs its service every ``every_s``."""
+        service = name.removesuffix(".timer") + ".service"
+        self.timer_units[name] = Timer(name, active, service, every_s, runs_s)
+        self.units[service] = Unit(service)
+        if active:
+            self._schedule_timer(self.timer_units[name])
+
+    def _key(self, unit: Unit) -> str:
+        return f"{unit.name}#{unit.starts}"
+
+    # -- the adapter's interface ---------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Connect (nothing to do)."""
+
+    def close(self) -> None:
+        """Close (nothing to do)."""
+
+    def watch_active_state(self, watcher: Callable[[str, str], None]) -> None:
+        """Call ``watcher(unit, state)`` when a unit's ActiveState changes."""
+        self.watchers.append(watcher)
+
+    def system_state(self) -> str:
+        """Say the system runs."""
+        return "running"
+
+    def queue_jobs(self, method: str, units: list[str]) -> list[tuple[str, str]]:
+        """Queue a start or stop job for each unit; each ends later, announced like JobRemoved."""
+        return [(unit, self._queue(method, unit)) for unit in units]
+
+    def when_job_done(self, path: str, callback: Callable[[str], None]) -> None:
+        """Hand a job's result to a waiter."""
+        self.jobs.when_done(path, callback)
+
+    def forget_job(self, path: str) -> None:
+        """Stop waiting for a job."""
+        self.jobs.forget(path)
+
+    def state(self, unit: str) -> UnitState:
+        """Read a unit's state."""
+        if unit in self.timer_units:
+            return UnitState(unit, "loaded", "active" if self.timer_units[unit].active else "inactive", "waiting")
+        u = self.units.get(unit)
+        if u is None:
+            return UnitState(unit, "not-found", "inactive", "dead")
+        sub = {"active": "running", "activating": "start", "deactivating": "stop", "failed": "failed"}
+        return UnitState(unit, "loaded", u.active_state, sub.get(u.active_state, "dead"))
+
+    def stop_closure(self, units: list[str]) -> list[str]:
+        """List the active units and their active dependents."""
+        for name in units:
+            if name not in self.units:
+                raise UnitNotFound(f"unit {name} is not-found")
+        queue, seen, out = list(units), set(), []
+        while queue:
+            name = queue.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
+            if self.units[name].active_state not in ("active", "activating"):
+                continue
+            out.append(name)
+            queue.extend(self._dependents(name))
+        return out
+
+    def dependents_closure(self, units: list[str]) -> list[str]:
+        """List the units and every loaded dependent, whatever its state."""
+        queue, seen, out = list(units), set(), []
+        while queue:
+            name = queue.pop(0)
+            if name in seen or name not in self.units:
+                continue
+            seen.add(name)
+            out.append(name)
+            queue.extend(self._dependents(name))
+        return out
+
+    def timers(self, patterns: list[str]) -> list[TimerState]:
+        """List the matching timers with their service's state."""
+        return [TimerState(name, "active" if t.active else "inactive", t.service,
+                           self.units[t.service].active_state)
+                for name, t in sorted(self.timer_units.items())
+                if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+    def installed_timers(self, patterns: list[str]) -> list[str]:
+        """List every loaded timer that matches."""
+        return [t.name for t in self.timers(patterns)]
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Name the unit of a live process (None: it is gone), as GetUnitByPID does."""
+        unit = next((u.name for u in self.units.values() if u.pid == pid and pid
+                     and u.active_state in ("active", "activating", "deactivating")), None)
+        if unit is not None:
+            return unit
+        for c in self.world.docker.containers.values():
+            if c.pid == pid and c.status == "running":
+                return f"docker-{c.name}.scope"
+        return self.scopes.get(pid)
+
+    def control_group(self, unit: str) -> str | None:
+        """Return a unit's cgroup."""
+        if unit not in self.units:
+            raise UnitNotFound(f"no unit {unit}")
+        return f"/system.slice/{unit}"
+
+    # -- how units change ----------------------------------------------------------------------
+
+    def _dependents(self, name: str) -> list[str]:
+        return sorted(u.name for u in self.units.values() if name in u.requires)
+
+    def _queue(self, method: str, name: str) -> str:
+        path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
+        if name in self.timer_units:
+            timer = self.timer_units[name]
+            if timer.job is not None and timer.job[0] == method:
+                timer.job[2].append(path)  # merged into the pending job of the same kind
+                return path
+            if timer.job is not None:  # the opposite job replaces the pending one
+                self.world.scheduler.cancel(timer.job[1])
+                for old in timer.job[2]:
+                    self.jobs.removed(old, "canceled")
+            action = self.world.scheduler.after(0.01, lambda: self._timer_job(method, name))
+            timer.job = (method, action, [path])
+            return path
+        unit = self.units.get(name)
+        if unit is None:
+            self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "failed"))
+            return path
+        verb = "start" if method == "StartUnit" else "stop"
+        if unit.job is not None and unit.job[0] == verb:
+            unit.job_paths.append(path)  # merged into the pending job of the same kind
+            return path
+        if unit.job is not None:  # the opposite job replaces the pending one
+            self.world.scheduler.cancel(unit.job[1])
+            for old in unit.job_paths:
+                self.jobs.removed(old, "canceled")
+            unit.job, unit.job_paths = None, []
+        if verb == "start":
+            if unit.active_state == "active":
+                self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
+                return path
+            deps = [d for d in unit.requires if self.units[d].active_state != "active"]
+            for dep in deps:  # Requires= pulls the dependency in, in the same transaction
+                self._queue("StartUnit", dep)
+            self._set(unit, "activating")
+            delay = unit.start_s + max((self.units[d].start_s for d in deps), default=0.0)
+            action = self.world.scheduler.after(delay, lambda: self._started(unit))
+        else:
+            if unit.active_state in ("inactive", "failed"):
+                self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
+                return path
+            for dep in self._dependents(name):  # a stop propagates to what Requires= it
+                if self.units[dep].active_state in ("active", "activating"):
+                    self._stop_now(self.units[dep])
+            self._set(unit, "deactivating")
+            action = self.world.scheduler.after(unit.stop_s, lambda: self._stopped(unit))
+        unit.job, unit.job_paths = (verb, action), [path]
+        return path
+
+    def _finish(self, unit: Unit, result: str) -> None:
+        paths, unit.job, unit.job_paths = unit.job_paths, None, []
+        for path in paths:
+            self.jobs.removed(path, result)
+
+    def _started(self, unit: Unit) -> None:
+        for dep in unit.requires:
+            if self.units[dep].active_state != "active":
+                self._set(unit, "failed")
+                self._finish(unit, "dependency")
+                return
+        if self.fail_starts.get(unit.name):
+            self.fail_starts[unit.name] -= 1
+            self._set(unit, "failed")
+            self._finish(unit, "failed")
+            return
+        unit.starts += 1
+        unit.pid = next(self._pids)
+        if unit.gpu_bytes and not self.world.card.claim(self._key(unit), unit.pid, unit.gpu_bytes):
+            self._set(unit, "failed")  # CUDA out of memory while loading
+            self._finish(unit, "failed")
+            return
+        unit.started_at.append(self.world.clock.now)
+        if unit.name in self.operator_jobs:
+            self.operator_jobs.discard(unit.name)
+            self.operator_started.append(self.world.clock.now)
+        self._set(unit, "active")
+        self._finish(unit, "done")
+
+    def _stop_now(self, unit: Unit) -> None:
+        if unit.job is not None:
+            self.world.scheduler.cancel(unit.job[1])
+            self._finish(unit, "canceled")
+        self._exit(unit)
+
+    def _stopped(self, unit: Unit) -> None:
+        self._exit(unit)
+        self._finish(unit, "done")
+
+    def _exit(self, unit: Unit, state: str = "inactive") -> None:
+        if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
+            self.world.card.release(self._key(unit))
+        for dep in self._dependents(unit.name):
+            if self.units[dep].active_state in ("active", "activating", "deactivating"):
+                self._stop_now(self.units[dep])
+        self._set(unit, state)
+
+    def _set(self, unit: Unit, state: str) -> None:
+        if unit.active_state == state:
+            return
+        unit.active_state = state
+        self.history.append((self.world.clock.now, unit.name, state))
+        for watcher in list(self.watchers):
+            watcher(unit.name, state)
+
+    def crash(self, name: str) -> None:
+        """A unit stops by itself (its process ended, or someone stopped it)."""
+        unit = self.units.get(name)
+        if unit is not None and unit.active_state in ("active", "activating"):
+            self._stop_now(unit)
+
+    def start_now(self, name: str) -> None:
+        """Start a unit that is not gpuswapd's (a consumer service started by its owner)."""
+        unit = self.units[name]
+        if unit.active_state != "active":
+            unit.starts += 1
+            unit.pid = next(self._pids)
+            unit.started_at.append(self.world.clock.now)
+            self._set(unit, "active")
+
+    # -- timers and their agent jobs ----------------------------------------------------------
+
+    def _timer_job(self, method: str, name: str) -> None:
+        timer = self.timer_units[name]
+        assert timer.job is not None
+        paths, timer.job = timer.job[2], None
+        timer.active = method == "StartUnit"
+        self.world.scheduler.cancel(timer.next_run)
+        timer.next_run = None
+        if timer.active:
+            self._schedule_timer(timer)
+        self.history.append((self.world.clock.now, name, "active" if timer.active else "inactive"))
+        for path in paths:
+            self.jobs.removed(path, "done")
+
+    def _schedule_timer(self, timer: Timer) -> None:
+        timer.next_run = self.world.scheduler.after(timer.every_s, lambda: self._run_agent(timer))
+
+    def _run_agent(self, timer: Timer) -> None:
+        timer.next_run = None
+        service = self.units[timer.service]
+        if timer.active:
+            self._schedule_timer(timer)
+        if service.active_state != "inactive":
+            return
+        self.start_now(service.name)
+        self.world.agent_runs += 1
+        if not self.world.resident_serves():
+            self.world.agent_failures.append(f"{timer.service} at {self.world.clock.now:.1f}s: the resident is down")
+        self.world.scheduler.after(timer.runs_s, lambda: self._exit(service))
+
+
+# -- Docker -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Container:
+    """A container the simulated engine knows."""
+
+    name: str
+    image: str
+    labels: dict[str, str]
+    vram: int
+    boot_s: float
+    status: str = "created"
+    exit_code: int | None = None
+    pid: int = 0
+    key: str = ""
+    healthy_at: float = 0.0
+    dead: bool = False
+    sleeping: int | None = None
+    garbled: bool = False
+    starts: int = 0
+
+    def state(self) -> ContainerState:
+        """Inspect it."""
+        return ContainerState(self.name, self.name, self.status, self.exit_code, False, "", "", dict(self.labels))
+
+
+@dataclass
+class EngineSpec:
+    """How an engine profile's container behaves in the simulated Docker."""
+
+    vram: int
+    residual: int
+    boot_s: float
+    sleeps: bool = True
+
+
+class Docker:
+    """The Docker engine, answering what gpuswapd's docker adapter answers."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.images: set[str] = set()
+        self.specs: dict[str, EngineSpec] = {}  # container name -> how it behaves
+        self.containers: dict[str, Container] = {}
+        self.exit_waiters: list[tuple[str, asyncio.Future[Any], int]] = []
+        self._pids = itertools.count(8_000_000)
+        self.garble_wakes = 0
+        self.removed: list[tuple[float, str]] = []
+        self.slept: list[tuple[str, float]] = []  # (container, when it went to sleep)
+        self.woke: list[tuple[str, float]] = []
+
+    def ping(self) -> None:
+        """Answer."""
+
+    def image_present(self, image: str) -> bool:
+        """Tell whether the image is here."""
+        return image in self.images
+
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Say what an image runs with: nothing of its own."""
+        return RunSettings(image, {}, [], [], "") if image in self.images else None
+
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Say what a container runs with: nothing of its own."""
+        return RunSettings("", {}, [], [], "") if name in self.containers else None
+
+    def state(self, name: str) -> ContainerState | None:
+        """Inspect a container."""
+        c = self.containers.get(name)
+        return None if c is None else c.state()
+
+    def create(self, spec: Any, labels: dict[str, str]) -> str:
+        """Create a container."""
+        if spec.image not in self.images:
+            raise ImageNotFound(f"image {spec.image!r} not found: `docker pull {spec.image}`")
+        if spec.name in self.containers:
+            raise DockerError(f"Conflict. The container name \"/{spec.name}\" is already in use")
+        how = self.specs[spec.name]
+        self.containers[spec.name] = Container(spec.name, spec.image, dict(labels), how.vram, how.boot_s)
+        return spec.name
+
+    def start(self, name: str) -> None:
+        """Start a container: the engine claims its VRAM, or dies of out of memory."""
+        c = self._get(name)
+        if c.status == "running":
+            return
+        c.starts += 1
+        c.pid = next(self._pids)
+        c.key = f"engine:{name}#{c.starts}"
+        c.sleeping, c.garbled, c.dead = None, False, False
+        if self.world.card.claim(c.key, c.pid, c.vram):
+            c.status, c.exit_code = "running", None
+            c.healthy_at = self.world.clock.now + c.boot_s
+        else:
+            c.status, c.exit_code = "exited", 1
+            self._exited(c)
+
+    def stop(self, name: str, timeout: float) -> None:
+        """Stop a container (no error if absent)."""
+        c = self.containers.get(name)
+        if c is not None and c.status == "running":
+            c.status, c.exit_code = "exited", 0
+            self.world.card.release(c.key)
+            self._exited(c)
+
+    def remove(self, name: str) -> None:
+        """Remove a container (no error if absent)."""
+        self.stop(name, 0)
+        if self.containers.pop(name, None) is not None:
+            self.removed.append((self.world.clock.now, name))
+            for waiter in [w for w in self.exit_waiters if w[0] == name]:
+                self.exit_waiters.remove(waiter)
+                if not waiter[1].done():
+                    waiter[1].set_exception(ContainerNotFound(f"container {name!r} was removed"))
+
+    def top(self, name: str) -> list[int]:
+        """List the host pids of a running container's processes."""
+        c = self.containers.get(name)
+        return [c.pid] if c is not None and c.status == "running" else []
+
+    def logs_tail(self, name: str, lines: int = 20) -> str:
+        """Return the log's end."""
+        c = self.containers.get(name)
+        return "EngineDeadError\n" if c is not None and c.dead else "INFO serving\n"
+
+    def find(self, labels: dict[str, str]) -> list[ContainerState]:
+        """List containers carrying all these labels."""
+        return [c.state() for c in self.containers.values() if all(c.labels.get(k) == v for k, v in labels.items())]
+
+    def wait_exit(self, name: str, timeout: float) -> Any:
+        """Wait until the container is not running (an awaitable: the simulation's pool awaits it)."""
+        c = self._get(name)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if c.status != "running":
+            future.set_result(c.state())
+            return future
+        action = self.world.scheduler.after(timeout, lambda: future.done() or future.set_result(None))
+        self.exit_waiters.append((name, future, action))
+        return future
+
+    def _get(self, name: str) -> Container:
+        c = self.containers.get(name)
+        if c is None:
+            raise ContainerNotFound(f"no container {name!r}")
+        return c
+
+    def _exited(self, c: Container) -> None:
+        for waiter in [w for w in self.exit_waiters if w[0] == c.name]:
+            self.exit_waiters.remove(waiter)
+            self.world.scheduler.cancel(waiter[2])
+            if not waiter[1].done():
+                waiter[1].set_result(c.state())
+
+    # -- what happens to engines ----------------------------------------------------------------
+
+    def die(self, name: str) -> None:
+        """EngineDeadError: health 503 and every request 500 at once; the API process exits 5 s later."""
+        c = self.containers.get(name)
+        if c is None or c.status != "running" or c.dead:
+            return
+        c.dead = True
+
+        def exit_now() -> None:
+            if self.containers.get(name) is c and c.status == "running" and c.dead:
+                c.status, c.exit_code = "exited", 1
+                self.world.card.release(c.key)
+                self._exited(c)
+
+        self.world.scheduler.after(5.0, exit_now)
+
+    def sleep(self, name: str, level: int) -> None:
+        """Put the engine to sleep: it keeps only its residual, after the sleep lag."""
+        c = self._get(name)
+        if c.status == "running" and c.sleeping is None:
+            self.world.card.shrink(c.key, self.specs[name].residual)
+            c.sleeping = level
+            self.slept.append((name, self.world.clock.now))
+
+    def wake(self, name: str) -> bool:
+        """Wake the engine: it takes its memory back, or stays asleep (False) if there is no room."""
+        c = self._get(name)
+        if c.sleeping is None:
+            return True
+        if not self.world.card.grow(c.key, c.vram):
+            return False
+        c.sleeping = None
+        self.woke.append((name, self.world.clock.now))
+        c.garbled = self.garble_wakes > 0
+        self.garble_wakes -= c.garbled
+        return True
+
+
+# -- the model servers ---------------------------------------------------------------------------
+
+
+class Http:
+    """The resident (through its proxy) and the engines, answering what ModelHttp answers."""
+
+    RETRY_S = 0.25
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.engines: dict[str, str] = {}  # netloc -> container name
+        self.resident_host = "resident.sim:8080"
+        self.completions: list[tuple[float, str]] = []
+
+    def _container(self, url: str) -> Container | None:
+        name = self.engines.get(urlsplit(url).netloc)
+        if name is None:
+            return None
+        c = self.world.docker.containers.get(name)
+        return c if c is not None and c.status == "running" else None
+
+    def _serving(self, c: Container | None) -> bool:
+        return c is not None and not c.dead and c.sleeping is None and self.world.clock.now >= c.healthy_at
+
+    async def aclose(self) -> None:
+        """Close nothing."""
+
+    async def health(self, url: str, timeout: float = 2.0) -> int:
+        """Answer an engine's /health: 200 serving, 503 dead, nothing while it loads."""
+        await asyncio.sleep(0)
+        c = self._container(url)
+        if c is None:
+            return 0
+        if c.dead:
+            return 503
+        return 200 if c.sleeping is not None or self.world.clock.now >= c.healthy_at else 0
+
+    async def wait_healthy(self, url: str, timeout: float, interval: float = 0.2,
+                           abort: Callable[[], str | None] | None = None) -> float:
+        """Poll health until 200 (in steps of at least half a second: the simulation's cost)."""
+        started = self.world.clock.now
+        while True:
+            if abort is not None and (why := abort()) is not None:
+                raise EndpointUnreachable(why)
+            if await self.health(url) == 200:
+                return self.world.clock.now - started
+            left = started + timeout - self.world.clock.now
+            if left <= 0:
+                raise EndpointUnreachable(f"{url} did not answer 200 within {timeout:g}s")
+            c = self._container(url)
+            until_up = c.healthy_at - self.world.clock.now if c is not None and not c.dead else 1.0
+            await asyncio.sleep(min(left, max(interval, 0.5, min(until_up, 2.0))))
+
+    async def chat(self, url: str, model: str, prompt: Any, max_tokens: int, timeout: float,
+                   sampling: dict[str, Any] | None = None) -> Completion:
+        """Answer a completion if the server behind ``url`` serves (a sleeping engine crashes)."""
+        await asyncio.sleep(0)
+        if urlsplit(url).netloc == self.resident_host:
+            if not self.world.resident_serves():
+                raise EndpointUnreachable(f"POST {url}: connection refused")
+            self.completions.append((self.world.clock.now, "resident"))
+            return Completion("ready", "", "stop", 5, 1, 1, 0.001, 0.001)
+        c = self._container(url)
+        if c is not None and c.sleeping is not None:
+            self.world.docker.die(c.name)  # a request to a sleeping vLLM can crash it
+            raise BadResponse(f"POST {url}: HTTP 500: the engine is sleeping")
+        if c is not None and c.dead:
+            raise BadResponse(f"POST {url}: HTTP 500: EngineDeadError")
+        if not self._serving(c):
+            raise EndpointUnreachable(f"POST {url}: connection refused")
+        assert c is not None
+        text = CANARY if sampling is not None else "ready"
+        self.completions.append((self.world.clock.now, c.name))
+        return Completion(text[::-1] if c.garbled else text, "", "stop", 5, 1, 1, 0.001, 0.001)
+
+    async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
+        """Get a real answer, retrying while the server loads."""
+        while True:
+            try:
+                return await self.chat(check.url, check.model, check.prompt, check.max_tokens, check.timeout)
+            except EndpointUnreachable:
+                if retry_until is None or self.world.clock.now >= retry_until:
+                    raise
+                await asyncio.sleep(min(self.RETRY_S, max(0.0, retry_until - self.world.clock.now)))
+
+    async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
+        """Say whether an agent job is using the resident now."""
+        await asyncio.sleep(0)
+        if not self.world.resident_serves():
+            raise EndpointUnreachable("GET /slots: connection refused")
+        running = [t.service for t in self.world.systemd.timer_units.values()
+                   if self.world.systemd.units[t.service].active_state == "active"]
+        return Busy(bool(running), f"slots processing for {', '.join(running)}" if running else "idle")
+
+    def _sleepy(self, base: str) -> Container:
+        c = self._container(base)
+        if c is None:
+            raise EndpointUnreachable(f"{base}: connection refused")
+        return c
+
+    async def is_sleeping(self, base: str, timeout: float) -> bool | None:
+        """Answer vLLM's /is_sleeping (None: sleep mode is off)."""
+        await asyncio.sleep(0)
+        c = self._sleepy(base)
+        if not self.world.docker.specs[c.name].sleeps:
+            return None
+        return c.sleeping is not None
+
+    async def sleep(self, base: str, level: int, timeout: float) -> None:
+        """Put the engine to sleep."""
+        await asyncio.sleep(0)
+        c = self._sleepy(base)
+        if not self.world.docker.specs[c.name].sleeps:
+            raise BadResponse(f"POST {base}/sleep: HTTP 404")
+        self.world.docker.sleep(c.name, level)
+
+    async def wake_up(self, base: str, timeout: float) -> None:
+        """Wake the engine (CUDA out of memory when there is no room)."""
+        await asyncio.sleep(0)
+        c = self._sleepy(base)
+        if not self.world.docker.wake(c.name):
+            raise BadResponse(f"POST {base}/wake_up: HTTP 500: CUDA out of memory")
+
+
+# -- the state directory ----------------------------------------------------------------------------
+
+
+class Store:
+    """The state directory: the newest document and the one before it, and the history, in memory."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.dir = Path("/sim/state")
+        self.current: bytes | None = None
+        self.previous: bytes | None = None
+        self.history_records: list[dict[str, Any]] = []
+        self.broken_until = 0.0
+        self.broken_since = -1.0
+        self.broken_errno = errno.ENOSPC
+        self.writes = 0
+
+    def _check(self) -> None:
+        if self.clock.now < self.broken_until:
+            raise OSError(self.broken_errno, "No space left on device" if self.broken_errno == errno.ENOSPC
+                          else "Permission denied")
+
+    def prepare(self) -> None:
+        """Nothing to create."""
+
+    def write(self, data: bytes) -> None:
+        """Keep a serialized document (the last one stays as the previous copy)."""
+        self._check()
+        self.previous, self.current = self.current, data
+        self.writes += 1
+
+    def append_history(self, records: list[dict[str, Any]]) -> None:
+        """Keep finished windows."""
+        self._check()
+        self.history_records.extend(records)
+
+    def history(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Return the last windows."""
+        return self.history_records[-limit:]
+
+    def load(self) -> Loaded:
+        """Read back the newest usable document."""
+        for data in (self.current, self.previous):
+            if data is not None:
+                return Loaded(decode(data), [])
+        return Loaded(None, [])
+
+    def document(self) -> Document | None:
+        """Return the newest document written."""
+        return decode(self.current) if self.current is not None else None
+
+    def set_aside(self) -> list[str]:
+        """Nothing to set aside."""
+        return []
+
+
+# -- the whole machine ---------------------------------------------------------------------------------
+
+
+class Peers:
+    """What the OS says of the simulation's clients (gpuswapd.peers.Host): their processes and units.
+
+    A client is the process the simulation hands in with its Peer; one that is a unit's main process
+    runs in that unit's cgroup, and the unit runs as the uid ``run_as`` gives it (``User=``).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.run_as: dict[str, int] = {}  # unit -> the uid of its User=
+
+    def peer(self, sock: Any) -> Peer:
+        """Nothing connects through a socket here: the simulation hands each peer in."""
+        raise AssertionError("the simulation serves streams with their peer, not sockets")
+
+    def process(self, peer: Peer) -> Process | None:
+        """Read a client's process: in its unit's cgroup if it is that unit's main process."""
+        unit = self.world.systemd.unit_of_pid(peer.pid)
+        cgroup = f"/system.slice/{unit}" if unit is not None and unit.endswith(".service") else None
+        return Process(peer.pid, peer.uid, (peer.pid,), 0, cgroup)
+
+    def still(self, peer: Peer) -> bool:
+        """A client's pid is never reused while it runs."""
+        return True
+
+    def unit_cgroup(self, unit: str) -> str | None:
+        """Ask the simulated manager for a unit's cgroup."""
+        return self.world.systemd.control_group(unit)
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Ask the simulated manager which unit a process is in."""
+        return self.world.systemd.unit_of_pid(pid)
+
+    def service(self, unit: str) -> ServiceProcesses:
+        """Say whose a unit's processes are: its User= (``run_as``) and its main process."""
+        u = self.world.systemd.units.get(unit)
+        uid = self.run_as.get(unit)
+        return ServiceProcesses(unit, "" if uid is None else str(uid), False, u.pid if u is not None else 0, 0)
+
+    def process_in(self, cgroup: str, pid: int) -> Process | None:
+        """Find a unit's main process."""
+        unit = cgroup.rsplit("/", 1)[-1]
+        u = self.world.systemd.units.get(unit)
+        if u is None or u.pid != pid or not pid:
+            return None
+        return Process(pid, self.run_as.get(unit, 0), (pid,), 0, cgroup)
+
+    def user_id(self, name: str) -> int | None:
+        """Resolve a uid written as a number (User= here is always one)."""
+        return int(name) if name.isdigit() else None
+
+    def user_name(self, uid: int) -> str:
+        """Name a user by its uid."""
+        return str(uid)
+
+    def group_id(self, name: str) -> int | None:
+        """Resolve the socket group: root's (0), as the simulation's configuration names it."""
+        return 0 if name == "root" else None
+
+
+class World:
+    """One machine: its card, systemd, Docker, the servers, the state directory, and the clock."""
+
+    def __init__(self, clock: VirtualClock, total: int, exit_lag: float, sleep_lag: float) -> None:
+        self.clock = clock
+        self.scheduler = Scheduler(clock)
+        self.card = Card(clock, total, exit_lag, sleep_lag)
+        self.systemd = Systemd(self)
+        self.docker = Docker(self)
+        self.http = Http(self)
+        self.store = Store(clock)
+        self.peers = Peers(self)
+        self.resident_units: tuple[str, ...] = ()
+        self.agent_runs = 0
+        self.agent_failures: list[str] = []
+
+    def resident_serves(self) -> bool:
+        """Tell whether the resident answers completions now (its units active)."""
+        return all(self.systemd.units[u].active_state == "active" for u in self.resident_units)
+
+    def resident_up(self) -> bool:
+        """Tell whether the resident's units are up or coming up."""
+        return all(self.systemd.units[u].active_state in ("active", "activating") for u in self.resident_units)
+
+    def last_resident_start(self) -> float:
+        """Return when gpuswapd last made the resident's units active (0 if never); its operator's starts aside."""
+        mine = [t for u in self.resident_units for t in self.systemd.units[u].started_at
+                if t not in self.systemd.operator_started]
+        return max(mine, default=0.0)
+
+    def new_incarnation(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A daemon starts (its predecessor is dead): forget what the dead one registered."""
+        self.systemd.watchers = []
+        self.systemd.jobs = JobResults()
+        for _, future, action in self.docker.exit_waiters:
+            self.scheduler.cancel(action)
+            del future
+        self.docker.exit_waiters = []
+        self.scheduler.attach(loop)

@@ -1,0 +1,469 @@
+"""The gateway on fakes: routing, bad input, and the on-demand logic against a fake gpuswapd.
+
+The real behaviour (uvicorn, gpuswapd, systemd, the engine in Docker, the official openai client)
+is in tests/integration/test_gateway.py; here the ASGI app runs in-process (httpx's ASGITransport)
+with httpx.MockTransport as the upstreams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuswapd.config import parse_config
+from gpuswapd.errors import LeaseNotFound, ResidentBusy
+from gpuswapd.gateway import demand as demand_module
+from gpuswapd.gateway.app import Gateway
+from gpuswapd.gateway.demand import Demand
+from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.meters import Meters
+from gpuswapd.gateway.tenants import Tenants
+from gpuswapd.gateway.upstream import Upstream
+
+CONFIG = """
+[resident]
+units = ["strata.service"]
+[resident.verify]
+url = "http://127.0.0.1:8090/v1/chat/completions"
+model = "strata"
+[window]
+health_url = "http://127.0.0.1:18020/health"
+serves = ["hyperqwen"]
+[window.container]
+name = "hyperqwen"
+image = "hyperqwen:latest"
+[window.verify]
+url = "http://127.0.0.1:18020/v1/chat/completions"
+model = "hyperqwen"
+[profiles.eval]
+kind = "engine"
+health_url = "http://127.0.0.1:18021/health"
+serves = ["qwen-eval"]
+api = "http://127.0.0.1:18021/v1"
+[profiles.eval.container]
+name = "qwen-eval"
+image = "qwen-eval:latest"
+[profiles.eval.verify]
+url = "http://127.0.0.1:18021/v1/chat/completions"
+model = "qwen-eval"
+[gateway]
+idle = "0.2s"
+hold = "3s"
+max_waiting = 8
+max_body = "1KiB"
+"""
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+class FakeHeld:
+    """A connection-bound lease of the fake gpuswapd."""
+
+    def __init__(self, daemon: FakeDaemon, lease: dict[str, Any], profile: str) -> None:
+        self.daemon, self.lease, self.profile = daemon, lease, profile
+        self.events_in: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    @property
+    def id(self) -> str:
+        return str(self.lease["id"])
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        while (event := await self.events_in.get()) is not None:
+            yield event
+
+    async def close(self) -> None:
+        self.daemon.leases.pop(self.id, None)  # bound: the hang-up ends it
+        self.events_in.put_nowait(None)
+
+
+class FakeDaemon:
+    """gpuswapd as the gateway sees it: acquires that open after a gate, status, renew, release."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.acquires: list[str] = []
+        self.withdrawn = 0
+        self.fail: Exception | None = None
+        self.leases: dict[str, dict[str, Any]] = {}
+        self.others: list[dict[str, Any]] = []  # leases of other holders
+        self.renew_cap: float | None = None
+        self.released: list[str] = []
+        self.helds: list[FakeHeld] = []
+        self.phase = "IDLE"
+
+    async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
+                      progress: Callable[[dict[str, Any]], None]) -> FakeHeld:
+        self.acquires.append(profile)
+        progress({"event": "phase", "phase": "BOOTING"})
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.withdrawn += 1
+            raise
+        if self.fail is not None:
+            raise self.fail
+        lease = {"id": f"lease-{len(self.acquires)}", "holder": holder, "expires_at": time.time() + duration}
+        self.leases[lease["id"]] = lease
+        self.phase = "READY"
+        held = FakeHeld(self, lease, profile)
+        self.helds.append(held)
+        return held
+
+    async def request(self, message: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+        op = message["op"]
+        if op == "status":
+            leases = [*self.leases.values(), *self.others]
+            window = {"profile": "default", "phase": self.phase, "leases": leases, "timings": []} if leases else None
+            return {"ok": True, "phase": self.phase if leases else "IDLE", "window": window,
+                    "resident_back": {"at": time.time() + 42.2, "in_s": 42.2, "close_s": 3.0} if leases else None}
+        if op == "renew":
+            lease = self.leases.get(message["lease"])
+            if lease is None:
+                raise LeaseNotFound("no such lease")
+            lease["expires_at"] = time.time() + min(message["for"], self.renew_cap or message["for"])
+            return {"ok": True, "lease": dict(lease), "capped": self.renew_cap is not None}
+        if op == "release":
+            if "lease" in message:
+                self.released.append(message["lease"])
+                self.leases.pop(message["lease"], None)
+            return {"ok": True, "released": []}
+        raise AssertionError(op)
+
+
+@dataclasses.dataclass
+class Rig:
+    app: Gateway
+    daemon: FakeDaemon
+    follow: Follow
+    demand: Demand
+    upstream_calls: list[httpx.Request]
+    client: httpx.AsyncClient
+
+
+def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # the resident's model list
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "strata", "object": "model"}]})
+        calls.append(request)
+        body = json.loads(request.content)
+        if body.get("stream"):
+            async def chunks() -> AsyncIterator[bytes]:
+                for n in range(3):
+                    yield f'data: {{"choices": [{{"delta": {{"content": "w{n} "}}}}], "usage": null}}\n\n'.encode()
+                yield b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n'
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
+        answer = json.dumps({"model": body["model"], "host": request.url.host, "port": request.url.port}).encode()
+        # stream=: as a real server's answer, read as it arrives (content= would be read already)
+        return httpx.Response(200, headers={"content-type": "application/json", "content-length": str(len(answer))},
+                              stream=httpx.ByteStream(answer))
+    return httpx.MockTransport(handler)
+
+
+@pytest.fixture(autouse=True)
+def fast_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "HEARTBEAT_S", 0.05)
+
+
+def rig(text: str = CONFIG, **gateway: Any) -> Rig:
+    config = parse_config(text)
+    if gateway:
+        config = dataclasses.replace(config, gateway=dataclasses.replace(config.gateway, **gateway))
+    daemon = FakeDaemon()
+    follow = Follow(daemon)  # type: ignore[arg-type]
+    follow.take_status({"phase": "IDLE"})
+    meters = Meters()
+    demand = Demand(config.gateway, daemon, follow, meters, holder="gpuswapd-gateway[test]")
+    calls: list[httpx.Request] = []
+    app = Gateway(config, demand, follow, Tenants(config), Upstream(_upstream(calls)), meters)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
+    return Rig(app, daemon, follow, demand, calls, client)
+
+
+def chat(model: str, stream: bool = False) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+
+
+# -- routing and bad input -------------------------------------------------------------------------
+
+
+def test_each_model_goes_to_its_tenant() -> None:
+    async def main() -> None:
+        r = rig()
+        resident = await r.client.post("/v1/chat/completions", json=chat("strata"))
+        assert resident.status_code == 200 and resident.json()["port"] == 8090
+        assert r.daemon.acquires == []  # the resident needs no window
+        engine = await r.client.post("/v1/completions", json={"model": "qwen-eval", "prompt": "hi"})
+        assert engine.status_code == 200 and engine.json()["port"] == 18021  # its api, /v1 taken off
+        assert [str(c.url) for c in r.upstream_calls] == ["http://127.0.0.1:8090/v1/chat/completions",
+                                                          "http://127.0.0.1:18021/v1/completions"]
+        assert r.daemon.acquires == ["eval"]
+        await r.demand.close()
+    run(main())
+
+
+@pytest.mark.parametrize(("body", "status", "said"), [
+    (b"{not json", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"messages": []}', 400, "names no"),
+    (b'{"model": 7}', 400, "names no"),
+    (b'{"model": "gpt-9"}', 404, "strata, hyperqwen, qwen-eval"),
+    (json.dumps({"model": "strata", "pad": "x" * 2000}).encode(), 413, "max_body"),
+])
+def test_bad_input_gets_a_clear_error_and_opens_no_window(body: bytes, status: int, said: str) -> None:
+    async def main() -> None:
+        r = rig()
+        reply = await r.client.post("/v1/chat/completions", content=body)
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert said in json.dumps(error) and error["type"] and error["code"]
+        assert r.daemon.acquires == [] and r.upstream_calls == []
+    run(main())
+
+
+def test_unknown_paths_and_methods_are_404() -> None:
+    async def main() -> None:
+        r = rig()
+        assert (await r.client.get("/v1/chat/completions")).status_code == 404
+        assert (await r.client.post("/v1/rerank", json=chat("strata"))).status_code == 404
+    run(main())
+
+
+def test_models_lists_every_tenant_and_what_is_on_the_card() -> None:
+    async def main() -> None:
+        r = rig()
+        r.app._models_read = time.monotonic()  # the resident's own list is not asked here
+        listing = (await r.client.get("/v1/models")).json()
+        assert [(m["id"], m["tenant"], m["on_card"]) for m in listing["data"]] == [
+            ("strata", "resident", True), ("hyperqwen", "default", False), ("qwen-eval", "eval", False)]
+        health = (await r.client.get("/health")).json()
+        assert health["status"] == "ok" and health["phase"] == "IDLE"
+        assert b"gpuswapd_gateway_waiting" in (await r.client.get("/metrics")).content
+    run(main())
+
+
+def test_the_resident_names_come_from_its_model_list_and_are_remembered(tmp_path: Any) -> None:
+    config = parse_config(CONFIG)
+    tenants = Tenants(config, str(tmp_path))
+    assert tenants.learn(["strata", "coder-7b", "hyperqwen"])
+    tenants.save()
+    again = Tenants(config, str(tmp_path))
+    assert again.route("coder-7b") is again.resident
+    assert again.route("hyperqwen") is again.engines["default"]  # a profile's name stays the profile's
+
+
+# -- on demand -------------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_open_one_window_and_its_lease_ends_idle_after_the_last() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        asks = [asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+                for _ in range(5)]
+        await asyncio.sleep(0.2)
+        assert r.daemon.acquires == ["default"] and r.demand.waiting == 5
+        r.daemon.gate.set()
+        assert all(reply.status_code == 200 for reply in await asyncio.gather(*asks))
+        assert len(r.daemon.leases) == 1
+        deadline = time.monotonic() + 3
+        while r.daemon.leases:  # idle = 0.2 s after the last request ended
+            assert time.monotonic() < deadline, "the idle lease was not released"
+            await asyncio.sleep(0.02)
+        assert r.daemon.released == ["lease-1"] and r.demand.waiting == 0
+    run(main())
+
+
+def test_a_streaming_request_that_waits_gets_comments_then_its_answer_with_usage() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=True)))
+        await asyncio.sleep(0.3)
+        r.daemon.gate.set()
+        reply = await ask
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        text = reply.text
+        assert text.startswith(": gpuswapd BOOTING ")
+        assert text.index('"usage": {"completion_tokens": 3}') < text.index("data: [DONE]")
+        await r.demand.close()
+    run(main())
+
+
+def test_a_failed_window_is_503_or_an_error_event_once_the_stream_started() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.fail = ResidentBusy("resident strata.service is busy: 1 of 2 slots processing")
+        plain = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+        assert plain.status_code == 503 and "is busy" in plain.json()["error"]["message"]
+        r.daemon.gate.clear()
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=True)))
+        await asyncio.sleep(0.2)
+        r.daemon.gate.set()
+        streamed = await ask
+        assert streamed.status_code == 200
+        event = next(line for line in streamed.text.splitlines() if line.startswith("data: "))
+        assert "is busy" in json.loads(event.removeprefix("data: "))["error"]["message"]
+        assert "[DONE]" not in streamed.text
+    run(main())
+
+
+def test_hold_passes_before_the_window_opens() -> None:
+    async def main() -> None:
+        r = rig(hold=0.3)
+        r.daemon.gate.clear()
+        reply = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+        assert reply.status_code == 503 and "gateway.hold" in reply.json()["error"]["message"]
+        await asyncio.sleep(0.05)
+        assert r.daemon.withdrawn == 1  # nobody waits: the acquire was withdrawn
+    run(main())
+
+
+def test_more_than_max_waiting_get_429_and_the_rest_are_answered() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        asks = [asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+                for _ in range(12)]
+        await asyncio.sleep(0.3)
+        r.daemon.gate.set()
+        codes = sorted(reply.status_code for reply in await asyncio.gather(*asks))
+        assert codes == [200] * 8 + [429] * 4 and r.daemon.acquires == ["default"]
+        await r.demand.close()
+    run(main())
+
+
+def test_a_waiting_client_that_goes_away_withdraws_the_acquire() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        tenant = r.app.tenants.engines["default"]
+
+        async def ask() -> None:
+            async with r.demand.serving(tenant, demand_module_quiet):
+                pass
+
+        task = asyncio.create_task(ask())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert r.daemon.withdrawn == 1 and r.demand.waiting == 0 and not r.demand.openings
+    run(main())
+
+
+async def demand_module_quiet(_phase: str, _waited: float) -> None:
+    return None
+
+
+def test_a_resident_request_swaps_back_from_the_gateways_idle_lease() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0)
+        assert (await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))).status_code == 200
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        await asyncio.sleep(0.2)
+        assert r.daemon.released == ["lease-1"]  # at once, not idle (60 s) later
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        reply = await ask
+        assert reply.status_code == 200, reply.text
+    run(main())
+
+
+def test_a_resident_request_while_another_holds_the_card_fails_with_retry_after() -> None:
+    async def main() -> None:
+        r = rig(on_resident_busy="fail")
+        r.daemon.others = [{"id": "x", "holder": "train.service", "expires_at": time.time() + 40}]
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        reply = await r.client.post("/v1/chat/completions", json=chat("strata"))
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "43"
+        assert "train.service until in 40s" in reply.json()["error"]["message"]
+        assert r.daemon.released == []
+    run(main())
+
+
+def test_a_resident_request_waits_during_a_drain_and_while_others_hold_the_card() -> None:
+    async def main() -> None:
+        r = rig()  # on_resident_busy = "wait"
+        r.follow.mark_draining()  # gpuswapd's idle probe asked: no new resident requests
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        await asyncio.sleep(0.2)
+        assert not ask.done() and r.upstream_calls == []
+        r.daemon.others = [{"id": "x", "holder": "train.service", "expires_at": time.time() + 40}]
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        await asyncio.sleep(0.2)
+        assert not ask.done()
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        assert (await ask).status_code == 200
+    run(main())
+
+
+def test_a_capped_renewal_is_taken_as_it_comes() -> None:
+    async def main() -> None:
+        r = rig()
+        r.demand.lease_s = 0.4  # renewed when less than half is left
+        r.daemon.renew_cap = 0.25
+        flight_done = asyncio.Event()
+        tenant = r.app.tenants.engines["default"]
+
+        async def long_request() -> None:
+            async with r.demand.serving(tenant, demand_module_quiet):
+                await flight_done.wait()
+
+        task = asyncio.create_task(long_request())
+        await asyncio.sleep(0.5)
+        lease = next(iter(r.demand.leases.values()))
+        assert lease.expires_at <= time.time() + 0.26  # what gpuswapd granted, not what was asked
+        flight_done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
+def test_a_preemption_stops_new_requests_then_cuts_those_in_flight() -> None:
+    async def main() -> None:
+        r = rig()
+        tenant = r.app.tenants.engines["default"]
+        started = asyncio.Event()
+        flights = []
+
+        async def in_flight() -> None:
+            async with r.demand.serving(tenant, demand_module_quiet) as flight:
+                flights.append(flight)
+                started.set()
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(in_flight())
+        await started.wait()
+        held = r.daemon.helds[0]
+        held.events_in.put_nowait({"event": "preempting", "by": "urgent", "grace_s": 1})
+        await asyncio.sleep(0.05)
+        assert not r.demand.leases["default"].usable()  # a new request acquires again
+        flights[0].on_cut = task.cancel
+        held.events_in.put_nowait({"event": "preempted", "by": "urgent", "priority": 10})
+        await asyncio.gather(task, return_exceptions=True)
+        assert flights[0].cut is not None and "preempted by urgent" in flights[0].cut
+        assert "default" not in r.demand.leases
+    run(main())
+
+
+def test_the_drain_probe_counts_resident_requests_in_flight() -> None:
+    async def main() -> None:
+        r = rig()
+        tenant = r.app.tenants.resident
+        async with r.demand.serving(tenant, demand_module_quiet):
+            probe = (await r.client.get("/gpuswapd/in-flight")).json()
+            assert probe["resident_in_flight"] == 1
+            assert r.follow.resident_serves()  # a dry run (gpuswapctl plan) holds nothing
+        assert (await r.client.get("/gpuswapd/in-flight?draining=1")).json()["resident_in_flight"] == 0
+        assert not r.follow.resident_serves()
+    run(main())
