@@ -74,8 +74,11 @@ def _span(minimum: float = 0.0) -> Parser:
             seconds = parse_span(str(value)) if isinstance(value, str) else float(value)
         except SpanError as err:
             raise _fail(path, str(err)) from None
+        except OverflowError:  # an integer of hundreds of digits
+            seconds = float("inf")
         if not seconds >= minimum or seconds == float("inf"):
-            raise _fail(path, f"{value!r} is out of range (must be finite and at least {minimum:g}s)")
+            shown = value if len(str(value)) <= 40 else f"{str(value)[:40]}..."
+            raise _fail(path, f"{shown!r} is out of range (must be finite and at least {minimum:g}s)")
         return seconds
     return parse
 
@@ -92,7 +95,8 @@ def _int(minimum: int, maximum: int = 2**31) -> Parser:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail(path, f"expected an integer, got {type(value).__name__}")
         if not minimum <= value <= maximum:
-            raise _fail(path, f"{value} is out of range ({minimum}..{maximum})")
+            shown = str(value) if len(str(value)) <= 20 else f"{str(value)[:20]}... ({len(str(value))} digits)"
+            raise _fail(path, f"{shown} is out of range ({minimum}..{maximum})")
         return value
     return parse
 
@@ -130,7 +134,9 @@ def _units(value: Any, path: str) -> list[str]:
 def _unit_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
-        if not _UNIT_NAME.match(pattern.replace("*", "x").replace("?", "x")):
+        example = pattern.replace("*", "x").replace("?", "x")
+        # A pattern that ends in '*' may match any unit type ("systemd-*").
+        if not _UNIT_NAME.match(example) and not (pattern.endswith("*") and _UNIT_NAME.match(example + ".service")):
             raise _fail(f"{path}[{i}]", f"not a unit name or glob: {pattern!r} (e.g. 'gpuswapd@*.service')")
     return patterns
 
@@ -198,6 +204,26 @@ def _docker_size(value: Any, path: str) -> str:
     return text
 
 
+# Units a preemption never stops (daemon.never_stop): gpuswapd's own, and services that run the work
+# of many users (a lease can be bound to them only by their main or control process, but a state
+# document from before that rule, or a mistake, must not get cron stopped for everyone). One a line.
+NEVER_STOP = [
+    "gpuswapd.service",
+    "gpuswapd.socket",
+    "gpuswapd@*.service",
+    "gpuswapd@*.socket",
+    "gpuswapd-gateway.service",
+    "gpuswapd-gateway.socket",
+    "cron.service",
+    "crond.service",
+    "atd.service",
+    "sshd.service",
+    "ssh.service",
+    "slurmd.service",
+    "systemd-*",
+]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     """``[daemon]``: the socket, the state and the lease rules."""
@@ -217,12 +243,11 @@ class DaemonConfig:
     max_queue: int = _key(_int(1, 65536), 64)
     fair_after: float = _key(_span(0.0), 300.0)
     priority_max_nonroot: int = _key(_int(-1000, 1000), 0)
+    priority_min_nonroot: int = _key(_int(-1000, 1000), -10)
     aging: float = _key(_span(0.0), 600.0)
     preempt_grace: float = _key(_span(0.0), 30.0)
     reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd checks the resident is up (0: never)
-    never_stop: list[str] = _key(_unit_patterns, ["gpuswapd.service", "gpuswapd.socket", "gpuswapd@*.service",
-                                                  "gpuswapd@*.socket", "gpuswapd-gateway.service",
-                                                  "gpuswapd-gateway.socket"])
+    never_stop: list[str] = _key(_unit_patterns, NEVER_STOP)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,8 +399,8 @@ def _listen(value: Any, path: str) -> str:
         return ""
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit():
-        raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text!r}")
+    if not sep or not host or not port.isdigit() or len(port) > 5:
+        raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text[:60]!r}")
     if not 1 <= int(port) <= 65535:
         raise _fail(path, f"port {port} is out of range (1..65535; 0 would pick a random port)")
     return text
@@ -520,6 +545,8 @@ def parse_config(text: str, source: str = "<string>") -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise ConfigError(f"{source}: a value gpuswapd will not read: {err}") from None
     try:
         tables = data.pop("profiles", {})
         config = _build(Config, data, "")
@@ -567,6 +594,9 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: resident.idle.command: required when kind = \"command\"")
     if not os.path.isabs(d.state_dir):
         raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
+    if d.priority_min_nonroot > d.priority_max_nonroot:
+        raise ConfigError(f"{source}: daemon.priority_min_nonroot ({d.priority_min_nonroot}) is above "
+                          f"daemon.priority_max_nonroot ({d.priority_max_nonroot})")
     if d.max_clients_per_uid > d.max_clients:
         raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
     containers: dict[str, str] = {}

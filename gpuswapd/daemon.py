@@ -29,6 +29,7 @@ from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
 from gpuswapd.observers import Observers
 from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.peers import Host
 from gpuswapd.plan import make_plan
 from gpuswapd.recovery import recover_at_start
 from gpuswapd.resident import Resident
@@ -56,6 +57,7 @@ class Systems:
     http: ModelHttp
     probe: GpuProbe | None
     store: StateStore
+    host: Host | None = None  # what the OS says of callers; None: the real one (LinuxHost over systemd)
 
     @classmethod
     def real(cls, config: Config) -> Systems:
@@ -102,6 +104,7 @@ class Daemon:
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
                                       self.window.parked, config.profile(profile), self.known_bad),
             instance=instance,
+            host=systems.host,
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()

@@ -10,7 +10,9 @@ thread, in the order the events were logged, whichever thread logged them:
 ``event`` is the structlog event name; ``window``, ``phase`` and ``stage`` come from the logging
 context (the window driver binds them), else from the window as it stands; ``elapsed_s`` is the
 seconds since the window opened. Lease events carry ``reason``, one of ``LEASE_END_REASONS``,
-whatever the log line said (its own words move to ``detail``).
+whatever the log line said (its own words move to ``detail``). A number that is not finite is
+``null``: a lease "for infinity" has ``"duration_s": null`` and ``"expires_at": null``, meaning
+until it is released (JSON has no Infinity; ``jq`` and most parsers reject it).
 
 Subscribers run on the event loop and must not block or await: they queue, count or spawn.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -47,8 +50,9 @@ KNOWN_EVENTS = frozenset({
     "lease_granted", "lease_released", "lease_renewed", "orphan_check_failed", "orphan_engine_removed",
     "orphan_sweep_failed", "outside_call_hung", "outside_call_returned", "park_level_lowered",
     "parked_engine_adopted", "parked_engine_dropped", "parked_engine_not_removed", "parked_engine_removed",
-    "parked_engine_room_unknown", "parked_engine_without_docker", "parked_state_unreadable", "phase_entered",
-    "preempted", "preempted_unit_not_stopped", "preempting", "preemption_abandoned", "preemption_yielded",
+    "parked_engine_room_unknown", "parked_engine_without_docker", "parked_state_unreadable", "peer_mismatch",
+    "phase_entered", "preempted", "preempted_unit_not_stopped", "preempted_unit_stopping_again", "preempting",
+    "preemption_abandoned", "preemption_yielded",
     "preemptor_refused", "queue_dropped", "reconcile_failed", "recovered", "request_crashed", "request_queued",
     "resident_busy_proceeding", "resident_found_down", "resident_held_down", "resident_hold_lifted",
     "resident_idle_probe_unanswered", "resident_verified", "restore_failed", "shutdown_bound_reached",
@@ -68,7 +72,8 @@ PLANNED: frozenset[str] = frozenset()  # named by the design, not logged yet
 # metrics' own housekeeping, and a client that hung up.
 INTERNAL = frozenset({"client_dropped", "hook_dropped", "hook_failed", "hook_ran", "hook_timed_out",
                       "metrics_listening", "metrics_request_crashed", "metrics_textfile_failed",
-                      "metrics_textfile_written_again", "metrics_window_not_observed"})
+                      "metrics_textfile_written_again", "metrics_window_not_observed",
+                      "peer_not_the_unit"})
 
 _CONTEXT_KEYS = frozenset({"window_id", "window", "phase", "stage", "elapsed_s", "event", "exc_info", "stack_info"})
 _LEVELS = {"exception": "error", "critical": "critical", "error": "error", "warning": "warning", "warn": "warning",
@@ -78,6 +83,8 @@ _OWN_FAILURE = "event_subscriber_failed"
 
 def _plain(value: Any) -> Any:
     """Make a value JSON-safe: numbers, strings, lists and tables as they are, the rest as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # a lease for infinity: until released (JSON has no Infinity)
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, (list, tuple, set, frozenset)):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from gpuswapd import clock
 from gpuswapd.events import Event
 from gpuswapd.logs import log
+from gpuswapd.protocol import finite
 from gpuswapd.tasks import reap, spawn
 
 MAX_RUNNING = 4
@@ -74,7 +75,8 @@ class Hooks:
             return
         try:
             async with asyncio.timeout(self.timeout):
-                stderr = await _talk(proc, (json.dumps(event) + "\n").encode())
+                # As always (hooks match '"event": "x"'); what is not finite is null, as JSON has no Infinity.
+                stderr = await _talk(proc, (json.dumps(finite(event), allow_nan=False) + "\n").encode())
                 code = await proc.wait()
         except TimeoutError:
             _kill(proc)

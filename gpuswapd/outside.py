@@ -34,7 +34,7 @@ R = TypeVar("R")
 
 CALLS: dict[str, frozenset[str]] = {
     "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
-                          "unit_of_pid", "unit_cgroup", "baseline_units", "baseline_timers"}),
+                          "unit_of_pid", "unit_cgroup", "unit_service", "baseline_units", "baseline_timers"}),
     "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
                          "logs_tail", "find", "env_file", "top",
                          "settings"}),  # wait_exit: a long wait on a thread of its own

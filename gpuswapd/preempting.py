@@ -6,7 +6,8 @@ the ``preempting`` event goes to each client that kept its connection (``gpuswap
 forwards SIGTERM to its command then); a plain ``acquire`` has exited, and its holder learns from
 ``status``, ``history`` and the log. After ``daemon.preempt_grace`` the leases are revoked: a lease
 bound to a unit has that unit stopped through systemd, so its ``ExecStopPost=`` runs as usual
-(never a unit of ``daemon.never_stop``); any other lease is only revoked. The window then closes,
+(never a unit of ``daemon.never_stop``); any other lease is only revoked. A stop that fails is
+retried; one not confirmed when gpuswapd restarts is redone at recovery (``stops_pending``). The window then closes,
 and switches directly to the preempting request's profile.
 
 The preemption is in the window's record (``preempted``), written before anyone is told. If
@@ -17,6 +18,7 @@ are not kept across a restart): the adopted window abandons the preemption, says
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,8 @@ from gpuswapd.tasks import spawn
 
 if TYPE_CHECKING:
     from gpuswapd.window import Window
+
+STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next window's wait for VRAM
 
 
 def deadline(rec: WindowRecord) -> float | None:
@@ -130,7 +134,8 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
     leases = rec.leases.clear()
     units = sorted({x.unit for x in leases if x.unit is not None and not never_stop(w, x.unit)})
-    rec.preempted = {**rec.preempted, "revoked_at": now, "stopped_units": units}
+    # stops_pending: the stops not yet confirmed; a gpuswapd that restarts before they are redoes them.
+    rec.preempted = {**rec.preempted, "revoked_at": now, "stopped_units": units, "stops_pending": units}
     for lease in leases:
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="preempted")
     await w.persist(required=False)
@@ -141,8 +146,19 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
                     "leases": [_described(x) for x in leases]}, leases)
     w.end_watchers("preempted")
     for unit in units:  # the window goes on at once: the next one waits for the VRAM anyway
-        spawn(_stop_unit(w, unit), "preempt-stop")
+        spawn(_stop_unit(w, rec, unit), "preempt-stop")
     w.wake.set()
+
+
+def resume_stops(w: Window, rec: WindowRecord) -> None:
+    """Stop again the units of a revoked preemption whose stop was not confirmed (gpuswapd restarted)."""
+    p = rec.preempted
+    if p is None or p.get("revoked_at") is None:
+        return
+    for unit in [u for u in p.get("stops_pending") or [] if isinstance(u, str) and not never_stop(w, u)]:
+        log.warning("preempted_unit_stopping_again", unit=unit, window=rec.id,
+                    reason="gpuswapd restarted before its stop was confirmed")
+        spawn(_stop_unit(w, rec, unit), "preempt-stop")
 
 
 def never_stop(w: Window, unit: str) -> bool:
@@ -150,12 +166,27 @@ def never_stop(w: Window, unit: str) -> bool:
     return any(fnmatch.fnmatchcase(unit, pattern) for pattern in w.config.daemon.never_stop)
 
 
-async def _stop_unit(w: Window, unit: str) -> None:
-    try:
-        await w.resident.stop([unit])
-    except GpuswapError as err:
-        log.error("preempted_unit_not_stopped", unit=unit, error=err.message,
-                  consequence="its lease is revoked; the next window waits for the VRAM it holds")
+async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
+    """Stop a preempted lease's unit, retrying with a backoff; note in the record once it is stopped."""
+    first, cap = w.backoffs.preempt_stop
+    for attempt in range(1, STOP_ATTEMPTS + 1):
+        try:
+            await w.resident.stop([unit])
+            break
+        except GpuswapError as err:
+            if attempt == STOP_ATTEMPTS:
+                log.error("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
+                          consequence="its lease is revoked; the next window waits for the VRAM it holds")
+                return  # still pending in the record: a restart of gpuswapd tries again
+            delay = min(cap, first * 2 ** (attempt - 1))
+            log.warning("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
+                        retry_in_s=delay)
+            await asyncio.sleep(delay)
+    p = rec.preempted
+    if p is not None:
+        rec.preempted = {**p, "stops_pending": [u for u in p.get("stops_pending") or [] if u != unit]}
+        if rec is w.record:
+            w.writer.request()
 
 
 def _described(lease: Lease) -> dict[str, Any]:

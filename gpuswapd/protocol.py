@@ -60,6 +60,8 @@ def _span(value: Any, key: str, infinite: bool = False) -> float:
         seconds = parse_span(value) if isinstance(value, str) else float(value)
     except SpanError as err:
         raise RequestError(f"{key!r}: {err}") from None
+    except OverflowError:  # an integer of hundreds of digits
+        seconds = math.inf
     if infinite and value == "infinity":
         return seconds  # a lease bound to something outside (a Slurm job); the server lets only root have it
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_SPAN_S:
@@ -171,8 +173,22 @@ def _depth(line: bytes) -> int:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    """Encode one message as a line."""
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    """Encode one message as a line; a number that is not finite is null (JSON has no Infinity)."""
+    try:
+        return json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    except ValueError:
+        return json.dumps(finite(message), separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def finite(value: Any) -> Any:
+    """Replace every number that is not finite (a lease for infinity's span) by None, throughout."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def error_reply(err: GpuswapError) -> dict[str, Any]:

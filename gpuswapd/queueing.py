@@ -5,7 +5,10 @@ another profile queues, by priority and first come first served within one. A qu
 gains one level of effective priority per ``daemon.aging`` it waits, so none starves (aging
 orders the queue; preemption looks at the base priority only). Fairness: once a queued request
 for another profile has waited ``daemon.fair_after``, new requests for the open profile queue
-behind it instead of joining, so the open window closes when its current leases end.
+behind it instead of joining, so the open window closes when its current leases end. Renewals
+follow the same claim: while a request for another profile waits, a renewal may extend a lease
+only up to the moment that request has waited ``fair_after``, never past it (a lease that already
+ends later keeps its expiry). A holder that keeps renewing cannot keep the other profile out.
 
 Waiting requests live only in memory (and in the state document's ``queue``, for the record):
 they do not survive a restart of gpuswapd, whose clients then see their connection drop.
@@ -177,6 +180,16 @@ class Queue:
             if w.profile != profile and now - w.since >= self.fair_after:
                 return w
         return None
+
+    def fair_claim(self, profile: str) -> tuple[float, Waiter] | None:
+        """Return the earliest fair claim on a window of ``profile``: its moment and its request.
+
+        The moment is when a request for another profile has waited ``fair_after``; None while
+        nobody waits for another profile. A renewal of a lease of that window may not extend it
+        past that moment (see ``Window.renew``).
+        """
+        claims = [(w.since + self.fair_after, w) for w in self.queued() if w.profile != profile]
+        return min(claims, key=lambda c: c[0], default=None)
 
     def wants_other(self, profile: str) -> bool:
         """Tell whether anybody queues for a window of another profile (the open one should not linger)."""

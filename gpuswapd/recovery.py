@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock, closing, holding, opening, parking
+from gpuswapd import clock, closing, holding, opening, parking, preempting
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -88,6 +88,7 @@ async def recover_at_start(window: Window) -> None:
 async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
+    preempting.resume_stops(w, rec)  # a preemption's stops that were not confirmed before the restart
     if rec.phase is Phase.IDLE and not rec.pending_switch:  # it had finished; the cleared document was not written
         w.record = None
         await w.persist(required=False)

@@ -29,7 +29,7 @@ from gpuswapd.errors import (
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.peers import Peer, credentials, identify
+from gpuswapd.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
 from gpuswapd.sizes import format_size
 from gpuswapd.state import StateStore
@@ -57,8 +57,11 @@ class Server:
     """Serves the socket protocol for one window."""
 
     def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd, outside: Outside,
-                 planner: Callable[[str], Awaitable[dict[str, Any]]], instance: str = "default") -> None:
+                 planner: Callable[[str], Awaitable[dict[str, Any]]], instance: str = "default",
+                 host: Host | None = None) -> None:
         self.config = config
+        # Everything learnt of a caller from the OS: its credentials, its process, its unit's owner.
+        self.host: Host = host if host is not None else LinuxHost(units)
         self.instance = instance
         self.window = window
         self.store = store
@@ -75,8 +78,9 @@ class Server:
         self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
 
     def _in_group(self, peer: Peer) -> bool:
+        """Tell whether the caller was in ``socket_group`` when it connected (SO_PEERGROUPS, not /proc)."""
         group = self.config.daemon.socket_group
-        return bool(group) and peer.in_group(group)
+        return bool(group) and peer.member(self.host.group_id(group))
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on a listening socket (our own, or one systemd handed over)."""
@@ -117,7 +121,7 @@ class Server:
     def _admit(self, conn: socket.socket) -> None:
         """Serve an accepted connection, or refuse it over the caps."""
         try:
-            peer = credentials(conn)
+            peer = self.host.peer(conn)
         except OSError:
             conn.close()
             return
@@ -171,7 +175,7 @@ class Server:
 
     async def _identify(self, peer: Peer) -> Peer:
         """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
-        return await identify(peer, self.units, self.outside.systemd)
+        return await identify(peer, self.host, self.outside.systemd)
 
     async def _serve(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         wait = FIRST_REQUEST_S
@@ -208,7 +212,7 @@ class Server:
 
     def _authorize(self, peer: Peer, request: Request) -> None:
         d = self.config.daemon
-        if peer.uid == 0 or (d.socket_group and peer.in_group(d.socket_group)):
+        if peer.uid == 0 or self._in_group(peer):
             return
         if (request.op in READ_ONLY or (request.op == "park" and not request.remove)) and d.status_public:
             return
@@ -238,8 +242,13 @@ class Server:
         if req.op == "renew":
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease, peer)
-            lease = await self.window.renew(lease_id, duration, allowed=peer.owns)
-            return {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped}
+            lease, claim = await self.window.renew(lease_id, duration, allowed=peer.owns)
+            reply = {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped or claim is not None,
+                     "capped_by": "fair_after" if claim is not None else "max_lease" if capped else None}
+            if claim is not None:
+                reply["waiting"] = {"holder": claim.holder, "profile": claim.profile,
+                                    "waited_s": round(clock.wall() - claim.since, 3)}
+            return reply
         if req.op == "status":
             verify = self.config.window.verify
             return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
@@ -316,10 +325,14 @@ class Server:
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease, peer)
         profile = self._profile(req.profile)
-        most = self.config.daemon.priority_max_nonroot
+        most, least = self.config.daemon.priority_max_nonroot, self.config.daemon.priority_min_nonroot
         if req.priority > most and peer.uid != 0:
             raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
                                    f"root may ask for more (user {peer.user}, uid {peer.uid})")
+        if req.priority < least and peer.uid != 0:
+            raise PermissionDenied(f"priority {req.priority} is below daemon.priority_min_nonroot = {least}: only "
+                                   f"root may ask for less (user {peer.user}, uid {peer.uid}); ask for {least} "
+                                   "or more")
         started = clock.monotonic()
 
         def progress(event: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _SUFFIX: dict[str, int] = {
     "": 1, "b": 1,
@@ -11,6 +12,8 @@ _SUFFIX: dict[str, int] = {
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+MAX_SIZE = 2**63 - 1  # bytes: far beyond any card; what a signed 64-bit count holds
+_MAX_DIGITS = 40  # a longer number is out of range whatever its suffix
 
 
 class SizeError(ValueError):
@@ -23,8 +26,14 @@ def parse_size(text: str) -> int:
         raise SizeError(f"expected a size string such as '21GiB', got {type(text).__name__}")
     m = _SIZE.fullmatch(text)
     if m is None or m.group(2).lower() not in _SUFFIX:
-        raise SizeError(f"not a size: {text!r} (try '21GiB' or '512MiB')")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+        raise SizeError(f"not a size: {text[:80]!r} (try '21GiB' or '512MiB')")
+    number = m.group(1)
+    # Exact arithmetic: a float would overflow on hundreds of digits (and round large sizes).
+    size = None if len(number) > _MAX_DIGITS else int(Decimal(number) * _SUFFIX[m.group(2).lower()])
+    if size is None or size > MAX_SIZE:
+        raise SizeError(f"size out of range: {text[:40]!r}{'...' if len(text) > 40 else ''} is more than "
+                        f"{MAX_SIZE} bytes")
+    return size
 
 
 def format_size(nbytes: int | float) -> str:

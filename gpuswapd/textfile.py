@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuswapd import clock
+from gpuswapd import clock, ids
 from gpuswapd.logs import log
 from gpuswapd.tasks import in_daemon_thread, reap, spawn
 
@@ -25,25 +25,38 @@ MODE = 0o644
 
 
 _writes = itertools.count()
+_ATTEMPTS = 3  # a name taken already (a file, or a link someone planted there) is skipped for another
 
 
 def temporary_name(path: Path) -> Path:
-    """Name a file to write before the rename: hidden, not ``*.prom``, never another write's."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{next(_writes)}.tmp")
+    """Name a file to write before the rename: hidden, not ``*.prom``, unguessable, never another write's."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{next(_writes)}-{ids.token(8)}.tmp")
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a part."""
-    tmp = temporary_name(path)
-    try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, MODE), "wb") as out:
-            os.fchmod(out.fileno(), MODE)  # whatever the umask
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a part.
+
+    The temporary file is made new (O_EXCL) and never through a link (O_NOFOLLOW), as the state
+    store makes its own: a link planted under that name cannot turn the write onto another file.
+    """
+    for attempt in range(_ATTEMPTS):
+        tmp = temporary_name(path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, MODE)
+        except FileExistsError:
+            if attempt == _ATTEMPTS - 1:
+                raise
+            continue
+        try:
+            with open(fd, "wb") as out:
+                os.fchmod(out.fileno(), MODE)  # whatever the umask
+                out.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return
 
 
 class Textfile:

@@ -66,6 +66,7 @@ class Backoffs:
     take_down_for: float = 30.0                     # ... before the restore goes on without it
     driver: tuple[float, float] = (1.0, 60.0)       # after the driver itself failed
     writer: tuple[float, float] = (0.2, 30.0)       # writing the state document
+    preempt_stop: tuple[float, float] = (1.0, 30.0)  # stopping a preempted lease's unit again
 
 
 class Window:
@@ -280,21 +281,36 @@ class Window:
             await self._leases_changed(f"its unit {unit} stopped")
         return gone
 
-    async def renew(self, lease_id: str, duration: float, allowed: Owner | None = None) -> Lease:
-        """Extend a lease to end ``duration`` seconds from now."""
+    async def renew(self, lease_id: str, duration: float,
+                    allowed: Owner | None = None) -> tuple[Lease, Waiter | None]:
+        """Extend a lease to end ``duration`` seconds from now, within the fairness rule.
+
+        While a request for another profile waits, the lease may end at most when that request has
+        waited ``daemon.fair_after``, or when it ended already if that is later: a renewal never
+        takes the card past a fair claim. Return the lease and the waiting request that capped it.
+        """
         rec = self._open_record()
         lease = rec.leases.get(lease_id)
         self._check_owner(lease, allowed, "renew")
+        now = clock.wall()
+        until, capped_by = now + duration, None
+        claim = self.queue.fair_claim(rec.profile)
+        if claim is not None:
+            limit = max(lease.expires_at, claim[0])
+            if until > limit:
+                until, capped_by = limit, claim[1]
         was = lease.expires_at
-        rec.leases.renew(lease_id, duration, clock.wall())
+        rec.leases.renew(lease_id, until - now, now)
         try:
             await self._recorded(f"the renewal of lease {lease_id}")
         except BaseException:
             lease.expires_at = was  # it still ends when it did
             raise
-        log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at)
+        log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at,
+                 capped_by=None if capped_by is None else "fair_after",
+                 waiting=None if capped_by is None else capped_by.holder)
         self.wake.set()
-        return lease
+        return lease, capped_by
 
     @staticmethod
     def _check_owner(lease: Lease, allowed: Owner | None, verb: str) -> None:

@@ -13,10 +13,12 @@ the window's logic and its fault matrix fast to test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fnmatch
 import itertools
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,9 +28,10 @@ from urllib.parse import urlsplit
 
 from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
+from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
+from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
@@ -40,6 +43,7 @@ from gpuswapd.errors import (
 )
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.peers import Peer, PeerChanged
 from gpuswapd.resident import Resident
 from gpuswapd.state import Document, Loaded, decode
 from gpuswapd.vram import Vram
@@ -129,7 +133,7 @@ needs = "20GiB"
 PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
 DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
-                    writer=(0.005, 0.02))
+                    writer=(0.005, 0.02), preempt_stop=(0.005, 0.02))
 
 
 class FakeGpu:
@@ -190,6 +194,7 @@ class FakeSystemd:
         self.moments = itertools.count(1)
         self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
+        self.fail_stops: dict[str, int] = {}  # unit -> how many stops fail (its stop job times out)
 
     def add_unit(self, unit: FakeUnit) -> None:
         """Load a unit (started if it says it is active)."""
@@ -270,6 +275,9 @@ class FakeSystemd:
             unit = self.units.get(name)
             if unit is None:
                 return "done"
+            if self.fail_stops.get(name):
+                self.fail_stops[name] -= 1
+                return "timeout"
             for other in self.units.values():  # a stop propagates to what Requires= the unit
                 if name in other.requires and other.active_state == "active":
                     self._stop(other.name)
@@ -345,6 +353,106 @@ class FakeSystemd:
         if unit not in self.units:
             raise UnitNotFound(f"no unit {unit}")
         return f"/system.slice/{unit}"
+
+
+@dataclass
+class FakeProcess:
+    """A process the fake host knows: who it runs as, its groups, its cgroup, when it started."""
+
+    pid: int
+    uid: int
+    gid: int = 0
+    groups: tuple[int, ...] = ()
+    cgroup: str | None = None  # "/system.slice/NAME.service"; None: the root cgroup
+    started: int = 1
+    nspid: tuple[int, ...] = ()  # its pids from the host's namespace inwards (default: just pid)
+
+
+class FakeHost:
+    """The host's word on callers, in memory: processes by pid, services' owners, users and groups.
+
+    The server on a real Unix socket takes each connection to come from the next pid of
+    ``connect_as`` (else the first process known): the kernel's record at connect() is that
+    process as it is then. A test that replaces ``processes[pid]`` afterwards reuses the pid.
+    """
+
+    def __init__(self, systemd: FakeSystemd | None = None) -> None:
+        self.systemd = systemd
+        self.processes: dict[int, FakeProcess] = {}
+        self.services: dict[str, ServiceProcesses] = {}
+        self.users: dict[str, int] = {"root": 0}
+        self.groups: dict[str, int] = {}
+        self._next: collections.deque[int] = collections.deque()
+
+    def add(self, process: FakeProcess) -> FakeProcess:
+        """Start a process (or reuse its pid)."""
+        self.processes[process.pid] = process
+        return process
+
+    def connect_as(self, *pids: int) -> None:
+        """Make the next connections come from these processes, in order."""
+        self._next.extend(pids)
+
+    @property
+    def waiting(self) -> int:
+        """Count the connections of ``connect_as`` not yet made."""
+        return len(self._next)
+
+    def user_name(self, uid: int) -> str:
+        """Name a user this host knows (or give the uid)."""
+        return next((name for name, known in self.users.items() if known == uid), str(uid))
+
+    def peer(self, sock: socket.socket) -> Peer:
+        """Record the connecting process as it is now."""
+        pid = self._next.popleft() if self._next else next(iter(self.processes))
+        p = self.processes[pid]
+        return Peer(p.pid, p.uid, p.gid, frozenset(p.groups), started=p.started, origin=sock, names=self.user_name)
+
+    def process(self, peer: Peer) -> Process | None:
+        """Read the process under the peer's pid; PeerChanged if it is another one now."""
+        p = self.processes.get(peer.pid)
+        if p is None or p.started != peer.started:
+            raise PeerChanged("has exited, and its pid may be another process's now")
+        if p.uid != peer.uid:
+            raise PeerChanged(f"runs as uid {p.uid} now, not as the uid {peer.uid} it connected with")
+        return Process(p.pid, p.uid, p.nspid or (p.pid,), p.started, p.cgroup)
+
+    def still(self, peer: Peer) -> bool:
+        """Tell whether the peer's process still runs under its pid."""
+        p = self.processes.get(peer.pid)
+        return p is not None and p.started == peer.started
+
+    def unit_cgroup(self, unit: str) -> str | None:
+        """Return a unit's cgroup: the fake systemd's, else that of a service this host knows."""
+        if self.systemd is not None and unit in self.systemd.units:
+            return self.systemd.control_group(unit)
+        if unit in self.services:
+            return f"/system.slice/{unit}"
+        raise UnitNotFound(f"no unit {unit}")
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Name the unit of a process from its cgroup."""
+        p = self.processes.get(pid)
+        return p.cgroup.rsplit("/", 1)[-1] if p is not None and p.cgroup else None
+
+    def service(self, unit: str) -> ServiceProcesses:
+        """Return whose a service's processes are (root's, with no main process, unless told)."""
+        return self.services.get(unit) or ServiceProcesses(unit, "", False, 0, 0)
+
+    def process_in(self, cgroup: str, pid: int) -> Process | None:
+        """Find the process the manager calls ``pid`` in ``cgroup``."""
+        for p in self.processes.values():
+            if p.cgroup == cgroup and (p.nspid or (p.pid,))[-1] == pid:
+                return Process(p.pid, p.uid, p.nspid or (p.pid,), p.started, p.cgroup)
+        return None
+
+    def user_id(self, name: str) -> int | None:
+        """Resolve a user name (or a number)."""
+        return int(name) if name.isdigit() else self.users.get(name)
+
+    def group_id(self, name: str) -> int | None:
+        """Resolve a group name."""
+        return self.groups.get(name)
 
 
 @dataclass

@@ -48,6 +48,8 @@ _UNREACHABLE = (
 _SDK_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, *_UNREACHABLE)
 _ENV_BLANKS = " \t"
 _UTF8_BOM = "\ufeff"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_CONVENTIONAL = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # a name an error may show
 _STOP_POLL_S = 0.1
 
 
@@ -239,7 +241,10 @@ def read_env_file(path: str) -> dict[str, str]:
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:  # its message would quote the bytes, which may be a secret's
+        raise DockerError(f"cannot read the env file {path!r} ([window.container] env_file): not UTF-8 "
+                          f"(at byte {err.start})") from None
+    except OSError as err:
         raise DockerError(
             f"cannot read the env file {path!r} ([window.container] env_file): {err}"
         ) from err
@@ -249,14 +254,29 @@ def read_env_file(path: str) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         key, has_value, value = line.partition("=")
-        if not key or any(c in key for c in _ENV_BLANKS):
-            why = "no variable name" if not key else f"variable {key!r} contains whitespace"
-            raise DockerError(f"env file {path!r} line {number}: {why}: write KEY=VALUE")
+        if not key or any(c in key for c in _ENV_BLANKS) or (not has_value and not _ENV_NAME.fullmatch(key)):
+            # Name the line and the variable, never the rest: a mistyped line may hold a token (the
+            # window's error, and so this message, is in every local user's `gpuswapctl status`).
+            raise DockerError(f"env file {path!r} line {number}: {_env_problem(key)}: write KEY=VALUE "
+                              "(the line is not shown: it may hold a secret)")
         if has_value:
             out[key] = value
         elif key in os.environ:
             out[key] = os.environ[key]
     return out
+
+
+def _env_problem(key: str) -> str:
+    """Say what is wrong with an env file line, naming its variable only if it looks like one (KEY_NAME)."""
+    if not key:
+        return "no variable name"
+    name = _ENV_NAME.match(key)
+    if name is None:
+        return "it does not start with a variable name"
+    after = "whitespace" if key[len(name.group(0)):][:1] in _ENV_BLANKS else "other text"
+    if not _CONVENTIONAL.fullmatch(name.group(0)):  # a pasted token looks like this: do not show it
+        return f"its first word is followed by {after} (not shown: not a KEY_NAME, it may be a value)"
+    return f"variable {name.group(0)!r} is followed by {after}"
 
 
 def pids_of(listing: Any) -> list[int]:

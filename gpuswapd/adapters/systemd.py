@@ -17,7 +17,7 @@ from pydbus import SystemBus
 
 from gpuswapd import clock
 from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
-from gpuswapd.adapters.unitstates import ACTIVE, JobResults, TimerState, UnitState
+from gpuswapd.adapters.unitstates import ACTIVE, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
 
 P = ParamSpec("P")
@@ -278,6 +278,14 @@ class Systemd:
         path = self._mgr().GetUnit(unit, timeout=self._timeout)
         group = self._properties(path).Get(iface, "ControlGroup", timeout=self._timeout)
         return str(group) or None
+
+    @_systemd_errors
+    def service_processes(self, unit: str) -> ServiceProcesses:
+        """Read whose a loaded service's processes are: User=, DynamicUser=, MainPID and ControlPID."""
+        path = self._mgr().GetUnit(unit, timeout=self._timeout)
+        props = self._properties(path).GetAll("org.freedesktop.systemd1.Service", timeout=self._timeout)
+        return ServiceProcesses(unit, str(props.get("User") or ""), bool(props.get("DynamicUser")),
+                                int(props.get("MainPID") or 0), int(props.get("ControlPID") or 0))
 
     def unit_of_pid(self, pid: int) -> str | None:
         """Name the unit a process belongs to (from its cgroup, else asking systemd)."""

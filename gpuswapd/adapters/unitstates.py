@@ -41,6 +41,17 @@ class TimerState:
         return self.service_state in ("activating", "active", "deactivating", "reloading")
 
 
+@dataclass(frozen=True)
+class ServiceProcesses:
+    """Whose a service's processes are, as its manager says: ``User=``, its main and control process."""
+
+    unit: str
+    user: str           # User= as written (a name or a uid); "" when unset (root, unless dynamic)
+    dynamic_user: bool  # DynamicUser=yes: a uid allocated while it runs
+    main_pid: int       # in the manager's PID namespace; 0 when it has none now
+    control_pid: int    # the ExecStartPre=/ExecStopPost= (...) command running now; 0 when none
+
+
 class JobResults:
     """Results of removed jobs, handed to whoever waits for that job path.
 

@@ -53,12 +53,20 @@ def held_lease(socket: str, acquire: dict[str, Any], quiet: bool = False,
     stop = threading.Event()
 
     def renew() -> None:
+        told = False
         while not stop.wait(duration / 2):
             try:
                 with Client(socket) as client:
-                    client.request({"op": "renew", "lease": lease["id"], "for": duration})
+                    renewed = client.request({"op": "renew", "lease": lease["id"], "for": duration})
             except Exception as err:  # the work goes on; the window may have closed under it
                 print(f"gpuswapctl: could not renew lease {lease['id']}: {err}", file=sys.stderr)
+                continue
+            if renewed.get("capped_by") == "fair_after" and not told:
+                told = True  # once: every renewal from now on is capped the same way
+                waiting = renewed.get("waiting") or {}
+                print(f"gpuswapctl: lease {lease['id']} is no longer extended: {waiting.get('holder')} waits for "
+                      f"profile {waiting.get('profile')} (daemon.fair_after); it ends at its expiry",
+                      file=sys.stderr)
 
     renewer = threading.Thread(target=renew, name="lease-renewer", daemon=True)
     renewer.start()

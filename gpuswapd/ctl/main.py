@@ -296,7 +296,7 @@ def _run(args: argparse.Namespace, client: Client) -> int:
         req: dict[str, Any] = {"op": "renew", "for": args.duration}
         req.update({k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v})
         reply = client.request(req)
-        _emit(args, reply, _lease_line(reply["lease"], "renewed"))
+        _emit(args, reply, _lease_line(reply["lease"], "renewed") + renew_capped(reply))
     elif args.command == "release":
         req = {"op": "release", **{k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v}}
         reply = client.request(req)
@@ -367,6 +367,15 @@ def _acquire(args: argparse.Namespace, client: Client) -> int:
         args, reply, _lease_line(reply["lease"], "acquired") + (" (capped by max_lease)" if reply.get("capped") else "")
     )
     return EXIT_OK
+
+
+def renew_capped(reply: dict[str, Any]) -> str:
+    """Say why a renewal was capped, if it was: daemon.max_lease, or a fair claim of another profile."""
+    if reply.get("capped_by") == "fair_after":
+        waiting = reply.get("waiting") or {}
+        return (f" (capped: {waiting.get('holder')} has waited {waiting.get('waited_s', 0):.0f}s for profile "
+                f"{waiting.get('profile')}; past daemon.fair_after a renewal keeps the expiry already granted)")
+    return " (capped by max_lease)" if reply.get("capped") else ""
 
 
 def _lease_line(lease: dict[str, Any], verb: str) -> str:

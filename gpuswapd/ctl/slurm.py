@@ -4,14 +4,17 @@ slurmd runs ``gpuswapctl slurm-prolog`` (``Prolog=``) as root when a job is allo
 (``PrologFlags=Alloc``) and ``gpuswapctl slurm-epilog`` (``Epilog=``) when it ends. The map
 (``/etc/gpuswapd/slurm/gpus.toml``, or ``$GPUSWAPD_SLURM_MAP``) ties each GPU index as Slurm numbers
 it (``SLURM_JOB_GPUS``) to a gpuswapd instance and names the default profile; a job asks for
-another with ``--comment=gpuswap:PROFILE``. The node Prolog does not get the job's environment,
-so the comment is read from ``scontrol show job``. Each GPU's lease is held by
+another with ``--comment=gpuswap:PROFILE``, read from slurmd's own ``SLURM_JOB_COMMENT`` (or
+squeue), never from a line the user's job name shares. A bad or unknown profile cancels the job
+and leaves the node in service; any other failure fails the Prolog (the node drains). Each GPU's
+lease is held by
 ``slurm-job-ID`` "for infinity": only the Epilog's release, or ``slurm-reconcile`` once Slurm no
 longer runs the job, ends it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -90,10 +93,30 @@ def _slurm(*argv: str) -> str:
     return out.stdout
 
 
+class JobFault(SlurmError):
+    """The job asked for something this node cannot give it (a bad or unknown profile): fail the job, not the node."""
+
+
 def job_comment(job_id: str) -> str:
-    """Read a job's --comment from slurmctld (the node Prolog does not get the job's environment)."""
-    found = re.search(r"(?:^|\s)Comment=(\S*)", _slurm("scontrol", "-o", "show", "job", job_id))
-    return "" if found is None or found.group(1) == "(null)" else found.group(1)
+    """Read a job's --comment: from slurmd's Prolog environment, else from slurmctld as a field of its own.
+
+    Never from ``scontrol -o show job``: its line puts the user's ``JobName=``, ``Command=`` and
+    ``WorkDir=`` before ``Comment=``, so a job named ``x Comment=gpuswap:Oops`` would be read as
+    asking for that profile. slurmd sets ``SLURM_JOB_COMMENT`` for the Prolog (22.05); otherwise
+    ``squeue --json`` (21.08 and later) or the comment alone (``-o %k``) says it.
+    """
+    comment = os.environ.get("SLURM_JOB_COMMENT")
+    if comment is not None:
+        return comment
+    try:
+        jobs = json.loads(_slurm("squeue", "--json", "--all", "-j", job_id)).get("jobs") or []
+    except (SlurmError, ValueError):
+        out = _slurm("squeue", "-h", "--all", "-j", job_id, "-o", "%k").rstrip("\n")
+        return "" if out == "(null)" else out
+    for job in jobs:
+        if isinstance(job, dict) and str(job.get("job_id")) == job_id:
+            return str(job.get("comment") or "")
+    raise SlurmError(f"squeue does not know job {job_id}")
 
 
 def job_profile(job_id: str, gpu_map: GpuMap) -> str:
@@ -103,14 +126,18 @@ def job_profile(job_id: str, gpu_map: GpuMap) -> str:
         return gpu_map.default_profile
     profile = comment[len(COMMENT_PREFIX):]
     if not _PROFILE.match(profile):
-        raise SlurmError(f"job {job_id} asks for profile {profile!r} (--comment={comment}): not a profile name "
-                         "(lowercase letters, digits and '-')")
+        raise JobFault(f"job {job_id} asks for profile {profile[:80]!r} in its comment: not a profile name "
+                       "(lowercase letters, digits and '-')")
     return profile
 
 
 def running_jobs() -> set[str]:
-    """List the jobs Slurm still runs (or sets up, or winds down): their raw job ids."""
-    out = _slurm("squeue", "-h", "-o", "%A", "-t", "CONFIGURING,RUNNING,COMPLETING,SUSPENDED,STOPPED")
+    """List the jobs Slurm still runs (or sets up, or winds down), in every partition: their raw job ids.
+
+    ``--all``: without it squeue leaves out the jobs of hidden partitions, which would look finished
+    and lose their leases mid-job.
+    """
+    out = _slurm("squeue", "--all", "-h", "-o", "%A", "-t", "CONFIGURING,RUNNING,COMPLETING,SUSPENDED,STOPPED")
     return {line.strip() for line in out.splitlines() if line.strip()}
 
 
@@ -136,6 +163,8 @@ def prolog() -> int:
         gpu_map = load_map()
         instances = [gpu_map.instance(g) for g in gpus]
         profile = job_profile(job, gpu_map)
+    except JobFault as err:
+        return _cancel(job, f"slurm-prolog: {err}")
     except SlurmError as err:
         return _fail(None, f"slurm-prolog: {err}")
     holder = f"{HOLDER_PREFIX}{job}"
@@ -152,7 +181,9 @@ def prolog() -> int:
             if isinstance(err, UnknownProfile):
                 why = f"job {job} asks for profile {profile!r}, which gpuswapd instance {name} does not have: {why}"
             undone = _give_back(got)
-            return _fail(job, f"slurm-prolog: job {job}: GPU {gpu} (gpuswapd instance {name}): {why}{undone}")
+            message = f"slurm-prolog: job {job}: GPU {gpu} (gpuswapd instance {name}): {why}{undone}"
+            # An unknown profile is the job's own request: the job fails, the node stays in service.
+            return _cancel(job, message) if isinstance(err, UnknownProfile) else _fail(job, message)
         got.append((name, reply["lease"]["id"]))
         print(f"slurm-prolog: job {job}: GPU {gpu} held (instance {name}, profile {reply.get('profile', profile)}, "
               f"lease {reply['lease']['id']})", file=sys.stderr)
@@ -173,14 +204,38 @@ def _give_back(got: list[tuple[str, str]]) -> str:
 
 
 def _fail(job: str | None, message: str) -> int:
+    """Fail the Prolog: slurmd drains the node and requeues the job held (the node cannot serve GPUs now)."""
     print(message, file=sys.stderr)
     if job is not None:
-        # slurmd logs only "prolog failed": put the reason where `scontrol show job` shows it.
-        try:
-            _slurm("scontrol", "update", f"JobId={job}", f"AdminComment={message[:900]}")
-        except SlurmError as err:
-            print(f"slurm-prolog: could not record the reason on job {job}: {err}", file=sys.stderr)
+        _record(job, message)
     return EXIT_FAILED
+
+
+def _cancel(job: str, message: str) -> int:
+    """Fail the job, not the node: cancel it from the Prolog and succeed, so slurmd keeps the node in service.
+
+    A Prolog that exits non-zero drains the node for everyone; a job that asks for a profile no
+    instance has is its submitter's mistake. The reason goes to the job's AdminComment; the job
+    ends CANCELLED (Reason=Prolog) before any of its processes start. If it cannot be cancelled,
+    the Prolog fails after all: the job must never run without its GPU.
+    """
+    print(message, file=sys.stderr)
+    _record(job, message)
+    try:
+        _slurm("scancel", job)
+    except SlurmError as err:
+        print(f"slurm-prolog: could not cancel job {job}, so the Prolog fails (the node drains): {err}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _record(job: str, message: str) -> None:
+    # slurmd logs only "prolog failed": put the reason where `scontrol show job` shows it.
+    try:
+        _slurm("scontrol", "update", f"JobId={job}", f"AdminComment={message[:900]}")
+    except SlurmError as err:
+        print(f"slurm-prolog: could not record the reason on job {job}: {err}", file=sys.stderr)
 
 
 def release_job(job: str, instances: list[str], must_reach: set[str]) -> list[str]:

@@ -77,16 +77,26 @@ MEANINGS: dict[str, str] = {
                         "fair claim). One more is refused at once: gpuswapctl exits 4, \"queue full\".",
     "daemon.fair_after": "Fairness: once a queued request for another profile has waited this long, new requests "
                          "for the open window's profile queue behind it instead of joining, so the open window "
-                         "closes when its current leases end and the waiting profile gets the card.",
+                         "closes when its current leases end and the waiting profile gets the card. While such a "
+                         "request waits, a renewal may extend a lease only up to the moment it has waited this "
+                         "long (and never shortens one): after that, renewals keep the expiry already granted "
+                         "(\"capped\": \"fair_after\", see gpuswapctl(1)).",
     "daemon.priority_max_nonroot": "The highest --priority a caller other than root may ask for; above it the "
                                    "request is refused (gpuswapctl exits 4) and the message says the limit.",
+    "daemon.priority_min_nonroot": "The lowest --priority a caller other than root may ask for; below it the "
+                                   "request is refused (gpuswapctl exits 4). A very negative priority would only "
+                                   "invite preemption by anyone, and keeps the queue's order hard to read.",
     "daemon.aging": "A queued request gains one level of effective priority per this much waiting, so none starves "
                     "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
     "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
                             "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
-    "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
-                         "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
-                         "its ExecStopPost= runs as usual.",
+    "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other leases "
+                         "bound to a unit have that unit stopped through systemd when they are revoked, so its "
+                         "ExecStopPost= runs as usual. The defaults are gpuswapd's own units (the gateway's too) and "
+                         "the services that run the work of many users (cron, atd, sshd, slurmd, systemd's own): a "
+                         "lease is bound to a unit only when the unit is the caller's own (see gpuswapctl(1), \"Who "
+                         "may ask\" in the README), and this list keeps those services running whatever a lease says. "
+                         "Setting the key replaces the whole list: keep the defaults in it.",
     "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
                         "never). A configured resident unit found inactive or failed is brought back with its "
                         "dependents, verified, and the matching timers resumed: a baseline restore, logged "

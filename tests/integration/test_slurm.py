@@ -108,3 +108,37 @@ def test_a_prolog_that_cannot_get_the_card_fails_the_job_with_the_reason(gpuswap
     assert found["JobState"] == "PENDING" and "held" in found["Reason"], found
     assert daemon.status()["last"]["outcome"] == "refused"
     assert_resident_back(probe)
+
+
+def test_a_hostile_job_name_or_a_bad_profile_fails_only_that_job(gpuswapd: Start, probe: Probe, slurm: Slurm,
+                                                                tmp_path: Path) -> None:
+    daemon = with_profiles(gpuswapd, probe, daemon={"linger": "0.5s"})
+    link(slurm, daemon)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    # The job's name comes before Comment= on scontrol's line: it must not be read as the comment.
+    a = sbatch(slurm, jobs, f"echo $CUDA_VISIBLE_DEVICES > {jobs}/a.txt", "--job-name=x Comment=gpuswap:Oops",
+               "--comment=gpuswap:bare")
+    assert slurm.wait_job(a, {"COMPLETED", "FAILED", "CANCELLED"})["JobState"] == "COMPLETED", slurm.job(a)
+    assert (jobs / "a.txt").read_text().strip() == "0"
+    daemon.wait_phase("IDLE", timeout=60)
+    windows = daemon.ctl_json("history", "--limit", "1")["windows"]
+    assert windows[-1]["profile"] == "bare" and windows[-1]["outcome"] == "closed"
+
+    # A profile nobody has, and a name that is no profile: the job is cancelled, the node serves on.
+    for comment, says in (("gpuswap:oops", "asks for profile 'oops', which gpuswapd instance default does not have"),
+                          ("gpuswap:Bad!", "asks for profile 'Bad!' in its comment: not a profile name")):
+        marker = jobs / f"ran-{comment[8:]}"
+        job = sbatch(slurm, jobs, f"touch {marker}", f"--comment={comment}")
+        # A failed Prolog would leave it PENDING (requeued, held) and the node drained.
+        found = slurm.wait_job(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=60)
+        assert found["JobState"] == "CANCELLED", found
+        assert says in found.get("AdminComment", ""), found
+        assert not marker.exists()  # none of the job ran
+        states = slurm.cmd("sinfo", "-h", "-N", "-o", "%T").stdout.split()
+        assert not any("drain" in state for state in states), states
+    daemon.wait_phase("IDLE", timeout=60)
+    assert_resident_back(probe)
+    b = sbatch(slurm, jobs, "true")  # the node still takes jobs
+    assert slurm.wait_job(b, {"COMPLETED", "FAILED", "CANCELLED"})["JobState"] == "COMPLETED"
+

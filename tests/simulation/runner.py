@@ -301,7 +301,8 @@ class Host:
     async def _boot(self) -> None:
         run = self.run
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
-                                                    run.world.card, run.world.store))  # type: ignore[arg-type]
+                                                    run.world.card, run.world.store,  # type: ignore[arg-type]
+                                                    host=run.world.peers))
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
@@ -509,6 +510,7 @@ class Run:
             self.world.systemd.units[unit] = Unit(unit)
             self.world.systemd.start_now(unit)
             pid, (uid, gid) = self.world.systemd.units[unit].pid, UIDS["alice"]
+            self.world.peers.run_as[unit] = uid  # User=alice: the unit is its client's own
         else:
             pid, (uid, gid) = next(self._pids), UIDS[who]
         if who == "unit" or e["kind"] == "run" or e["for"] == "infinity":

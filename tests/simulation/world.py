@@ -25,9 +25,10 @@ from urllib.parse import urlsplit
 
 from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
+from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
+from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import (
     BadResponse,
     ContainerNotFound,
@@ -36,6 +37,7 @@ from gpuswapd.errors import (
     ImageNotFound,
     UnitNotFound,
 )
+from gpuswapd.peers import Peer
 from gpuswapd.state import Document, Loaded, decode
 from tests.simulation.loop import VirtualClock
 
@@ -889,6 +891,66 @@ class Store:
 # -- the whole machine ---------------------------------------------------------------------------------
 
 
+class Peers:
+    """What the OS says of the simulation's clients (gpuswapd.peers.Host): their processes and units.
+
+    A client is the process the simulation hands in with its Peer; one that is a unit's main process
+    runs in that unit's cgroup, and the unit runs as the uid ``run_as`` gives it (``User=``).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.run_as: dict[str, int] = {}  # unit -> the uid of its User=
+
+    def peer(self, sock: Any) -> Peer:
+        """Nothing connects through a socket here: the simulation hands each peer in."""
+        raise AssertionError("the simulation serves streams with their peer, not sockets")
+
+    def process(self, peer: Peer) -> Process | None:
+        """Read a client's process: in its unit's cgroup if it is that unit's main process."""
+        unit = self.world.systemd.unit_of_pid(peer.pid)
+        cgroup = f"/system.slice/{unit}" if unit is not None and unit.endswith(".service") else None
+        return Process(peer.pid, peer.uid, (peer.pid,), 0, cgroup)
+
+    def still(self, peer: Peer) -> bool:
+        """A client's pid is never reused while it runs."""
+        return True
+
+    def unit_cgroup(self, unit: str) -> str | None:
+        """Ask the simulated manager for a unit's cgroup."""
+        return self.world.systemd.control_group(unit)
+
+    def unit_of_pid(self, pid: int) -> str | None:
+        """Ask the simulated manager which unit a process is in."""
+        return self.world.systemd.unit_of_pid(pid)
+
+    def service(self, unit: str) -> ServiceProcesses:
+        """Say whose a unit's processes are: its User= (``run_as``) and its main process."""
+        u = self.world.systemd.units.get(unit)
+        uid = self.run_as.get(unit)
+        return ServiceProcesses(unit, "" if uid is None else str(uid), False, u.pid if u is not None else 0, 0)
+
+    def process_in(self, cgroup: str, pid: int) -> Process | None:
+        """Find a unit's main process."""
+        unit = cgroup.rsplit("/", 1)[-1]
+        u = self.world.systemd.units.get(unit)
+        if u is None or u.pid != pid or not pid:
+            return None
+        return Process(pid, self.run_as.get(unit, 0), (pid,), 0, cgroup)
+
+    def user_id(self, name: str) -> int | None:
+        """Resolve a uid written as a number (User= here is always one)."""
+        return int(name) if name.isdigit() else None
+
+    def user_name(self, uid: int) -> str:
+        """Name a user by its uid."""
+        return str(uid)
+
+    def group_id(self, name: str) -> int | None:
+        """Resolve the socket group: root's (0), as the simulation's configuration names it."""
+        return 0 if name == "root" else None
+
+
 class World:
     """One machine: its card, systemd, Docker, the servers, the state directory, and the clock."""
 
@@ -900,6 +962,7 @@ class World:
         self.docker = Docker(self)
         self.http = Http(self)
         self.store = Store(clock)
+        self.peers = Peers(self)
         self.resident_units: tuple[str, ...] = ()
         self.agent_runs = 0
         self.agent_failures: list[str] = []

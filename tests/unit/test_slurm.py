@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from pathlib import Path
@@ -122,17 +123,40 @@ class FakeClients:
             return {"ok": True, "lease": {"id": f"lease-{self.name}"}, "released": [], "profile": "default"}
 
 
+class FakeSlurm:
+    """Slurm's commands: what each was asked, squeue's job (its comment), and commands that fail."""
+
+    def __init__(self, comment: str = "", failing: tuple[str, ...] = ()) -> None:
+        self.comment = comment
+        self.failing = failing
+        self.ran: list[tuple[str, ...]] = []
+
+    def __call__(self, *argv: str) -> str:
+        self.ran.append(argv)
+        if argv[0] in self.failing or " ".join(argv[:2]) in self.failing:
+            raise SlurmError(f"{argv[0]} failed")
+        if argv[:2] == ("squeue", "--json"):
+            return json.dumps({"jobs": [{"job_id": 7, "name": "x Comment=gpuswap:Oops", "comment": self.comment}]})
+        if argv[0] == "squeue" and "%k" in argv:
+            return self.comment + "\n"
+        return ""
+
+
 def _prolog(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failing: dict[str, GpuswapError],
-            comment: str = "(null)") -> tuple[int, FakeClients]:
+            comment: str | None = None, fake: FakeSlurm | None = None) -> tuple[int, FakeClients]:
     gpu_map = tmp_path / "gpus.toml"
     gpu_map.write_text('[gpus]\n"0" = "a"\n"1" = "b"\n')
     clients = FakeClients(failing)
     monkeypatch.setattr(slurm, "Client", clients)
-    monkeypatch.setattr(slurm, "_slurm", lambda *argv: f"JobId=7 Comment={comment} Partition=gpu")
+    monkeypatch.setattr(slurm, "_slurm", fake or FakeSlurm())
     monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_JOB_GPUS", "0,1")
+    if comment is None:
+        monkeypatch.delenv("SLURM_JOB_COMMENT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_JOB_COMMENT", comment)
     return slurm.prolog(), clients
 
 
@@ -147,11 +171,54 @@ def test_a_prolog_that_gets_one_gpu_of_two_gives_it_back(monkeypatch: pytest.Mon
     assert "job 7: GPU 1 (gpuswapd instance b): strata.service is busy; gave back the 1 GPU(s)" in err
 
 
-def test_a_prolog_names_an_unknown_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
-    code, clients = _prolog(monkeypatch, tmp_path, {"a": UnknownProfile("no profile 'huge'")}, "gpuswap:huge")
-    assert code == 1 and clients.asked[0][1]["profile"] == "huge"
-    assert "job 7 asks for profile 'huge', which gpuswapd instance a does not have" in capsys.readouterr().err
+def test_an_unknown_profile_cancels_the_job_and_keeps_the_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeSlurm()
+    code, clients = _prolog(monkeypatch, tmp_path, {"b": UnknownProfile("no profile 'huge'")}, "gpuswap:huge", fake)
+    assert code == 0  # a Prolog that fails drains the node: this one cancels the job instead
+    assert clients.asked[0][1]["profile"] == "huge"
+    assert [(name, req["op"]) for name, req in clients.asked] == [("a", "acquire"), ("b", "acquire"), ("a", "release")]
+    assert "job 7 asks for profile 'huge', which gpuswapd instance b does not have" in capsys.readouterr().err
+    update = next(argv for argv in fake.ran if argv[:2] == ("scontrol", "update"))
+    assert update[2] == "JobId=7" and "asks for profile 'huge'" in update[3]
+    assert fake.ran[-1] == ("scancel", "7")
+
+
+@pytest.mark.parametrize("comment", ["gpuswap:Big", "gpuswap:x y", "gpuswap:", "gpuswap:" + "a" * 70])
+def test_a_bad_profile_name_cancels_the_job_before_asking_gpuswapd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                   comment: str) -> None:
+    fake = FakeSlurm()
+    code, clients = _prolog(monkeypatch, tmp_path, {}, comment, fake)
+    assert code == 0 and clients.asked == [] and fake.ran[-1] == ("scancel", "7")
+
+
+def test_a_job_that_cannot_be_cancelled_fails_the_prolog(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = FakeSlurm(failing=("scancel",))
+    code, _ = _prolog(monkeypatch, tmp_path, {"a": UnknownProfile("no profile 'huge'")}, "gpuswap:huge", fake)
+    assert code == 1  # the job must never run without its GPU: the node drains after all
+
+
+def test_the_comment_is_the_jobs_own_field_whatever_its_name_says(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    # slurmd's own SLURM_JOB_COMMENT first; without it squeue's field (--json, else -o %k), never a line
+    # where the user's JobName=, Command= and WorkDir= come before Comment=.
+    fake = FakeSlurm(comment="gpuswap:bare")
+    code, clients = _prolog(monkeypatch, tmp_path, {}, None, fake)
+    assert code == 0 and {req.get("profile") for _, req in clients.asked} == {"bare"}
+    assert fake.ran[0] == ("squeue", "--json", "--all", "-j", "7")
+    old = FakeSlurm(comment="gpuswap:bare", failing=("squeue --json",))
+    monkeypatch.setattr(slurm, "_slurm", old)
+    assert slurm.job_comment("7") == "gpuswap:bare"
+    assert old.ran[-1] == ("squeue", "-h", "--all", "-j", "7", "-o", "%k")
+    monkeypatch.setenv("SLURM_JOB_COMMENT", "gpuswap:eval")
+    assert slurm.job_comment("7") == "gpuswap:eval" and len(old.ran) == 2  # no Slurm call at all
+
+
+def test_reconcile_asks_squeue_for_every_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeSlurm()
+    monkeypatch.setattr(slurm, "_slurm", fake)
+    slurm.running_jobs()
+    assert fake.ran == [("squeue", "--all", "-h", "-o", "%A", "-t", "CONFIGURING,RUNNING,COMPLETING,SUSPENDED,STOPPED")]
 
 
 def test_an_epilog_with_nothing_to_release_succeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
