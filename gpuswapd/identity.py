@@ -26,7 +26,7 @@ park decision included (``Known.needs``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock, parking
@@ -108,7 +108,7 @@ class Known:
     baseline: Identity | None = None
     footprint: int | None = None  # what its processes held the last time a window stopped it
     changed: dict[str, Any] | None = None  # the last close left it smaller: was, now, why, holders
-    warned: int = field(default=0, compare=False)  # the footprint last warned of (in memory only)
+    warned: int = 0  # the largest footprint warned of: each is warned of once
 
     def needs(self, configured: int) -> int:
         """Return what the resident needs free: ``gpu.resident_needs``, or more if it was seen to hold more."""
@@ -120,7 +120,7 @@ class Known:
         if self.baseline is None and self.footprint is None and self.changed is None:
             return None
         return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
-                "footprint_bytes": self.footprint, "changed": self.changed}
+                "footprint_bytes": self.footprint, "footprint_warned": self.warned, "changed": self.changed}
 
     @classmethod
     def from_dict(cls, data: Any) -> Known:
@@ -131,7 +131,8 @@ class Known:
         baseline = d.table("baseline")
         footprint = d.number("footprint_bytes", optional=True)
         return cls(None if baseline is None else Identity.from_dict(baseline, "resident.baseline"),
-                   None if footprint is None else int(footprint), d.table("changed"))
+                   None if footprint is None else int(footprint), d.table("changed"),
+                   int(d.number("footprint_warned", default=0)))
 
     def status(self, configured: int) -> dict[str, Any]:
         """Describe it for ``status``: the baseline, what the last close found, what the checks use."""
@@ -193,6 +194,7 @@ async def learn_footprint(w: Window, running: list[str]) -> None:
     footprint = sum(h.used_bytes for h in held)
     configured = w.config.gpu.resident_needs
     w.known.footprint = footprint
+    w.writer.request()
     if footprint > configured and footprint > w.known.warned:
         w.known.warned = footprint
         log.warning("resident_footprint_larger", footprint=format_size(footprint),
@@ -281,9 +283,10 @@ def _restored_smaller(w: Window, was: Identity, now: Identity, short: list[str],
     if now.models != was.models and not any(s.startswith(("n_ctx", "total_slots")) for s in short):
         return text + "; check the resident's own configuration (it serves other models now); it serves meanwhile"
     configured = w.config.gpu.resident_needs
-    return (text + f"; stop those processes, or raise gpu.resident_needs (now {format_size(configured)}) above what "
-            f"the resident needs to load as it was, {_size(was.held_bytes)} and llama.cpp's --fit-target margin; it "
-            "serves meanwhile, and the next window's close tries again")
+    return (text + f"; stop those processes, or raise gpu.resident_needs (now {format_size(configured)}) to what the "
+            f"resident needs free to load as it was (the {_size(was.held_bytes)} it held, and llama.cpp's "
+            "--fit-target margin, 1 GiB by default), so that gpuswapd waits for it; it serves meanwhile, and the next "
+            "window's close tries again")
 
 
 def _size(nbytes: int | None) -> str:

@@ -371,7 +371,7 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a live process (None: it is gone); a process on the card outside these units is a session's."""
+        """Name the unit of a live process (None: it is gone); a card's process outside these units is a session's."""
         unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
         if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
             return "session-1.scope"
@@ -407,6 +407,7 @@ class FakeDocker:
         self.containers: dict[str, FakeContainer] = {}
         self.where = "fake"
         self.engine_pid = 4242
+        self.residual = RESIDUAL_BYTES  # what a sleeping engine keeps
         self._changed = threading.Condition()
 
     def ping(self) -> None:
@@ -468,7 +469,7 @@ class FakeDocker:
             c = self.containers[name]
             if c.status == "running" and c.sleeping is None:
                 self.gpu.free(f"engine:{name}")
-                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                self.gpu.claim(f"engine:{name}", self.engine_pid, self.residual)
                 c.sleeping = level
 
     def wake(self, name: str, garble: bool = False) -> bool:
@@ -480,7 +481,7 @@ class FakeDocker:
             self.gpu.free(f"engine:{name}")
             if not self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
                 self.gpu.ooms.pop()
-                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                self.gpu.claim(f"engine:{name}", self.engine_pid, self.residual)
                 return False
             c.sleeping, c.garbled, c.wakes = None, garble, c.wakes + 1
             return True
