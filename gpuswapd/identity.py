@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock, parking
-from gpuswapd.errors import BadResponse, DockerError, GpuswapError
+from gpuswapd.errors import BadResponse, Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.record import WindowRecord, _Fields
 from gpuswapd.sizes import format_size
@@ -296,8 +296,8 @@ def _size(nbytes: int | None) -> str:
 async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
     """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
     if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
-        raise DockerError(f"the parked engine {w.parked.container.get('name')} could not be removed, so the smaller "
-                          "resident is not restarted yet (gpuswapd retries)")
+        raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.get('name')}, "
+                       "which could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd keeps trying")
     await w.resident.stop(rec.units)
     was = w.known.baseline
     need = max(w.resident_needs, (was.held_bytes or 0) if was is not None else 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuswapd.adapters.docker import ContainerState
+from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.props import ServerProps
@@ -221,6 +221,9 @@ class FakeSystemd:
         self._lock = threading.RLock()
         self._watchers: list[Any] = []
         self.started: list[str] = []  # every unit started, in order
+        # One sequence for this world's starts and completions, so their order can be checked.
+        self.moments = itertools.count(1)
+        self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
 
     def add_unit(self, unit: FakeUnit) -> None:
@@ -239,6 +242,9 @@ class FakeSystemd:
 
     def connect(self) -> None:
         """Connect (nothing to do)."""
+
+    def close(self) -> None:
+        """Close (nothing to do)."""
 
     def watch_active_state(self, watcher: Any) -> None:
         """Remember who wants to hear of state changes."""
@@ -297,6 +303,7 @@ class FakeSystemd:
                 return "failed"
             unit.active_state = "active"
             self.started.append(name)
+            self.started_at.append((next(self.moments), name))
             return "done"
 
     def _stop(self, name: str) -> str:
@@ -371,7 +378,7 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a live process (None: it is gone); a card's process outside these units is a session's."""
+        """Name the unit of a live process (None: it is gone); one on the card outside these units is a session's."""
         unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
         if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
             return "session-1.scope"
@@ -416,6 +423,14 @@ class FakeDocker:
     def image_present(self, image: str) -> bool:
         """Tell whether the image is here."""
         return image in self.images
+
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Say what an image runs with: nothing of its own."""
+        return RunSettings(image, {}, [], [], "") if image in self.images else None
+
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Say what a container runs with: nothing of its own."""
+        return RunSettings("", {}, [], [], "") if name in self.containers else None
 
     def state(self, name: str) -> ContainerState | None:
         """Inspect a container."""
@@ -536,6 +551,7 @@ class FakeHttp:
         self.systemd = systemd
         self.docker = docker
         self.completions: list[str] = []
+        self.completed_at: list[tuple[int, str]] = []  # (moment, url) of every completion
         self.garble_wakes = 0  # the next wakes answer differently
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
         self.models = ["strata"]  # what the resident lists at /v1/models
@@ -611,6 +627,7 @@ class FakeHttp:
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
         self.completions.append(url)
+        self.completed_at.append((next(self.systemd.moments), url))
         text = CANARY if sampling is not None else "ready"
         if c is not None and c.garbled:
             text = text[::-1]

@@ -1,17 +1,32 @@
-"""Re-opening from park against re-opening cold, side by side in one run.
+"""Re-opening from park against re-opening cold, alternating in one run with one gpuswapd.
 
-    .venv/bin/python -m tests.benchmarks.park_bench [--cycles 5]
+    .venv/bin/python -m tests.benchmarks.park_bench [--cycles 10] [--lag S] [--boot-delay S]
 
-On the test world, with an engine that offers sleep mode:
+On the test world, one gpuswapd with two engine profiles: the default one (``park.mode =
+"stop"``, the engine is removed at close) and "warm" (``park.mode = "sleep"``, a second engine
+with sleep mode, on port 18021, parked asleep at close). One priming window of "warm" boots and
+parks its engine; then every cycle runs each variant once, in turn:
 
-- **cold**: gpuswapd with ``window.park.mode = "stop"``: each acquire boots the engine (boot delay,
-  warmup, verify), each release removes it.
-- **warm**: gpuswapd with ``mode = "sleep"``: after one priming window the engine is parked; each
-  acquire wakes it (WAKING: ``/wake_up``, the canary), each release puts it back to sleep.
+- **cold**: a window of the default profile: boot, warmup, verify; removed at close. The parked
+  "warm" engine stays asleep beside it (it fits).
+- **warm**: a window of "warm": WAKING (``/wake_up``, the canary), and back to sleep at close.
 - **direct warm**: the same physical steps as a warm open and a close to park, back to back with
   10 ms polling and no daemon: drain, stop the timers, stop the resident, wait for the VRAM the
-  parked engine does not hold, wake it, the canary; then sleep, read the VRAM, start and verify the
-  resident, start the timers. gpuswapd's warm overhead is warm - direct warm, paired per cycle.
+  parked engine does not hold, wake it, the canary; then sleep, read the VRAM, start and verify
+  the resident, start the timers. gpuswapd's warm overhead is warm - direct warm, per cycle.
+
+gpuswapd's windows are timed as in swap_bench: an acquire from a connected client until its
+reply; a release until the running ``watch`` receives ``window_finished``. The cold/warm ratio
+is taken per cycle.
+
+What bounds the result (constants of the simulated world, not of gpuswapd):
+  - cold: the engine's boot delay (ENGINE_BOOT_DELAY, 1.0 s, or --boot-delay) and 2 warmup + 1
+    verify completions; warm: the engine's wake delay (ENGINE_WAKE_DELAY_1, 0.3 s) and one canary.
+    The cold/warm ratio is mostly these constants (1.0 s against 0.3 s): it says how much a
+    parked engine saves on this simulator, not on a real vLLM (minutes cold, seconds warm);
+  - both: the VRAM release lag (0.5 s, or --lag) after the resident stops, the resident's load
+    and llama-swap's 0.25 s health poll at close, and the simulated nvidia-smi (~60 ms a read).
+The direct warm variant pays these too: warm - direct warm is what gpuswapd adds.
 
 Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 """
@@ -26,28 +41,43 @@ import sys
 import time
 from typing import Any
 
-from gpuswapd.config import Config, load_config
+from gpuswapd.config import Config, WindowConfig, load_config
 from gpuswapd.engine import CANARY_PROMPT, CANARY_SAMPLING, CANARY_TOKENS
-from tests.benchmarks.report import measured, parser, spread, spread_row, table, write_results
+from tests.benchmarks.clients import Events
+from tests.benchmarks.report import (
+    SPREAD_HEADER,
+    add_world_options,
+    alternate,
+    measured,
+    paired,
+    parser,
+    spread,
+    spread_row,
+    table,
+    write_results,
+)
 from tests.benchmarks.swap_bench import (
     Direct,
     _wait,
-    at_baseline,
     complete,
+    engine_env,
     free_bytes,
     gpuswapd_cycle,
     status,
+    world,
+    world_constants,
 )
-from tests.stack.config import ENGINE_ENV, stack_config
+from tests.stack.config import ENGINE_ENV, EVAL_PORT, stack_config
 from tests.stack.daemon import RunningDaemon
-from tests.stack.world import ENGINE_PORT, PROXY_PORT, Stack, StackError
+from tests.stack.world import ENGINE_IMAGE, PROXY_PORT, Stack, StackError
 
-SLEEPY = {**ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+WARM = "warm"
+WARM_PORT = EVAL_PORT
 START_SPACING_S = 2.5
 
 
-def _post(path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", ENGINE_PORT, timeout=timeout)
+def _post(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", path, body=json.dumps(body) if body is not None else None,
                      headers={"Content-Type": "application/json"})
@@ -57,8 +87,8 @@ def _post(path: str, body: dict[str, Any] | None = None, timeout: float = 60) ->
         conn.close()
 
 
-def _sleeping() -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", ENGINE_PORT, timeout=5)
+def _sleeping(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.request("GET", "/is_sleeping")
         return bool(json.loads(conn.getresponse().read())["is_sleeping"])
@@ -69,37 +99,38 @@ def _sleeping() -> bool:
 class DirectWarm(Direct):
     """A warm open and a close to park, by hand against the real systems."""
 
-    def __init__(self, stack: Stack, config: Config, residual: int) -> None:
+    def __init__(self, stack: Stack, config: Config, engine: WindowConfig, port: int, residual: int) -> None:
         super().__init__(stack, config)
-        self.residual = residual
+        self.engine, self.port, self.residual = engine, port, residual
 
     def open_warm(self) -> dict[str, float]:
+        """Open a window by waking the parked engine; return each step's seconds."""
         steps: dict[str, float] = {}
-        cfg = self.config
-        self.clear_resident(steps, cfg.gpu.window_needs - self.residual)
+        self.clear_resident(steps, self.config.gpu.window_needs - self.residual)
 
         def wake() -> None:
-            if _post("/wake_up")[0] != 200:
+            if _post(self.port, "/wake_up")[0] != 200:
                 raise StackError("the engine did not wake")
-            _wait("awake", lambda: not _sleeping())
-            v = cfg.window.verify
-            status, _ = _post("/v1/chat/completions", {"model": v.model, "max_tokens": CANARY_TOKENS,
-                                                       "messages": [{"role": "user", "content": CANARY_PROMPT}],
-                                                       **CANARY_SAMPLING})
-            if status != 200:
+            _wait("awake", lambda: not _sleeping(self.port))
+            v = self.engine.verify
+            answer, _ = _post(self.port, "/v1/chat/completions", {
+                "model": v.model, "max_tokens": CANARY_TOKENS,
+                "messages": [{"role": "user", "content": CANARY_PROMPT}], **CANARY_SAMPLING})
+            if answer != 200:
                 raise StackError("the canary was not answered")
 
         self._timed(steps, "wake", wake)
         return steps
 
     def close_park(self) -> dict[str, float]:
+        """Put the engine back to sleep and restore the resident; return each step's seconds."""
         steps: dict[str, float] = {}
         cfg, gpu = self.config, self.stack.paths.gpu
 
         def sleep() -> None:
-            if _post(f"/sleep?level={cfg.window.park.level}")[0] != 200:
+            if _post(self.port, f"/sleep?level={self.engine.park.level}")[0] != 200:
                 raise StackError("the engine did not sleep")
-            _wait("asleep", _sleeping)
+            _wait("asleep", lambda: _sleeping(self.port))
             if free_bytes(gpu) < cfg.gpu.resident_needs:
                 raise StackError("the resident would not fit beside the sleeping engine")
 
@@ -117,109 +148,158 @@ class DirectWarm(Direct):
 
 def spaced(stack: Stack) -> None:
     """Wait for the resident, then long enough that its starts stay under the start limit."""
-    stack.wait_baseline()
+    at_baseline_but_parked(stack)
     time.sleep(START_SPACING_S)
 
 
-def _daemon(stack: Stack, name: str, mode: str) -> tuple[RunningDaemon, Config]:
+def at_baseline_but_parked(stack: Stack) -> None:
+    """The resident serves and the agent timers are armed; the only container is the parked engine."""
+    stack.wait_baseline()
+    running = stack.docker("ps", "-a", "--format", "{{.Names}}").stdout.split()
+    if running not in ([], ["hyperqwen-warm"]):
+        raise StackError(f"containers left over from the last window: {running}")
+
+
+def warm_profile(stack: Stack, boot_delay: float | None) -> dict[str, dict[str, Any]]:
+    """The "warm" profile: a second engine with sleep mode, parked asleep at close."""
+    p = stack.paths
     # watch_interval long: the parked engine's watch must not look while the direct run wakes it.
-    path = stack_config(stack, name, daemon={"linger": "0s"}, window={"watch_interval": "10m"},
-                        window__park={"mode": mode}, window__container={"env": SLEEPY})
-    return RunningDaemon(stack, path, path.parent / "gpuswapd.sock"), load_config(path)
+    return {
+        f"profiles__{WARM}": {"kind": "engine", "health_url": f"http://127.0.0.1:{WARM_PORT}/health",
+                              "boot_timeout": "60s", "watch_interval": "10m", "max_restarts": 2},
+        f"profiles__{WARM}__container": {
+            "name": "hyperqwen-warm", "image": ENGINE_IMAGE, "create": True, "env_file": "",
+            "env": engine_env(boot_delay, {**ENGINE_ENV, "PORT": str(WARM_PORT), "ENGINE_NAME": "hyperqwen-warm",
+                                           "VLLM_SERVER_DEV_MODE": "1"}),
+            "ports": {}, "network_mode": "host", "gpus": [], "volumes": {"/usr": "/usr:ro", str(p.gpu): "/gpu"},
+            "shm_size": "", "command": [], "stop_timeout": "10s"},
+        f"profiles__{WARM}__warmup": {"requests": 2, "prompt": "Write a haiku about GPUs.", "max_tokens": 64},
+        f"profiles__{WARM}__verify": {"url": f"http://127.0.0.1:{WARM_PORT}/v1/chat/completions",
+                                      "model": "hyperqwen", "prompt": "Reply with the single word: ready",
+                                      "max_tokens": 64, "timeout": "30s"},
+        f"profiles__{WARM}__park": {"mode": "sleep"},
+    }
 
 
-def run(cycles: int) -> dict[str, Any]:
-    stack = Stack()
-    result: dict[str, Any] = {"cold": [], "warm": [], "direct_warm": []}
+def warm_cycle(daemon: RunningDaemon, events: Events) -> dict[str, Any]:
+    """A window of the warm profile; it must have woken the parked engine."""
+    out = gpuswapd_cycle(daemon, events, holder="park-bench-warm", profile=WARM)
+    if out["start"] != "warm":
+        raise StackError(f"a warm re-open booted cold:\n{daemon.tail()}")
+    return out
+
+
+def run(cycles: int, lag: float | None = None, boot_delay: float | None = None) -> dict[str, Any]:
+    """Prime the warm engine, then alternate cold, warm and direct warm windows."""
+    stack = world(lag)
+    result: dict[str, Any] = {}
     with stack.exclusive():
         stack.up()
         os.environ.update(stack.env())
-        cold, _ = _daemon(stack, "park-bench-cold", "stop")
-        warm, config = _daemon(stack, "park-bench-warm", "sleep")
+        path = stack_config(stack, "park-bench", daemon={"linger": "0s"},
+                            window__container={"env": engine_env(boot_delay)}, **warm_profile(stack, boot_delay))
+        config = load_config(path)
+        daemon = RunningDaemon(stack, path, path.parent / "gpuswapd.sock")
+        events: Events | None = None
+        direct: DirectWarm | None = None
         try:
-            cold.start()
-            for n in range(cycles):
-                at_baseline(stack)
-                result["cold"].append(gpuswapd_cycle(cold))
-                print(f"cold {n + 1}/{cycles}: open {result['cold'][-1]['open_s']:.2f}s", file=sys.stderr)
-            cold.stop()
-            warm.start()
-            gpuswapd_cycle(warm)  # prime: boots cold, parks
-            parked = status(warm.socket)["parked"]
+            daemon.start()
+            events = Events(daemon.socket)
+            watch = events
+            gpuswapd_cycle(daemon, watch, holder="park-bench-prime", profile=WARM)  # boots cold, parks
+            parked = status(daemon.socket)["parked"]
             if parked is None:
-                raise StackError(f"the engine was not parked:\n{warm.tail()}")
-            direct = DirectWarm(stack, config, int(parked["residual_bytes"]))
-            try:
-                for n in range(cycles):
-                    # Warm windows are fast: without a pause between them the hand-run close once
-                    # failed to start strata (llama-swap's job ended 'dependency'); spacing the
-                    # resident's restarts avoided it (systemd's start limit is suspected).
-                    spaced(stack)
-                    g = gpuswapd_cycle(warm)
-                    if status(warm.socket)["last"]["start"] != "warm":
-                        raise StackError(f"a warm re-open booted cold:\n{warm.tail()}")
-                    result["warm"].append(g)
-                    spaced(stack)
-                    result["direct_warm"].append({"open": direct.open_warm(), "close": direct.close_park()})
-                    print(f"warm {n + 1}/{cycles}: open {g['open_s']:.2f}s close {g['close_s']:.2f}s", file=sys.stderr)
-            finally:
-                direct.close_all()
+                raise StackError(f"the engine was not parked:\n{daemon.tail()}")
+            engine = config.profile(WARM).engine
+            direct = DirectWarm(stack, config, engine, WARM_PORT, int(parked["residual_bytes"]))
+            hand = direct
+            result["constants"] = {**world_constants(stack, config.window.container.env,
+                                                     config.window.warmup.requests),
+                                   "engine_wake_delay_1_s": float(engine.container.env.get("ENGINE_WAKE_DELAY_1", 0.3))}
+            # Warm windows are fast: without a pause between them the hand-run close once failed to
+            # start strata (llama-swap's job ended 'dependency'); spacing the resident's restarts
+            # avoided it (systemd's start limit is suspected).
+            result["variants"] = alternate(cycles, [
+                ("cold", lambda: gpuswapd_cycle(daemon, watch, holder="park-bench-cold")),
+                ("warm", lambda: warm_cycle(daemon, watch)),
+                ("direct_warm", lambda: {"open": hand.open_warm(), "close": hand.close_park()}),
+            ], before=lambda _: spaced(stack))
             result["residual_bytes"] = parked["residual_bytes"]
             result["ooms"] = stack.ooms()
         except StackError as err:
-            raise StackError(f"{err}\ngpuswapd's log ({warm.log}):\n{warm.tail(15)}") from err
+            raise StackError(f"{err}\ngpuswapd's log ({daemon.log}):\n{daemon.tail(15)}") from err
         finally:
-            cold.stop()
-            warm.stop()
+            if events is not None:
+                events.close()
+            if direct is not None:
+                direct.close_all()
+            daemon.stop()
             with contextlib.suppress(StackError):  # never hide what failed above
                 stack.reset()
     return result
 
 
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
-    series: dict[str, list[float]] = {}
-    for c in result["cold"]:
-        series.setdefault("cold.open", []).append(c["open_s"])
-        series.setdefault("cold.open_daemon", []).append(c["open_daemon_s"])
-    for g, d in zip(result["warm"], result["direct_warm"], strict=True):
-        d_open, d_close = sum(d["open"].values()), sum(d["close"].values())
-        for key, value in (("warm.open", g["open_s"]), ("warm.open_daemon", g["open_daemon_s"]),
-                           ("warm.close", g["close_s"]), ("warm.close_daemon", g["close_daemon_s"]),
-                           ("direct.open", d_open), ("direct.close", d_close),
-                           ("warm.open_overhead", g["open_s"] - d_open),
-                           ("warm.open_overhead_daemon", g["open_daemon_s"] - d_open),
-                           ("warm.close_overhead", g["close_s"] - d_close),
-                           ("warm.close_overhead_daemon", g["close_daemon_s"] - d_close),
-                           ("direct.wake", d["open"]["wake"]), ("waking", g["phases"].get("WAKING", 0.0))):
-            series.setdefault(key, []).append(value)
-    stats: dict[str, Any] = {k: spread(v) for k, v in series.items()}
-    stats["ratio_cold_warm"] = stats["cold.open"]["median"] / stats["warm.open"]["median"]
-    return stats
+    """Compute every figure; ratios and overheads per cycle."""
+    v = result["variants"]
+    cold, warm, hand = v["cold"], v["warm"], v["direct_warm"]
+    d_open = [sum(d["open"].values()) for d in hand]
+    d_close = [sum(d["close"].values()) for d in hand]
+
+    def of(cycles: list[dict[str, Any]], key: str) -> list[float]:
+        return [c[key] for c in cycles]
+
+    series = {
+        "cold.open": of(cold, "open_s"), "cold.open_daemon": of(cold, "open_daemon_s"),
+        "warm.open": of(warm, "open_s"), "warm.open_daemon": of(warm, "open_daemon_s"),
+        "warm.close": of(warm, "close_s"), "warm.close_daemon": of(warm, "close_daemon_s"),
+        "direct.open": d_open, "direct.close": d_close,
+        "warm.open_overhead": paired(of(warm, "open_s"), d_open, lambda a, b: a - b),
+        "warm.open_overhead_daemon": paired(of(warm, "open_daemon_s"), d_open, lambda a, b: a - b),
+        "warm.close_overhead": paired(of(warm, "close_s"), d_close, lambda a, b: a - b),
+        "warm.close_overhead_daemon": paired(of(warm, "close_daemon_s"), d_close, lambda a, b: a - b),
+        # The resident's restore varies by seconds on a loaded machine, in both variants.
+        "warm.close_overhead_outside_restore": paired(
+            [c["close_daemon_s"] - c["phases"].get("RESTORING", 0.0) for c in warm],
+            [sum(d["close"].values()) - d["close"]["restore"] for d in hand], lambda a, b: a - b),
+        "waking": [c["phases"].get("WAKING", 0.0) for c in warm], "direct.wake": [d["open"]["wake"] for d in hand],
+        "ratio_cold_warm": paired(of(cold, "open_s"), of(warm, "open_s"), lambda a, b: a / b),
+        "saved_cold_warm": paired(of(cold, "open_s"), of(warm, "open_s"), lambda a, b: a - b),
+    }
+    return {k: spread(values) for k, values in series.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("park_bench", __doc__, cycles_of="windows per variant").parse_args(argv)
-    result = measured("park_bench", run, args.cycles)
+    """Run the park benchmark."""
+    cli = parser("park_bench", __doc__, cycles_of="a cold window, a warm window and a direct warm one")
+    add_world_options(cli)
+    args = cli.parse_args(argv)
+    result = measured("park_bench", run, args.cycles, args.lag, args.boot_delay)
     if result is None:
         return 1
     stats = analyse(result)
     rows = [spread_row(label, stats[key]) for key, label in (
-        ("cold.open", "cold re-open: acquire → READY (gpuswapctl wall)"),
+        ("cold.open", "cold re-open: acquire → READY (connected client)"),
         ("cold.open_daemon", "cold re-open (daemon's record)"),
-        ("warm.open", "warm re-open: acquire → READY (gpuswapctl wall)"),
+        ("warm.open", "warm re-open: acquire → READY (connected client)"),
         ("warm.open_daemon", "warm re-open (daemon's record)"),
+        ("ratio_cold_warm", "cold / warm, per cycle (x)"),
+        ("saved_cold_warm", "cold - warm, per cycle"),
         ("direct.open", "direct warm open: inherent time"),
-        ("warm.open_overhead", "warm open overhead = gpuswapd - direct"),
+        ("warm.open_overhead", "warm open overhead = gpuswapd - direct, per cycle"),
         ("warm.open_overhead_daemon", "warm open overhead, daemon's record - direct"),
         ("waking", "  of it WAKING (wake + canary)"), ("direct.wake", "  direct wake + canary"),
-        ("warm.close", "close to park: release → resident verified"),
+        ("warm.close", "close to park: release → window_finished"),
         ("warm.close_daemon", "close to park (daemon's record)"),
         ("direct.close", "direct close to park: inherent time"),
-        ("warm.close_overhead", "close overhead = gpuswapd - direct"),
-        ("warm.close_overhead_daemon", "close overhead, daemon's record - direct"))]
-    print(table(f"\nre-open from park against cold, {args.cycles} cycles each (seconds)",
-                ("", "min", "median", "max"), rows))
-    print(f"\ncold / warm re-open (medians, gpuswapctl wall): {stats['ratio_cold_warm']:.2f}x; "
+        ("warm.close_overhead", "close overhead = gpuswapd - direct, per cycle"),
+        ("warm.close_overhead_daemon", "close overhead, daemon's record - direct"),
+        ("warm.close_overhead_outside_restore", "close overhead but for the resident's restore (record)"))]
+    print(table(f"\nre-open from park against cold, {args.cycles} cycles, variants alternating (seconds)",
+                SPREAD_HEADER, rows))
+    k = result["constants"]
+    print(f"\nby construction: engine boot delay {k['engine_boot_delay_s']}s against wake delay "
+          f"{k['engine_wake_delay_1_s']}s; VRAM release lag {k['release_lag_s']}s; "
           f"the parked engine kept {result['residual_bytes'] / 2**30:.2f} GiB")
     if result.get("ooms"):
         print(f"WARNING: CUDA out-of-memory recorded by the ledger: {result['ooms']}")

@@ -1,20 +1,34 @@
 """How long a GPU swap takes with gpuswapd, what it would take at the least, and by hand.
 
-    .venv/bin/python -m tests.benchmarks.swap_bench [--cycles 5] [--no-naive]
+    .venv/bin/python -m tests.benchmarks.swap_bench [--cycles 10] [--no-naive] [--lag S] [--boot-delay S]
 
-Each cycle, on the test world, in turn:
+Each cycle, on the test world, runs every variant once, in turn (gpuswapd, direct, naive, then
+again), each from the resident at its baseline:
 
-- **gpuswapd**: ``gpuswapctl acquire`` (wall time: what a client waits for READY), then
-  ``gpuswapctl release`` until the window is IDLE (the record's ``closed_at``: resident verified,
-  timers resumed). ``linger`` is 0 so closing starts at once. The daemon's own phase timings come
-  from ``status``.
+- **gpuswapd**: an acquire from a client already connected to gpuswapd's socket, timed until its
+  reply (READY); then a release from another connected client, timed until the running ``watch``
+  subscription receives ``window_finished`` (resident verified, timers resumed). ``linger`` is 0
+  so closing starts at once. The daemon's own view comes from its record: READY's start against
+  the window's opening, IDLE against CLOSING's start.
 - **direct**: the same physical steps back to back, with no daemon and 10 ms polling, straight
   against the real systems: StopUnit over D-Bus (waiting for JobRemoved), the VRAM ledger, the
   Docker SDK, the engine's /health, the same warmup and verify completions, docker stop/rm,
   StartUnit, a completion through llama-swap, the timers. This is the time the world needs by
-  construction (resident stop, VRAM release lag, engine boot, completions, resident load);
-  gpuswapd's overhead is gpuswapd - direct, paired per cycle.
-- **naive**: ``naive_swap.sh open|close``, the manual procedure with one-second polling.
+  construction; gpuswapd's overhead is gpuswapd - direct, per cycle.
+- **naive**: ``naive_swap.sh open|close``, the manual procedure with one-second polling; its ratio
+  to gpuswapd is taken per cycle.
+
+A fresh ``gpuswapctl`` adds its own start-up (the interpreter, imports) to what gpuswapd takes:
+that is measured apart (``gpuswapctl status``, 10 times) and printed under the table.
+
+What bounds the result (constants of the simulated world, not of gpuswapd):
+  - the VRAM release lag (0.5 s, or --lag), waited for twice a cycle (resident gone, engine gone);
+  - the engine's boot delay (ENGINE_BOOT_DELAY, 1.0 s, or --boot-delay), then 2 warmup and 1
+    verify completions of 20 tokens, 3 a chunk, 5 ms between chunks;
+  - the resident's load (llama-server with a tiny model) and llama-swap's 0.25 s health poll;
+  - the simulated nvidia-smi: a Python script, about 60 ms a read, which gpuswapd polls in
+    WAITING_VRAM (NVML on a real card reads in about a millisecond).
+The direct variant pays all of these too: the overhead (gpuswapd - direct) is what gpuswapd adds.
 
 Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 """
@@ -24,7 +38,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -39,11 +52,24 @@ from pydbus import SystemBus
 
 from gpuswapd.config import Config, load_config
 from gpuswapd.ctl.client import Client
-from tests.benchmarks.report import RESULTS_DIR, measured, parser, spread, table, write_results
-from tests.stack.config import stack_config
+from tests.benchmarks.clients import Events, Ready, acquire, release
+from tests.benchmarks.report import (
+    RESULTS_DIR,
+    SPREAD_HEADER,
+    add_world_options,
+    alternate,
+    measured,
+    paired,
+    parser,
+    spread,
+    spread_row,
+    table,
+    write_results,
+)
+from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.sim import ledger
-from tests.stack.world import ENGINE_PORT, PROXY_PORT, RELEASE_LAG_S, RESIDENT_PORT, Stack, StackError
+from tests.stack.world import ENGINE_PORT, PROXY_PORT, RESIDENT_PORT, Stack, StackError
 
 POLL_S = 0.01
 HOLDER = "swap-bench"
@@ -261,32 +287,30 @@ def phase_times(window: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def gpuswapd_cycle(daemon: RunningDaemon) -> dict[str, Any]:
-    """Acquire and release through gpuswapctl; return the client's and the daemon's view."""
+def gpuswapd_cycle(daemon: RunningDaemon, events: Events, holder: str = HOLDER,
+                   profile: str = "default") -> dict[str, Any]:
+    """Acquire and release from connected clients; return the client's and the daemon's view."""
+    events.clear()
+    client = Ready(daemon.socket)
     started = time.monotonic()
-    out = daemon.ctl("acquire", "--for", "10m", "--holder", HOLDER, "--json")
-    open_s = time.monotonic() - started
-    if out.returncode != 0:
-        raise StackError(f"acquire failed: {out.stderr}\n{daemon.tail()}")
-    released_at = time.time()
-    out = daemon.ctl("release", "--holder", HOLDER)
-    release_cli_s = time.time() - released_at
-    if out.returncode != 0:
-        raise StackError(f"release failed: {out.stderr}")
-    deadline = time.monotonic() + 120
-    while (now := status(daemon.socket))["phase"] != "IDLE":
-        if time.monotonic() > deadline:
-            raise StackError(f"no IDLE within 120s: {now['phase']}\n{daemon.tail()}")
-        time.sleep(0.05)
-    last = now["last"]
-    if last["outcome"] != "closed" or last["error"]:
-        raise StackError(f"the window did not close cleanly: {last['outcome']} {last['error']}")
+    got, _ = client.send(acquire(holder, profile))
+    open_s = got - started
+    events.clear()
+    client = Ready(daemon.socket)
+    released = time.monotonic()
+    client.send(release(holder))
+    finished, event = events.finished()
+    close_s = finished - released
+    last = status(daemon.socket)["last"]
+    if last["id"] != event["window"] or last["outcome"] != "closed" or last["error"]:
+        raise StackError(f"the window did not close cleanly: {last['outcome']} {last['error']}\n{daemon.tail()}")
     phases = phase_times(last)
     ready = next(t for t in last["timings"] if t["phase"] == "READY")
     closing = next(t for t in last["timings"] if t["phase"] == "CLOSING")
-    return {"open_s": open_s, "close_s": last["closed_at"] - released_at, "release_cli_s": release_cli_s,
+    return {"open_s": open_s, "close_s": close_s,
             "open_daemon_s": ready["started_at"] - last["opened_at"],
-            "close_daemon_s": last["closed_at"] - closing["started_at"], "phases": phases}
+            "close_daemon_s": last["closed_at"] - closing["started_at"], "phases": phases,
+            "start": last.get("start")}
 
 
 # -- naive ---------------------------------------------------------------------------------------
@@ -323,7 +347,7 @@ def at_baseline(stack: Stack) -> None:
         raise StackError("a container is left over from the last run")
 
 
-def cli_startup(daemon: RunningDaemon, times: int = 5) -> list[float]:
+def cli_startup(daemon: RunningDaemon, times: int = 10) -> list[float]:
     """Time ``gpuswapctl status --json``: the interpreter start every client call pays."""
     out = []
     for _ in range(times):
@@ -333,7 +357,7 @@ def cli_startup(daemon: RunningDaemon, times: int = 5) -> list[float]:
     return out
 
 
-def probe_cost(stack: Stack, times: int = 5) -> list[float]:
+def probe_cost(stack: Stack, times: int = 10) -> list[float]:
     """Time one read of gpuswapd's VRAM probe here: two runs of the (simulated) nvidia-smi."""
     env = {**os.environ, **stack.env()}
     out = []
@@ -346,40 +370,66 @@ def probe_cost(stack: Stack, times: int = 5) -> list[float]:
     return out
 
 
-def run(cycles: int, naive: bool) -> dict[str, Any]:
-    """Run the cycles; return every measurement."""
-    stack = Stack()
+def world(lag: float | None) -> Stack:
+    """The test world, with the simulated card's release lag set to ``lag`` (None: the world's)."""
+    return Stack() if lag is None else Stack(release_lag_s=lag)
+
+
+def engine_env(boot_delay: float | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment, with ENGINE_BOOT_DELAY set to ``boot_delay`` (None: the world's)."""
+    out = dict(env if env is not None else ENGINE_ENV)
+    if boot_delay is not None:
+        out["ENGINE_BOOT_DELAY"] = str(boot_delay)
+    return out
+
+
+def ledger_lag(stack: Stack) -> Any:
+    """The release lag the simulated card has now, as its ledger file says (None if it does not say)."""
+    try:
+        return json.loads((stack.paths.gpu / "ledger.json").read_text()).get("release_lag_s")
+    except (OSError, ValueError):
+        return None
+
+
+def world_constants(stack: Stack, env: dict[str, str], warmups: int) -> dict[str, Any]:
+    """The simulator's constants this run had: the ledger's lag as set, the engine's env."""
+    return {"release_lag_s": ledger_lag(stack), "engine_boot_delay_s": float(env["ENGINE_BOOT_DELAY"]),
+            "warmups": warmups, "tokens_per_chunk": int(env["ENGINE_TOKENS_PER_CHUNK"]),
+            "chunk_delay_s": float(env["ENGINE_CHUNK_DELAY"])}
+
+
+def run(cycles: int, naive: bool, lag: float | None = None, boot_delay: float | None = None) -> dict[str, Any]:
+    """Run the cycles, alternating the variants; return every measurement."""
+    stack = world(lag)
     with stack.exclusive():
         stack.up()
         os.environ.update(stack.env())  # pydbus's SystemBus() and docker.from_env() read these
-        config_path = stack_config(stack, "swap-bench", daemon={"linger": "0s"})
+        config_path = stack_config(stack, "swap-bench", daemon={"linger": "0s"},
+                                   window__container={"env": engine_env(boot_delay)})
         config = load_config(config_path)
         daemon = RunningDaemon(stack, config_path, config_path.parent / "gpuswapd.sock")
         direct = Direct(stack, config)
         env = naive_env(stack, config)
-        result: dict[str, Any] = {"cycles": [], "config": str(config_path)}
+        result: dict[str, Any] = {"config": str(config_path)}
+        events: Events | None = None
         try:
             daemon.start()
+            events = Events(daemon.socket)
+            result["constants"] = world_constants(stack, config.window.container.env, config.window.warmup.requests)
             result["cli_startup_s"] = cli_startup(daemon)
             result["vram_probe_s"] = probe_cost(stack)
-            for n in range(cycles):
-                cycle: dict[str, Any] = {}
-                at_baseline(stack)
-                cycle["gpuswapd"] = gpuswapd_cycle(daemon)
-                at_baseline(stack)
-                cycle["direct"] = {"open": direct.open(), "close": direct.close()}
-                if naive:
-                    at_baseline(stack)
-                    cycle["naive"] = {"open_s": naive_step(env, "open"), "close_s": naive_step(env, "close")}
-                result["cycles"].append(cycle)
-                g = cycle["gpuswapd"]
-                print(f"cycle {n + 1}/{cycles}: gpuswapd open {g['open_s']:.2f}s close {g['close_s']:.2f}s; "
-                      f"direct open {sum(cycle['direct']['open'].values()):.2f}s "
-                      f"close {sum(cycle['direct']['close'].values()):.2f}s"
-                      + (f"; naive open {cycle['naive']['open_s']:.2f}s close {cycle['naive']['close_s']:.2f}s"
-                         if naive else ""), file=sys.stderr, flush=True)
+            watch = events
+            variants: list[tuple[str, Any]] = [
+                ("gpuswapd", lambda: gpuswapd_cycle(daemon, watch)),
+                ("direct", lambda: {"open": direct.open(), "close": direct.close()})]
+            if naive:
+                variants.append(("naive", lambda: {"open_s": naive_step(env, "open"),
+                                                   "close_s": naive_step(env, "close")}))
+            result["variants"] = alternate(cycles, variants, before=lambda _: at_baseline(stack))
             result["ooms"] = stack.ooms()
         finally:
+            if events is not None:
+                events.close()
             daemon.stop()
             direct.close_all()
             stack.reset()
@@ -387,79 +437,84 @@ def run(cycles: int, naive: bool) -> dict[str, Any]:
 
 
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
-    """Compute the open/close figures, the overheads and the per-phase comparison."""
-    cycles = result["cycles"]
+    """Compute the open/close figures, the overheads (per cycle) and the per-phase comparison."""
+    v = result["variants"]
+    g, d = v["gpuswapd"], v["direct"]
     series: dict[str, list[float]] = {}
-
-    def add(name: str, value: float) -> None:
-        series.setdefault(name, []).append(value)
-
-    for c in cycles:
-        g, d = c["gpuswapd"], c["direct"]
-        d_open, d_close = sum(d["open"].values()), sum(d["close"].values())
-        for side, g_client, g_daemon, direct in (("open", g["open_s"], g["open_daemon_s"], d_open),
-                                                 ("close", g["close_s"], g["close_daemon_s"], d_close)):
-            add(f"{side}.gpuswapd", g_client)
-            add(f"{side}.gpuswapd_daemon", g_daemon)
-            add(f"{side}.direct", direct)
-            add(f"{side}.overhead", g_client - direct)
-            add(f"{side}.overhead_daemon", g_daemon - direct)
-            if "naive" in c:
-                add(f"{side}.naive", c["naive"][f"{side}_s"])
-                add(f"{side}.naive_ratio", c["naive"][f"{side}_s"] / g_client)
-        for phase, steps in PHASE_STEPS:
-            gp = g["phases"].get(phase, 0.0)
-            dp = sum(d["open"].get(s, 0.0) + d["close"].get(s, 0.0) for s in steps)
-            add(f"phase.{phase}.gpuswapd", gp)
-            add(f"phase.{phase}.direct", dp)
-            add(f"phase.{phase}.extra", gp - dp)
+    for side in ("open", "close"):
+        g_client = [c[f"{side}_s"] for c in g]
+        g_daemon = [c[f"{side}_daemon_s"] for c in g]
+        direct = [sum(c[side].values()) for c in d]
+        series[f"{side}.gpuswapd"] = g_client
+        series[f"{side}.gpuswapd_daemon"] = g_daemon
+        series[f"{side}.direct"] = direct
+        series[f"{side}.overhead"] = paired(g_client, direct, lambda a, b: a - b)
+        series[f"{side}.overhead_daemon"] = paired(g_daemon, direct, lambda a, b: a - b)
+        if "naive" in v:
+            naive = [c[f"{side}_s"] for c in v["naive"]]
+            series[f"{side}.naive"] = naive
+            series[f"{side}.naive_ratio"] = paired(naive, g_client, lambda a, b: a / b)
+    # The resident's restore (llama-server's load and first completion, on the CPU) varies by
+    # seconds from one close to the next on a loaded machine, in both variants: the rest of the
+    # close is compared apart.
+    series["close.overhead_outside_restore"] = paired(
+        [c["close_daemon_s"] - c["phases"].get("RESTORING", 0.0) for c in g],
+        [sum(c["close"].values()) - c["close"]["restore"] for c in d], lambda a, b: a - b)
+    for phase, steps in PHASE_STEPS:
+        gp = [c["phases"].get(phase, 0.0) for c in g]
+        dp = [sum(c["open"].get(s, 0.0) + c["close"].get(s, 0.0) for s in steps) for c in d]
+        series[f"phase.{phase}.gpuswapd"] = gp
+        series[f"phase.{phase}.direct"] = dp
+        series[f"phase.{phase}.extra"] = paired(gp, dp, lambda a, b: a - b)
+    series["cli_startup"] = result["cli_startup_s"]
+    series["vram_probe"] = result["vram_probe_s"]
     return {name: spread(values) for name, values in series.items()}
 
 
 def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
     """Print the tables."""
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for side, what in (("open", "acquire → READY"), ("close", "release → resident verified, IDLE")):
-        rows.append((f"{side}: {what}", None, None, None))
-        for key, label in (("gpuswapd", "gpuswapd (gpuswapctl wall / closed_at)"),
+        rows.append((f"{side}: {what}",) + (None,) * 6)
+        for key, label in (("gpuswapd", "gpuswapd (connected client / watch event)"),
                            ("gpuswapd_daemon", "gpuswapd (daemon's own record)"),
                            ("direct", "direct: inherent time of the world"),
-                           ("overhead", "overhead = gpuswapd - direct"),
+                           ("overhead", "overhead = gpuswapd - direct, per cycle"),
                            ("overhead_daemon", "overhead, daemon's record - direct"),
-                           ("naive", "naive_swap.sh"), ("naive_ratio", "naive / gpuswapd (x)")):
+                           ("overhead_outside_restore", "overhead but for the resident's restore (record)"),
+                           ("naive", "naive_swap.sh"), ("naive_ratio", "naive / gpuswapd, per cycle (x)")):
             s = stats.get(f"{side}.{key}")
             if s and s["n"]:
-                rows.append((f"  {label}", s["min"], s["median"], s["max"]))
-    print(table(f"\nGPU swap, {len(result['cycles'])} cycles (seconds)", ("", "min", "median", "max"), rows))
+                rows.append(spread_row(f"  {label}", s))
+    cycles = len(result["variants"]["gpuswapd"])
+    print(table(f"\nGPU swap, {cycles} cycles, variants alternating (seconds)", SPREAD_HEADER, rows))
     prows = []
     for phase, steps in PHASE_STEPS:
         g, d, e = (stats[f"phase.{phase}.{k}"] for k in ("gpuswapd", "direct", "extra"))
-        prows.append((phase, g["median"], f"{'+'.join(steps)}", d["median"], e["median"], e["max"]))
-    print(table("\nwhere the time goes (medians, seconds)",
-                ("gpuswapd phase", "gpuswapd", "direct step", "direct", "extra", "extra max"), prows))
-    engine_env = result.get("engine_env", {})
-    print(f"\nby construction: VRAM release lag {RELEASE_LAG_S}s; engine boot delay "
-          f"{engine_env.get('ENGINE_BOOT_DELAY', '?')}s; warmup {engine_env.get('warmups', '?')} + 1 verify "
-          f"completions; {engine_env.get('ENGINE_TOKENS_PER_CHUNK', '?')} tokens per chunk, "
-          f"{engine_env.get('ENGINE_CHUNK_DELAY', '?')}s between chunks")
-    cli, probe = result["cli_startup_s"], result["vram_probe_s"]
-    print(f"gpuswapctl start-up (status --json wall): median {statistics.median(cli):.3f}s; "
-          f"one VRAM read by the simulated nvidia-smi (2 runs): median {statistics.median(probe):.3f}s")
+        prows.append((phase, g["median"], f"{'+'.join(steps)}", d["median"], e["median"], e["p10"], e["p90"]))
+    print(table("\nwhere the time goes (medians; extra = gpuswapd - direct per cycle, seconds)",
+                ("gpuswapd phase", "gpuswapd", "direct step", "direct", "extra", "extra p10", "extra p90"), prows))
+    k = result["constants"]
+    print(f"\nby construction: VRAM release lag {k['release_lag_s']}s; engine boot delay {k['engine_boot_delay_s']}s; "
+          f"warmup {k['warmups']} + 1 verify completions; {k['tokens_per_chunk']} tokens per chunk, "
+          f"{k['chunk_delay_s']}s between chunks")
+    print(table("\noutside the window", SPREAD_HEADER, [
+        spread_row("a fresh gpuswapctl's start-up (status --json wall)", stats["cli_startup"]),
+        spread_row("one VRAM read by the simulated nvidia-smi (2 runs)", stats["vram_probe"])]))
     if result.get("ooms"):
         print(f"WARNING: CUDA out-of-memory recorded by the ledger: {result['ooms']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the swap benchmark."""
-    cli = parser("swap_bench", __doc__, cycles_of="window cycles per variant")
-    cli.add_argument("--no-naive", action="store_true", help="skip the naive shell script")
+    cli = parser("swap_bench", __doc__, cycles_of="gpuswapd, direct and naive windows")
+    cli.add_argument("--no-naive", action="store_true", help="leave out the naive shell script")
+    add_world_options(cli)
     args = cli.parse_args(argv)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    result = measured("swap_bench", run, args.cycles, not args.no_naive)
+    result = measured("swap_bench", run, args.cycles, not args.no_naive, args.lag, args.boot_delay)
     if result is None:
         return 1
-    config = load_config(result["config"])
-    result["engine_env"] = {**config.window.container.env, "warmups": config.window.warmup.requests}
     stats = analyse(result)
     print_report(result, stats)
     path = write_results("swap", {**result, "stats": stats, "gpuswapctl": str(BIN / "gpuswapctl")})

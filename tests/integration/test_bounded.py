@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpuswapd.adapters.unitnames import cgroup_of
 from gpuswapd.ctl.main import main as gpuswapctl
 from tests.integration.test_window import assert_resident_back, assert_window_open
 from tests.stack.daemon import RunningDaemon
@@ -104,26 +105,84 @@ def test_without_status_public_a_stranger_is_kept_off_the_socket_and_told_by_who
     assert code == 3 and f"group '{GROUP}'" in err and "0660" in err, err
 
 
-@pytest.fixture
-def forged_cgroup() -> Iterator[Callable[[str], Path]]:
-    """Make cgroups in the named systemd hierarchy that look like a user manager's, removed after."""
-    root = Path("/sys/fs/cgroup/systemd")
-    if not (root / "cgroup.procs").exists():
-        pytest.skip("no named systemd cgroup hierarchy here (a unified-only host)")
-    made: list[Path] = []
+USER_MANAGER_UNIT = """\
+[Unit]
+Description=Stands in for user {uid}'s systemd --user: its cgroup is delegated, tests make cgroups in it
+DefaultDependencies=no
 
-    def make(relative: str) -> Path:
-        path = root / "gpuswapd-test" / relative
+[Service]
+Slice=user-{uid}.slice
+Delegate=yes
+ExecStart=/usr/bin/sleep infinity
+"""
+
+
+def _hierarchy_of(line: str) -> Path:
+    """The mount point of the hierarchy of one /proc/PID/cgroup line (cgroup v2, or v1's name=systemd)."""
+    unified = line.startswith("0::")
+    for entry in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, _, tail = entry.partition(" - ")
+        fstype, _, options = tail.split(" ", 2)
+        if (unified and fstype == "cgroup2") or (not unified and fstype == "cgroup" and "name=systemd" in options):
+            return Path(fields.split()[4])
+    raise AssertionError(f"no mount of the hierarchy of {line!r} in /proc/self/mountinfo")
+
+
+def _cgroup_line_ending(suffix: str) -> str | None:
+    """The /proc/PID/cgroup line, as gpuswapd reads it, of a process whose cgroup ends with ``suffix``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            lines = (proc / "cgroup").read_text().splitlines()
+            chosen = [ln for ln in lines if ln.startswith("0::") and ln != "0::/"] or \
+                [ln for ln in lines if ":name=systemd:" in ln]
+            if chosen and chosen[0].endswith(suffix):
+                return chosen[0]
+    return None
+
+
+@pytest.fixture
+def forged_cgroup(world: Stack, probe: Probe) -> Iterator[Callable[[User, str], Path]]:
+    """Make cgroups inside a user manager's delegated cgroup, as a ``systemctl --user`` service has them.
+
+    The world's systemd runs ``user@UID.service`` (a stand-in with ``Delegate=yes``, in
+    ``user-UID.slice``), and the cgroups are made in its subtree, on cgroup v2 (or in systemd's
+    named hierarchy where the world's systemd uses that): what a user's manager may make, and what
+    a cgroup posing as a system unit looks like on a real machine. Removed after.
+    """
+    made: list[Path] = []
+    units: dict[int, Path] = {}
+
+    def delegated(user: User) -> Path:
+        if user.uid not in units:
+            unit = f"user@{user.uid}.service"
+            world.install_unit(unit, USER_MANAGER_UNIT.format(uid=user.uid))
+            world.manager("StartUnit", "ss", unit, "replace")
+            # Its MainPID is a PID of the world's namespace: find its process here by its cgroup.
+            deadline = time.monotonic() + 30
+            while (line := _cgroup_line_ending(f"/user-{user.uid}.slice/{unit}")) is None:
+                assert time.monotonic() < deadline, f"{unit} did not start: {probe.active_state(unit)}"
+                time.sleep(0.05)
+            relative = line.split(":", 2)[2].strip().lstrip("/")
+            units[user.uid] = _hierarchy_of(line) / relative
+        return units[user.uid]
+
+    def make(user: User, inside: str) -> Path:
+        path = delegated(user) / inside
         path.mkdir(parents=True, exist_ok=True)
         made.append(path)
         return path
 
     yield make
     for path in made:
-        while path != root:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-            path = path.parent
+        for group in (path, *path.parents):
+            if group in units.values():
+                break
+            with contextlib.suppress(OSError):  # one made by another call, not empty yet
+                group.rmdir()
+    for uid in units:
+        world.manager("StopUnit", "ss", f"user@{uid}.service", "replace", check=False)
 
 
 def _ctl_in_cgroup(group: Path, user: User, daemon: RunningDaemon, *args: str) -> tuple[int, str, str]:
@@ -133,10 +192,13 @@ def _ctl_in_cgroup(group: Path, user: User, daemon: RunningDaemon, *args: str) -
 
 
 def test_a_service_of_a_user_manager_gets_a_lease_of_its_uid_and_cannot_pose_as_a_system_unit(
-        gpuswapd: Start, probe: Probe, users: dict[str, User], forged_cgroup: Callable[[str], Path]) -> None:
+        gpuswapd: Start, probe: Probe, users: dict[str, User], forged_cgroup: Callable[[User, str], Path]) -> None:
     daemon = gpuswapd(daemon={"socket_group": GROUP})
     alice = users[ALICE]
-    user_job = forged_cgroup(f"user.slice/user-{alice.uid}.slice/user@{alice.uid}.service/app.slice/job.service")
+    user_job = forged_cgroup(alice, "app.slice/job.service")
+    # The caller is where it says, in the hierarchy gpuswapd reads: under the user manager's unit.
+    seen = as_user(alice, lambda: cgroup_of(os.getpid()), cgroup=user_job)
+    assert str(seen).endswith(f"/user-{alice.uid}.slice/user@{alice.uid}.service/app.slice/job.service"), seen
     code, out, err = _ctl_in_cgroup(user_job, alice, daemon, "acquire", "--for", "5m", "--json")
     assert code == 0, err
     lease = json.loads(out)["lease"]
@@ -146,7 +208,7 @@ def test_a_service_of_a_user_manager_gets_a_lease_of_its_uid_and_cannot_pose_as_
     assert [x["id"] for x in daemon.status()["window"]["leases"]] == [lease["id"]]
 
     # A cgroup that only looks like the system's strata.service is not strata.service.
-    posing = forged_cgroup(f"user.slice/user-{alice.uid}.slice/user@{alice.uid}.service/app.slice/strata.service")
+    posing = forged_cgroup(alice, "app.slice/strata.service")
     root_lease = daemon.ctl_json("acquire", "--for", "5m", "--holder", "strata.service")["lease"]
     code, _, err = _ctl_in_cgroup(posing, users[BOB], daemon, "release", "--holder", "strata.service")
     assert code == 4, err

@@ -5,8 +5,13 @@ restart, the baseline restored when no state is readable) a clean run first trac
 the driver makes in which phase. Then, for every (call, phase) of that trace and each way a call
 can fail (it raises, it hangs past its deadline, or its caller is cancelled), the scenario runs
 again with that one fault, which fires once and then heals. Every run must end the same way:
-the resident up and verified, exactly the paused timers resumed, no container, VRAM held only
-by the resident, and the record cleared only after all of that.
+the resident up and verified (a completion through it after its last start), exactly the paused
+timers resumed, no container, VRAM held only by the resident, and the record cleared only after
+all of that.
+
+Each scenario's fault-free run must also have done what its name says (``MILESTONES``: READY
+reached, the engine restarted, parked then woken, adopted after a restart...): a scenario that
+quietly stopped doing its part would otherwise pass every cell without testing anything.
 
 The cells of one scenario and fault kind run concurrently on one event loop: each has its own
 fake machine, lanes and window.
@@ -31,15 +36,16 @@ from gpuswapd.phases import Phase
 from gpuswapd.recovery import recover_at_start
 from gpuswapd.state import Document, Loaded, decode
 from gpuswapd.window import Window
-from tests.fakes import BASELINE, PARK_CONFIG, FakeWorld, settle
+from tests.fakes import BASELINE, ENGINE_URL, PARK_CONFIG, RESIDENT_URL, FakeWorld, settle
 
 KINDS = ("raise", "hang", "cancel")
 DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, http=0.1, workers=4)
 HANG_S = 0.25  # a hung call's thread returns this much later, long after its deadline
 # Calls only the daemon's startup and the socket server make, tested at their own seams.
 NOT_THE_DRIVER = {("systemd", "connect"), ("systemd", "system_state"), ("systemd", "unit_cgroup"),
-                  ("state", "read_history")}
+                  ("state", "read_history"), ("docker", "settings")}
 CONCURRENCY = 16
+RESIDENT_UNITS = ("strata.service", "llama-swap.service")
 
 
 def label(window: Window | None) -> str:
@@ -76,6 +82,7 @@ class Cell:
     window: Window | None = None
     trace: set[tuple[str, str, str]] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
+    left_open: str | None = None  # the id of the window a scenario left READY before a restart
 
     async def inject(self, system: str, call: str, asynchronous: bool) -> Callable[[Any], Any] | None:
         """The lanes' hook: trace the call, and fail it once if it is this cell's fault."""
@@ -186,6 +193,8 @@ async def restore_fails_once(cell: Cell) -> None:
 async def adopt(cell: Cell) -> None:
     """gpuswapd restarts while a window is READY: the new one adopts it, and closes it after."""
     document = await _left_open(cell.world)
+    assert document.window is not None
+    cell.left_open = document.window.id
     cell.world.store.document = document
     w = _window(cell)
     await recover_at_start(w)
@@ -258,12 +267,124 @@ async def run_cell(scenario: Scenario, fault: Fault | None) -> Cell:
         cell.problems.append("the record was not cleared: the last document written holds "
                              f"{doc and doc.window and (doc.window.phase, doc.window.outcome)}; "
                              f"the window last finished {last and last.outcome}")
-    if "resident.test" not in " ".join(cell.world.http.completions) and cell.world.systemd.started:
-        cell.problems.append("the resident came back without a verifying completion")
+    if not resident_verified(cell.world):
+        cell.problems.append("the resident came back without a verifying completion after its last start "
+                             f"(starts {cell.world.systemd.started_at}, completions {cell.world.http.completed_at})")
     if fault is not None and not fault.fired:
         cell.problems.append("the fault never fired")
     return cell
 
+
+def resident_verified(world: FakeWorld) -> bool:
+    """Tell whether a completion through the resident came after the last start of its units (if any)."""
+    starts = [moment for moment, unit in world.systemd.started_at if unit in RESIDENT_UNITS]
+    return not starts or any(moment > max(starts) and url == RESIDENT_URL
+                             for moment, url in world.http.completed_at)
+
+
+def _phases(record: dict[str, Any]) -> list[str]:
+    return [t["phase"] for t in record["timings"]]
+
+
+def _after(phases: list[str], first: str, then: str) -> bool:
+    """Tell whether ``then`` was entered after ``first`` was."""
+    return first in phases and then in phases[phases.index(first) + 1:]
+
+
+def _served(record: dict[str, Any]) -> list[str]:
+    """What every window that opened must have done: reached READY, and closed cleanly."""
+    missed = []
+    if "READY" not in _phases(record):
+        missed.append(f"window {record['id']} never reached READY: {_phases(record)}")
+    if record["outcome"] != "closed" or record["error"]:
+        missed.append(f"window {record['id']} ended {record['outcome']} ({record['error']})")
+    return missed
+
+
+def _engine_completions(world: FakeWorld) -> list[str]:
+    return [url for _, url in world.http.completed_at if url == ENGINE_URL]
+
+
+def _one_window(cell: Cell) -> tuple[dict[str, Any] | None, list[str]]:
+    history = cell.world.store.history_records
+    if len(history) != 1:
+        return None, [f"expected one finished window, found {len(history)}"]
+    return history[0], []
+
+
+def served_once(cell: Cell) -> list[str]:
+    """cycle: one window reached READY (warmed and verified by real completions) and closed."""
+    record, missed = _one_window(cell)
+    if record is None:
+        return missed
+    if not _engine_completions(cell.world):
+        missed.append("the engine never answered a completion")
+    return missed + _served(record)
+
+
+def restarted(cell: Cell) -> list[str]:
+    """engine_dies: READY, the engine died and was restarted, READY again, closed."""
+    record, missed = _one_window(cell)
+    if record is None:
+        return missed
+    if record["restarts"] < 1:
+        missed.append("the engine was never restarted")
+    if not _after(_phases(record), "RECOVERING", "READY"):
+        missed.append(f"no READY after RECOVERING: {_phases(record)}")
+    return missed + _served(record)
+
+
+def degraded_then_restored(cell: Cell) -> list[str]:
+    """restore_fails_once: the resident's start failed once (DEGRADED), the retry restored it."""
+    record, missed = _one_window(cell)
+    if record is None:
+        return missed
+    if cell.world.systemd.fail_starts.get("strata.service") != 0:
+        missed.append("the resident's failing start was never tried")
+    if not _after(_phases(record), "DEGRADED", "RESTORING"):
+        missed.append(f"no DEGRADED followed by RESTORING: {_phases(record)}")
+    return missed + _served(record)
+
+
+def adopted(cell: Cell) -> list[str]:
+    """adopt: the window left READY was adopted by the new window (not rolled back), served, closed."""
+    record, missed = _one_window(cell)
+    if record is None:
+        return missed
+    if cell.left_open is None or record["id"] != cell.left_open:
+        missed.append(f"the finished window {record['id']} is not the one left open ({cell.left_open})")
+    if record["outcome"] == "recovered":
+        missed.append("the window left open was rolled back, not adopted")
+    return missed + _served(record)
+
+
+def baseline_restored(cell: Cell) -> list[str]:
+    """baseline: with no readable state, the configured baseline was restored."""
+    record, missed = _one_window(cell)
+    if record is None:
+        return missed
+    if record["outcome"] != "baseline_restored" or not record["baseline"]:
+        missed.append(f"no baseline restore: outcome {record['outcome']}, baseline {record['baseline']}")
+    return missed
+
+
+def parked_then_woken(cell: Cell) -> list[str]:
+    """park: a cold window parked its engine; the next window woke it (warm) instead of booting one."""
+    history = cell.world.store.history_records
+    if len(history) != 2:
+        return [f"expected two finished windows, found {len(history)}"]
+    missed = _served(history[0]) + _served(history[1])
+    if history[0]["start"] != "cold" or history[1]["start"] != "warm" or "WAKING" not in _phases(history[1]):
+        missed.append(f"not cold then warm: {history[0]['start']}, {history[1]['start']} {_phases(history[1])}")
+    c = cell.world.docker.containers.get("hyperqwen")
+    if c is None or c.starts != 1 or c.wakes < 1:
+        missed.append(f"the engine was not booted once and woken: {c}")
+    return missed
+
+
+MILESTONES: dict[str, Callable[[Cell], list[str]]] = {
+    "cycle": served_once, "engine_dies": restarted, "restore_fails_once": degraded_then_restored,
+    "adopt": adopted, "baseline": baseline_restored, "park": parked_then_woken}
 
 _traces: dict[str, set[tuple[str, str, str]]] = {}
 
@@ -273,6 +394,8 @@ def trace(name: str) -> set[tuple[str, str, str]]:
     if name not in _traces:
         cell = asyncio.run(run_cell(SCENARIOS[name], None))
         assert not cell.problems, cell.problems
+        missed = MILESTONES[name](cell)
+        assert not missed, f"the fault-free {name} did not do what it is named for: {missed}"
         _traces[name] = cell.trace
     return _traces[name]
 
@@ -318,3 +441,32 @@ def test_the_matrix_covers_every_registered_call() -> None:
     phases = {phase for name in SCENARIOS for _, _, phase in trace(name)}
     print(f"\nfault matrix: {len(made)} calls x {len(phases)} phases x {len(KINDS)} kinds; "
           f"{cells} cells where the call is made")
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_each_scenario_does_what_it_is_named_for(name: str) -> None:
+    trace(name)  # the fault-free run, with its milestones checked
+
+
+async def _never_ready(cell: Cell) -> None:
+    """cycle, on a machine where the engine's image is missing: every window rolls back before READY."""
+    cell.world.docker.images.clear()
+    await cycle(cell)
+
+
+def test_a_scenario_that_never_reaches_ready_is_caught() -> None:
+    cell = asyncio.run(run_cell(_never_ready, None))
+    assert cell.problems == []  # the end state alone cannot tell: the resident is back, nothing is left
+    missed = served_once(cell)
+    assert any("never reached READY" in m for m in missed), missed
+    assert any("never answered a completion" in m for m in missed), missed
+
+
+def test_a_resident_verified_only_before_its_last_start_is_not_verified() -> None:
+    world = FakeWorld()
+    world.systemd.started_at[:] = [(1, "strata.service"), (3, "llama-swap.service")]
+    world.http.completed_at[:] = [(2, RESIDENT_URL), (4, ENGINE_URL)]
+    assert not resident_verified(world)
+    world.http.completed_at.append((5, RESIDENT_URL))
+    assert resident_verified(world)
+    assert resident_verified(FakeWorld())  # never stopped, never started: nothing to verify
