@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 Pause = Callable[[float], Awaitable[None]]
 POLL_S = 0.25
+READ_FOR_S = 30.0
+WARN_AFTER = 5  # tries at start before an unanswered /props is warned of (it may still be loading)
 
 
 @dataclass(frozen=True)
@@ -207,8 +209,12 @@ async def learn_footprint(w: Window, running: list[str]) -> None:
 
 
 async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | None:
-    """Read it, retrying a server that does not answer yet, up to ``resident.verify.timeout``; None: unread."""
-    deadline = clock.monotonic() + w.config.resident.verify.timeout
+    """Read it, retrying a server that does not answer yet, a while; None: unread.
+
+    The resident has just answered a completion: a /props that does not answer within
+    ``READ_FOR_S`` (or ``resident.verify.timeout``, if shorter) is a wrong URL, not a slow server.
+    """
+    deadline = clock.monotonic() + min(READ_FOR_S, w.config.resident.verify.timeout)
     first, cap = w.backoffs.restore
     attempt = 0
     while True:
@@ -340,16 +346,22 @@ async def record_at_start(w: Window) -> None:
                     _at_start(w, now)
                 return
         except GpuswapError as err:
-            if attempt == 0:
-                log.info("resident_identity_unread", error=err.message, consequence="asked again until it answers")
+            if attempt + 1 == WARN_AFTER:
+                log.warning("resident_identity_unread", error=err.message,
+                            consequence="no baseline of the resident yet (asked again until it answers): check "
+                                        "resident.props_url and resident.verify.url")
         attempt += 1
         await sleep_unless(w.stopping, min(cap, first * 2 ** (attempt - 1)))
 
 
 def _at_start(w: Window, now: Identity) -> None:
-    """Take what runs at start as the baseline, unless the last close left it smaller and it still is."""
+    """Take what runs at start as the baseline, unless the last close left it smaller and it still is.
+
+    Another model file or alias is its operator's change, never llama.cpp's fitting: it is taken.
+    """
     was = w.known.baseline
-    if w.known.changed is not None and was is not None and smaller(now, was, w.config.resident.server):
+    same_model = was is not None and (now.model_path, now.alias) == (was.model_path, was.alias)
+    if w.known.changed is not None and was is not None and same_model and smaller(now, was, w.config.resident.server):
         log.warning("resident_still_smaller", now=now.describe(), was=was.describe(),
                     consequence="the baseline stays as it was; the next window's close tries again")
         return
