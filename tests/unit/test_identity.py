@@ -306,3 +306,22 @@ def test_smaller_compares_context_slots_and_models() -> None:
         "n_ctx 2048 (was 4096)", "total_slots 1 (was 2)", "model(s) b missing (it lists a)"]
     assert smaller(dataclasses.replace(was, n_ctx=2048), was, "other") == []
     assert Identity.from_dict(was.to_dict(), "x") == was
+
+
+def test_status_and_history_say_restored_smaller() -> None:
+    import io
+
+    from gpuswapd.ctl.main import _history_line
+    from gpuswapd.ctl.render import print_status
+
+    out = io.StringIO()
+    print_status({"phase": "IDLE", "resident": {
+        "baseline": {"n_ctx": 4096, "slots": 2, "models": ["strata"]},
+        "changed": {"message": "the resident came back smaller than its baseline: n_ctx 3584 (was 4096)"}}}, out)
+    lines = out.getvalue().splitlines()
+    assert "resident baseline: n_ctx 4096 x 2 slots, models strata" in lines
+    assert "RESIDENT SMALLER: the resident came back smaller than its baseline: n_ctx 3584 (was 4096)" in lines
+    window = {"id": "w1", "outcome": "closed", "start": "cold", "opened_at": 0.0, "closed_at": 12.0,
+              "restored": "smaller"}
+    assert _history_line(window).endswith("restored, smaller")
+    assert "smaller" not in _history_line({**window, "restored": "as_it_was"})
