@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock, parking
+from gpuswapd import clock, identity, parking
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
@@ -113,7 +113,7 @@ async def _resident_fits(w: Window) -> bool:
         reading = await w.vram.read(processes=False)
     except GpuswapError:
         return False
-    return reading is not None and reading.free_bytes >= w.config.gpu.resident_needs
+    return reading is not None and reading.free_bytes >= w.resident_needs
 
 
 async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
@@ -126,7 +126,7 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
     attempt = 0
     while True:
         try:
-            await w.vram.wait_free(gpu.resident_needs, max(0.1, deadline - clock.monotonic()))
+            await w.vram.wait_free(w.resident_needs, max(0.1, deadline - clock.monotonic()))
             return
         except VramTimeout as err:
             if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
@@ -148,14 +148,14 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
 
 
 async def _parked_leaves_room(w: Window) -> None:
-    """Remove a parked engine that leaves the resident less than ``gpu.resident_needs`` (it was parked for a switch).
+    """Remove a parked engine that leaves the resident less than it needs (``Window.resident_needs``).
 
     Degraded if it could not be removed: the restore waits for it, and says whose memory it is.
     """
     parked = w.parked
     if parked is None:
         return
-    need = w.config.gpu.resident_needs
+    need = w.resident_needs
     try:
         await w.vram.wait_free(need, w.config.profile(parked.profile).engine.park.settle
                                if parked.profile in {p.name for p in w.config.engine_profiles()} else 0.0)
@@ -180,7 +180,7 @@ async def _let_exited_go(w: Window) -> None:
     A resident that failed or crashed leaves its memory listed for a while: starting it again at
     once would run it into its own dying process's memory.
     """
-    need = w.config.gpu.resident_needs
+    need = w.resident_needs
     deadline = clock.monotonic() + w.config.gpu.release_timeout
     while clock.monotonic() < deadline:
         reading = await w.vram.read(processes=True)
@@ -198,7 +198,7 @@ async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
     What the resident's own units hold (a start that was not verified yet) and what gpuswapd's
     engines are still freeing are no stranger's: only the holders' live processes count.
     """
-    need = w.config.gpu.resident_needs
+    need = w.resident_needs
     reading = await w.vram.read(processes=True)
     if reading is None or reading.free_bytes >= need:
         return
@@ -217,9 +217,15 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
     if not rec.units:
         return
     attempt = 0
+    # The resident came back smaller than its baseline: "due" until it is stopped and its room is
+    # waited for (retried like any failed step), then "done" (a second smaller one is accepted).
+    repair: str | None = None
     while True:
         attempt += 1
         try:
+            if repair == "due":
+                await identity.make_room(w, rec, lambda s: _pause(w, s))
+                repair = "done"
             # An engine still holding its memory would only make the resident fail (out of memory):
             # wait until it is gone, or until the resident fits beside it.
             if engine_left(rec) and not await _resident_fits(w):
@@ -233,6 +239,10 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
                 await _room_for_resident(w, rec)
             await w.resident.start(rec.units)
             await w.resident.verify()
+            if not await identity.after_verify(w, rec, repair == "done", lambda s: _pause(w, s)):
+                repair = "due"
+                attempt -= 1  # not a failure: the next pass repairs it
+                continue
             if attempt > 1:  # it was DEGRADED
                 log.info("recovered", attempts=attempt)
             rec.degraded = None

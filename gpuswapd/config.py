@@ -66,6 +66,10 @@ def _url(value: Any, path: str) -> str:
     return text
 
 
+def _optional_url(value: Any, path: str) -> str:
+    return "" if _string(value, path) == "" else _url(value, path)
+
+
 def _span(minimum: float = 0.0) -> Parser:
     def parse(value: Any, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -286,6 +290,9 @@ class CompletionCheck:
     timeout: float = _key(_span(0.1), 180.0)
 
 
+RESIDENT_SERVERS = ("llama.cpp", "other")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResidentConfig:
     """``[resident]``: the units that hold the GPU normally."""
@@ -293,8 +300,21 @@ class ResidentConfig:
     units: list[str] = _key(_units)
     stop_timeout: float = _key(_span(0.1), 90.0)
     start_timeout: float = _key(_span(0.1), 300.0)
+    # What the resident is: llama.cpp's llama-server says its context and slots at props_url
+    # (GET /props on the server itself, not through a proxy); any server lists its models.
+    server: str = _key(_choice(*RESIDENT_SERVERS), "other")
+    props_url: str = _key(_optional_url, "")
     idle: IdleConfig
     verify: CompletionCheck
+
+    @property
+    def models_url(self) -> str:
+        """Return where the resident lists its models: ``GET /v1/models`` on the base of verify.url."""
+        url = self.verify.url
+        scheme, _, rest = url.partition("://")
+        host, _, path = rest.partition("/")
+        prefix, found, _ = f"/{path}".partition("/v1/")
+        return f"{scheme}://{host}{prefix if found else ''}/v1/models"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -592,6 +612,10 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: daemon.default_lease is longer than daemon.max_lease")
     if idle.kind == "command" and not idle.command:
         raise ConfigError(f"{source}: resident.idle.command: required when kind = \"command\"")
+    if config.resident.server == "llama.cpp" and not config.resident.props_url:
+        raise ConfigError(f"{source}: resident.props_url: required when resident.server = \"llama.cpp\": the "
+                          "llama-server's own /props, not through a proxy (e.g. \"http://127.0.0.1:8081/props\"); "
+                          "or set resident.server = \"other\" to compare its models only")
     if not os.path.isabs(d.state_dir):
         raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
     if d.priority_min_nonroot > d.priority_max_nonroot:
@@ -650,6 +674,8 @@ def _check_gateway_bypass(config: Config, source: str) -> None:
         return
     listen = _host_port(f"http://{config.gateway.listen}")
     checks = [("resident.verify.url", config.resident.verify.url)]
+    if config.resident.props_url:
+        checks.append(("resident.props_url", config.resident.props_url))
     if config.resident.idle.kind in ("llama.cpp-slots", "prometheus"):
         checks.append(("resident.idle.url", config.resident.idle.url))
     for key, url in checks:

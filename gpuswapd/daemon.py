@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, bootchecks, clock, failpoints, instances, knownbad
+from gpuswapd import __version__, bootchecks, clock, failpoints, identity, instances, knownbad
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -109,6 +109,7 @@ class Daemon:
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
+        self._baseline: asyncio.Task[None] | None = None
         self.forced = False  # a second SIGTERM or SIGINT: give up the restore
         self._signals = 0
         self._own_socket: str | None = None
@@ -168,6 +169,8 @@ class Daemon:
         """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
         # Reconcile before serving: nobody sees a container no record knows about.
         await recover_at_start(self.window)
+        # What the resident is while nothing has touched it: the baseline later restores compare with.
+        self._baseline = spawn(identity.record_at_start(self.window), "resident-baseline")
         if self.config.daemon.reconcile > 0:
             self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
 
@@ -259,6 +262,7 @@ class Daemon:
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         await reap(self._reconciler)
+        await reap(self._baseline)
         given_back = await self.window.shutdown(restore=restore, bound=max(0.0, ends - clock.monotonic()))
         saved = await self.window.writer.stop(timeout=WRITER_STOP_S)
         await self.observers.close()

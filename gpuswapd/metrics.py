@@ -2,7 +2,7 @@
 
 The histograms of a window are observed once, from its finished record (the one ``history``
 keeps), so a scrape agrees with ``gpuswapctl history --json`` to the millisecond. The gauges
-(phase, leases, degraded, free VRAM) are read from the window at each collection, so they are
+(phase, leases, degraded, the resident left smaller, free VRAM) are read from the window at each collection, so they are
 right even for a window adopted after a restart. Every series carries ``instance``.
 """
 
@@ -36,13 +36,14 @@ class Now:
     leases: int
     degraded: bool
     vram_free_bytes: int | None
+    resident_degraded: bool = False
 
 
 def window_now(window: Window) -> Now:
     """Read what the gauges show from the window."""
     rec, last = window.record, window.vram.last
     return Now(str(window.phase), len(window.leases()), bool(rec is not None and rec.degraded),
-               None if last is None else last.free_bytes)
+               None if last is None else last.free_bytes, window.known.changed is not None)
 
 
 class _Live(Collector):
@@ -62,6 +63,9 @@ class _Live(Collector):
         yield _gauge("gpuswapd_leases", "Leases held now", inst, now.leases)
         yield _gauge("gpuswapd_degraded", "1 while the last window could not be closed cleanly yet", inst,
                      1.0 if now.degraded else 0.0)
+        yield _gauge("gpuswapd_resident_degraded", "1 while the last close left the resident smaller than its "
+                     "baseline (a smaller context, fewer slots, a model gone); the next close tries again", inst,
+                     1.0 if now.resident_degraded else 0.0)
         vram = GaugeMetricFamily("gpuswapd_vram_free_bytes", "Free VRAM as last read (absent before the first read)",
                                  labels=["instance"])
         if now.vram_free_bytes is not None:
@@ -70,7 +74,8 @@ class _Live(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the window (registration must not touch it)."""
-        for name in ("gpuswapd_phase", "gpuswapd_leases", "gpuswapd_degraded", "gpuswapd_vram_free_bytes"):
+        for name in ("gpuswapd_phase", "gpuswapd_leases", "gpuswapd_degraded", "gpuswapd_resident_degraded",
+                     "gpuswapd_vram_free_bytes"):
             yield GaugeMetricFamily(name, "")
 
 

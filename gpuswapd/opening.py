@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock, parking
+from gpuswapd import clock, identity, parking
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
@@ -149,6 +149,8 @@ async def _stop_resident(op: Opening) -> None:
         log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
     rec.units = [*running, *fallen]
     await w.persist(required=True)
+    # What the resident really holds, while it still holds it: the checks from here on count that.
+    await identity.learn_footprint(w, running)
     await w.resident.stop(running)
 
 

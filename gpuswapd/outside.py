@@ -41,7 +41,7 @@ CALLS: dict[str, frozenset[str]] = {
     "gpu": frozenset({"read"}),
     "state": frozenset({"read", "write", "append_history", "read_history"}),
     "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify", "is_sleeping", "sleep", "wake_up",
-                       "canary"}),
+                       "canary", "props", "models"}),
 }
 
 # Raised when a call of that lane misses its deadline or the lane is hung.

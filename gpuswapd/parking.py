@@ -1,8 +1,9 @@
 """A parked engine: asleep on the card between windows, woken for the next one in seconds.
 
 With ``window.park.mode = "sleep"`` a window that closes normally puts its engine to sleep
-instead of removing it, but only when the card then has ``gpu.resident_needs`` free: a parked
-engine never costs the resident an out-of-memory. The parked engine lives in the state
+instead of removing it, but only when the card then has what the resident needs free
+(``gpu.resident_needs``, or what it was seen to hold if more): a parked engine never costs the
+resident an out-of-memory. The parked engine lives in the state
 document's ``parked`` field, written in the same document as the window's record that hands it
 over, so a restart finds it either in the window (and removes it with the window) or parked
 (and keeps it only if it still sleeps and matches the configuration).
@@ -104,7 +105,7 @@ def _level(w: Window) -> int:
 async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> bool:
     """Put the window's engine to sleep and park it, if it may be and ``need`` is then free.
 
-    ``need`` is what comes next: the resident (``gpu.resident_needs``), or the next window of a
+    ``need`` is what comes next: the resident (``Window.resident_needs``), or the next window of a
     direct switch. False means it was not parked (the caller removes it); the log says why.
     """
     c = rec.container or {}
@@ -124,7 +125,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False
-    need = w.config.gpu.resident_needs if need is None else need
+    need = w.resident_needs if need is None else need
     # A sleeping engine frees its memory some time after it says it sleeps, like an exiting
     # process: wait for what comes next to fit, a while, before deciding.
     settle = w.profile.engine.park.settle

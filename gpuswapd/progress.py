@@ -35,7 +35,7 @@ def progress(window: Window, rec: WindowRecord) -> str:
 def _vram_needed(window: Window, rec: WindowRecord) -> int:
     """Return what this WAITING_VRAM waits for: the profile's needs less its parked residual, or the resident's."""
     if rec.closing:
-        return window.config.gpu.resident_needs
+        return window.resident_needs
     parked = window.parked
     held = parked.residual_bytes if parked is not None and parked.profile == rec.profile else 0
     return max(0, window.profile.needs - held)

@@ -66,6 +66,10 @@ class WindowRecord:
     freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
     # Switched to from a bare window: the holders' processes of that window may still hold memory.
     after_bare: bool = False
+    # How the resident came back (gpuswapd.identity): "as_it_was", "smaller" (even after a restart
+    # with the room it had), "unchecked" (it could not be read); None: this window did not restore it.
+    restored: str | None = None
+    resident_changed: dict[str, Any] | None = None  # it came back smaller: was, now, repaired
     # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
     sealed: bool = field(default=False, compare=False)
 
@@ -121,6 +125,7 @@ class WindowRecord:
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
             "preempted": self.preempted, "freeing": self.freeing,
             "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
+            "restored": self.restored, "resident_changed": self.resident_changed,
         }
 
     @classmethod
@@ -144,6 +149,7 @@ class WindowRecord:
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
             saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
             freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
+            restored=_restored(d.text("restored", optional=True)), resident_changed=d.table("resident_changed"),
         )
 
 
@@ -215,6 +221,12 @@ class _Fields:
 def _start(value: str) -> str:
     if value not in ("cold", "warm"):
         raise ValueError(f"window.start: expected 'cold' or 'warm', got {value!r}")
+    return value
+
+
+def _restored(value: str | None) -> str | None:
+    if value not in (None, "as_it_was", "smaller", "unchecked"):
+        raise ValueError(f"window.restored: expected 'as_it_was', 'smaller' or 'unchecked', got {value!r}")
     return value
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock, closing, holding, opening, parking, preempting
+from gpuswapd import clock, closing, holding, identity, opening, parking, preempting
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -56,6 +56,10 @@ async def recover_at_start(window: Window) -> None:
     window.record = record
     if document is not None:
         window.held_down = dict(document.held_down)
+        try:
+            window.known = identity.Known.from_dict(document.resident)
+        except ValueError as err:  # what the resident was is learned again
+            log.error("resident_state_unreadable", error=str(err))
     if document is not None and document.parked is not None:
         try:
             window.parked = parking.Parked.from_dict(document.parked)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from gpuswapd import clock
 from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.config import Config
 from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
@@ -15,6 +16,7 @@ from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 
 POLL_S = 0.25
+PROPS_TIMEOUT_S = 10.0
 
 if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
     from gpuswapd.adapters.systemd import Systemd
@@ -156,3 +158,15 @@ class Resident:
             await run_jobs(self.systemd, self.outside.systemd, method, units, timeout, verb)
         finally:
             self.jobs_running -= 1
+
+    # -- what the resident is (gpuswapd.identity compares it with its baseline) -------------------
+
+    async def what_it_is(self) -> tuple[ServerProps | None, list[str]]:
+        """Read llama-server's ``/props`` (``resident.server = "llama.cpp"``) and the ids of ``/v1/models``."""
+        cfg, lane = self.config.resident, self.outside.http
+        limit = min(PROPS_TIMEOUT_S, cfg.verify.timeout)
+        props = None
+        if cfg.server == "llama.cpp":
+            props = await lane.run("props", self.http.props(cfg.props_url, limit), lane.beyond(limit))
+        models = await lane.run("models", self.http.model_ids(cfg.models_url, limit), lane.beyond(limit))
+        return props, models

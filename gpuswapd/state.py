@@ -1,7 +1,7 @@
 """The state directory: one versioned state document with its last good copy, and the history.
 
     state.json       {"version": 2, "seq": N, "window": {...} | null, "parked": null, "queue": [],
-                      "held_down": {"UNIT": since}, "sha256": "..."}
+                      "held_down": {"UNIT": since}, "resident": {"baseline": ..., ...}, "sha256": "..."}
     state.prev.json  the document as it was before the last write
     history.jsonl    finished windows, newest last
 
@@ -48,6 +48,8 @@ class Document:
     queue: list[dict[str, Any]] = field(default_factory=list)
     # Resident units an operator stopped while no window was open: left down until started again.
     held_down: dict[str, float] = field(default_factory=dict)
+    # What the resident is (gpuswapd.identity.Known): its baseline, its footprint, a change left.
+    resident: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ def encode(document: Document) -> bytes:
             "parked": document.parked, "queue": document.queue}
     if document.held_down:
         body["held_down"] = document.held_down
+    if document.resident:
+        body["resident"] = document.resident
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["sha256"] = hashlib.sha256(canonical).hexdigest()
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + b"\n"
@@ -105,9 +109,12 @@ def decode(data: bytes) -> Document:
     if not isinstance(held, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
                                              not isinstance(v, bool) for k, v in held.items()):
         raise ValueError("held_down: expected an object of unit names and times")
+    resident = body.get("resident")
+    if resident is not None and not isinstance(resident, dict):
+        raise ValueError("resident: expected an object or null")
     window = body.get("window")
     return Document(seq=seq, window=None if window is None else WindowRecord.from_dict(window),
-                    parked=parked, queue=queue, held_down={k: float(v) for k, v in held.items()})
+                    parked=parked, queue=queue, held_down={k: float(v) for k, v in held.items()}, resident=resident)
 
 
 class StateStore:

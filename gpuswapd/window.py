@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import clock, closing, holding, opening, parking, preempting, recovery
+from gpuswapd import clock, closing, holding, identity, opening, parking, preempting, recovery
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -105,6 +105,7 @@ class Window:
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.parked: parking.Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
+        self.known = identity.Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
@@ -116,7 +117,8 @@ class Window:
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down))
+                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down),
+                        resident=self.known.to_dict())
 
     @property
     def profile(self) -> Profile:
@@ -126,6 +128,11 @@ class Window:
             return self.config.profile(name)
         except KeyError:  # a window an earlier configuration opened: closed with what there is
             return self.config.profile(DEFAULT_PROFILE)
+
+    @property
+    def resident_needs(self) -> int:
+        """Return the VRAM the resident needs free: ``gpu.resident_needs``, or what it was seen to hold if more."""
+        return self.known.needs(self.config.gpu.resident_needs)
 
     @property
     def engine(self) -> Engine:
@@ -341,6 +348,7 @@ class Window:
             "next_open": "warm" if self.parked is not None else "cold",
             "resident_back": self.resident_back(now),
             "boots": self.times.boots(),  # per profile: each boot to healthy, as history has it
+            "resident": self.known.status(self.config.gpu.resident_needs),
         }
 
     def resident_back(self, now: float) -> dict[str, Any] | None:
@@ -623,6 +631,8 @@ class Window:
             if state != "inactive" and unit in self.held_down:  # started (or failed) while nobody watched
                 self.resident_state(unit, state)
         down = [u for u, state in states.items() if state in ("inactive", "failed") and u not in self.held_down]
+        if not down:
+            await identity.recheck(self)  # a resident left smaller may be back as it was
         if down and self.record is None and self._driver is None and not len(self.queue):
             self.restore_baseline("the resident was found down while no window was open ("
                                   + ", ".join(f"{u} {states[u]}" for u in down) + ", not stopped by its operator)",

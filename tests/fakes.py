@@ -30,6 +30,7 @@ from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
@@ -51,6 +52,7 @@ from gpuswapd.window import Backoffs, Window
 
 GiB = 1 << 30
 RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"
+PROPS_URL = "http://resident.test:8081/props"  # strata itself, not through llama-swap
 ENGINE_URL = "http://engine.test:18020/v1/chat/completions"
 EVAL_URL = "http://eval.test:18021/v1/chat/completions"  # a second engine profile's
 ENGINES = {"engine.test": "hyperqwen", "eval.test": "qwen-eval"}  # host -> container
@@ -75,6 +77,8 @@ release_timeout = "300ms"
 units = ["strata.service"]
 stop_timeout = "300ms"
 start_timeout = "300ms"
+server = "llama.cpp"
+props_url = "{PROPS_URL}"
 [resident.idle]
 kind = "none"
 wait = "0"
@@ -168,6 +172,35 @@ class FakeGpu:
 
 
 @dataclass
+class FakeFit:
+    """llama.cpp's ``--fit`` for a fake resident: it claims weights + KV(ctx) + margin and leaves ``target`` free.
+
+    Started with less free than its full claim and the target, it lowers its context (in steps of
+    256 tokens per slot) until it fits, down to ``min_ctx``; only if even that does not fit at all
+    does it fail, as CUDA out of memory.
+    """
+
+    weights: int = 12 * GiB
+    kv_per_token: int = 1 << 20
+    margin: int = 1 * GiB
+    target: int = 1 * GiB
+    ctx: int = 8192  # -c: the whole KV cache, split over the slots
+    slots: int = 2
+    min_ctx: int = 4096
+
+    def claim(self, ctx: int) -> int:
+        """Return what the server holds with a context of ``ctx`` tokens (all slots)."""
+        return self.weights + self.kv_per_token * ctx + self.margin
+
+    def fit(self, free: int) -> int | None:
+        """Return the context it starts with when ``free`` bytes are free (None: it cannot start)."""
+        ctx, step = self.ctx, 256 * self.slots
+        while ctx > self.min_ctx and self.claim(ctx) + self.target > free:
+            ctx = max(self.min_ctx, ctx - step)
+        return ctx if self.claim(ctx) <= free else None
+
+
+@dataclass
 class FakeUnit:
     """A unit the fake manager knows."""
 
@@ -176,6 +209,8 @@ class FakeUnit:
     requires: tuple[str, ...] = ()
     gpu_bytes: int = 0
     pid: int = 0
+    fit: FakeFit | None = None  # fits itself to the free memory as llama.cpp does (opt-in)
+    n_ctx: int = 4096  # its context per slot, as /props says
 
 
 class FakeSystemd:
@@ -259,7 +294,16 @@ class FakeSystemd:
                 self.fail_starts[name] -= 1
                 unit.active_state = "failed"
                 return "failed"
-            if unit.gpu_bytes and not self.gpu.claim(unit.name, unit.pid, unit.gpu_bytes):
+            if unit.fit is not None:
+                free = self.gpu.read(processes=False).free_bytes
+                ctx = unit.fit.fit(free)
+                if ctx is None or not self.gpu.claim(unit.name, unit.pid, unit.fit.claim(ctx)):
+                    if ctx is None:
+                        self.gpu.ooms.append(unit.name)
+                    unit.active_state = "failed"
+                    return "failed"
+                unit.n_ctx = ctx // unit.fit.slots
+            elif unit.gpu_bytes and not self.gpu.claim(unit.name, unit.pid, unit.gpu_bytes):
                 unit.active_state = "failed"
                 return "failed"
             unit.active_state = "active"
@@ -478,6 +522,7 @@ class FakeDocker:
         self.containers: dict[str, FakeContainer] = {}
         self.where = "fake"
         self.engine_pid = 4242
+        self.residual = RESIDUAL_BYTES  # what a sleeping engine keeps
         self._changed = threading.Condition()
 
     def ping(self) -> None:
@@ -547,7 +592,7 @@ class FakeDocker:
             c = self.containers[name]
             if c.status == "running" and c.sleeping is None:
                 self.gpu.free(f"engine:{name}")
-                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                self.gpu.claim(f"engine:{name}", self.engine_pid, self.residual)
                 c.sleeping = level
 
     def wake(self, name: str, garble: bool = False) -> bool:
@@ -559,7 +604,7 @@ class FakeDocker:
             self.gpu.free(f"engine:{name}")
             if not self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
                 self.gpu.ooms.pop()
-                self.gpu.claim(f"engine:{name}", self.engine_pid, RESIDUAL_BYTES)
+                self.gpu.claim(f"engine:{name}", self.engine_pid, self.residual)
                 return False
             c.sleeping, c.garbled, c.wakes = None, garble, c.wakes + 1
             return True
@@ -617,6 +662,8 @@ class FakeHttp:
         self.completed_at: list[tuple[int, str]] = []  # (moment, url) of every completion
         self.garble_wakes = 0  # the next wakes answer differently
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
+        self.models = ["strata"]  # what the resident lists at /v1/models
+        self.props_answer: Any = None  # a raw /props answer instead of strata's own (a server that is not llama.cpp)
 
     def _engine(self, url: str | None = None) -> FakeContainer | None:
         host = urlsplit(url.split()[-1]).hostname if url else "engine.test"
@@ -704,6 +751,23 @@ class FakeHttp:
                     raise
                 await asyncio.sleep(0.005)
 
+    async def props(self, url: str, timeout: float) -> ServerProps:
+        """Answer strata's /props: its context per slot and slots, as it started."""
+        await asyncio.sleep(0)
+        strata = self.systemd.units["strata.service"]
+        if strata.active_state != "active":
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        if self.props_answer is not None:
+            raise BadResponse(f"GET {url}: no default_generation_settings.n_ctx: {self.props_answer}")
+        return ServerProps(strata.n_ctx, strata.fit.slots if strata.fit else 2, "/models/strata.gguf", "strata")
+
+    async def model_ids(self, url: str, timeout: float) -> list[str]:
+        """Answer the resident's /v1/models through its proxy."""
+        await asyncio.sleep(0)
+        if not self._resident_up():
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        return sorted(self.models)
+
     async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
         """Say the resident is idle."""
         return Busy(False, "idle")
@@ -768,12 +832,15 @@ class FakeWorld:
     config: Config = field(default_factory=lambda: FAKE_CONFIG)
     gpu: FakeGpu = field(default_factory=FakeGpu)
     store: FakeStore = field(default_factory=FakeStore)
+    fit: FakeFit | None = None  # the resident fits itself to the free memory (llama.cpp's --fit)
 
     def __post_init__(self) -> None:
         self.systemd = FakeSystemd(self.gpu)
         self.docker = FakeDocker(self.gpu)
         self.http = FakeHttp(self.systemd, self.docker)
-        self.systemd.add_unit(FakeUnit("strata.service", gpu_bytes=RESIDENT_BYTES, pid=1001))
+        full = self.fit.claim(self.fit.ctx) if self.fit is not None else RESIDENT_BYTES
+        self.systemd.add_unit(FakeUnit("strata.service", gpu_bytes=full, pid=1001, fit=self.fit,
+                                       n_ctx=self.fit.ctx // self.fit.slots if self.fit else 4096))
         self.systemd.add_unit(FakeUnit("llama-swap.service", requires=("strata.service",), pid=1002))
         for agent in AGENTS:
             self.systemd.add_timer(f"agent-{agent}.timer")

@@ -21,6 +21,7 @@ import httpx
 
 from gpuswapd import clock
 from gpuswapd.adapters.prometheus import scan_prometheus
+from gpuswapd.adapters.props import ServerProps, parse_model_ids, parse_props
 from gpuswapd.adapters.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 from gpuswapd.config import CompletionCheck, IdleConfig
 from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
@@ -240,6 +241,21 @@ class ModelHttp:
             response = await self._http().post(url, timeout=self._timeout(timeout))
         if response.status_code != 200:
             await _raise_status("POST", url, response)
+
+    async def props(self, url: str, timeout: float) -> ServerProps:
+        """Read llama-server's ``GET /props``: its context per slot, its slots, its model."""
+        return parse_props(await self._get(url, timeout), f"GET {url}")
+
+    async def model_ids(self, url: str, timeout: float) -> list[str]:
+        """Read the sorted model ids of ``GET /v1/models``."""
+        return parse_model_ids(await self._get(url, timeout), f"GET {url}")
+
+    async def _get(self, url: str, timeout: float) -> bytes:
+        with _mapped("GET", url, timeout):
+            response = await self._http().get(url, timeout=self._timeout(timeout))
+        if response.status_code != 200:
+            await _raise_status("GET", url, response)
+        return response.content
 
     async def idle(self, idle: IdleConfig, timeout: float = IDLE_TIMEOUT_S, draining: bool = False) -> Busy:
         """Ask the resident whether a request is in flight, the way ``idle.kind`` says.

@@ -390,7 +390,9 @@ def _history_line(window: dict[str, Any]) -> str:
     took = (window.get("closed_at") or time.time()) - window["opened_at"]
     error = f" error: {window['error']['message']}" if window.get("error") else ""
     start = window.get("start", "cold")
-    return f"{window['id']}  {window.get('outcome') or '?':<11} {start:<5} {format_span(round(took, 1))}{error}"
+    smaller = " restored, smaller" if window.get("restored") == "smaller" else ""
+    return (f"{window['id']}  {window.get('outcome') or '?':<11} {start:<5} {format_span(round(took, 1))}"
+            f"{smaller}{error}")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,14 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         out.write(f"boot to healthy, profile {name}: last {took}; longest {boots['longest_s']:.1f}s "
                   f"(of {boots['count']} boot{'s' if boots['count'] != 1 else ''})\n")
     out.write(f"parked: {parked_line(reply.get('parked'))}\n")
+    resident = reply.get("resident") or {}
+    baseline = resident.get("baseline")
+    if baseline:
+        ctx = f"n_ctx {baseline['n_ctx']} x {baseline['slots']} slots, " if baseline.get("n_ctx") is not None else ""
+        out.write(f"resident baseline: {ctx}models {', '.join(baseline.get('models') or []) or '(none)'}\n")
+    changed = resident.get("changed")
+    if changed:
+        out.write(f"RESIDENT SMALLER: {changed.get('message') or '; '.join(changed.get('smaller') or [])}\n")
     last = reply.get("last")
     if last:
         out.write(f"last window: {last['id']} {last.get('outcome')} {_ago(last.get('closed_at'))}\n")

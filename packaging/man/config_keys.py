@@ -109,7 +109,10 @@ MEANINGS: dict[str, str] = {
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
     "gpu.window_needs": "The free VRAM required before the window's container starts.",
-    "gpu.resident_needs": "The free VRAM required before the resident units start again.",
+    "gpu.resident_needs": "The free VRAM required before the resident units start again (and beside a parked "
+                          "engine). When the resident's processes are seen to hold more (read from the GPU probe "
+                          "before a window stops it, and at its baseline), gpuswapd warns once "
+                          "(resident_footprint_larger) and counts that instead, for every later check.",
     "gpu.release_timeout": "How long VRAM may take to come free after a stop (it lags the processes' exit). On "
                            "timeout the error names the processes that hold VRAM and their units.",
     "gpu.nvidia_smi": "The nvidia-smi command (looked up in PATH, or an absolute path) for probe = \"nvidia-smi\".",
@@ -120,6 +123,18 @@ MEANINGS: dict[str, str] = {
                       "those are started again.",
     "resident.stop_timeout": "How long stopping one unit may take.",
     "resident.start_timeout": "How long starting one unit may take.",
+    "resident.server": "What the resident is. \"llama.cpp\": a llama-server, whose context per slot "
+                       "(default_generation_settings.n_ctx), total_slots, model_path and alias are read from "
+                       "props_url; \"other\": any OpenAI server, known by its model ids only. Either way the ids of "
+                       "GET /v1/models on the base of verify.url are read too. They are recorded as the resident's "
+                       "baseline at start and after every restore that finds it as it was, and compared after every "
+                       "restore's verify: a smaller context, fewer slots or a model gone (llama.cpp's --fit shrinks "
+                       "its context when memory is short, silently) makes gpuswapd remove a parked engine, restart "
+                       "the resident once it has the room it had, and compare again; still smaller, the window "
+                       "ends \"restored, smaller\" (status and history say what changed and what holds the "
+                       "memory, gpuswapd_resident_degraded is 1, the next close tries again).",
+    "resident.props_url": "For server = \"llama.cpp\" (required then): the llama-server's own GET /props, not "
+                          "through a proxy or the gateway, e.g. \"http://127.0.0.1:8081/props\".",
     "resident.idle.kind": "How to tell whether a request is in flight on the resident: \"llama.cpp-slots\" (GET url, "
                           "busy while any slot is_processing), \"prometheus\" (GET url, busy while metric > 0), "
                           "\"command\" (run command, idle when it exits 0), \"gateway\" (ask gpuswapd-gateway at "
@@ -237,6 +252,7 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_string": lambda c: "string",
     "_nonempty": lambda c: "string, not empty",
     "_url": lambda c: "http(s) URL",
+    "_optional_url": lambda c: "http(s) URL, or empty",
     "_span": lambda c: "time span" + (f", at least {format_span(c['minimum'])}" if c["minimum"] else ""),
     "_size": lambda c: "size",
     "_int": lambda c: f"integer, {c['minimum']} to {c['maximum']}",

@@ -47,6 +47,9 @@ class Setup:
     on_busy: str = "proceed"
     max_restarts: int = 1
     watch_interval: float = 5.0
+    # Below 22 (what the resident needs free to load as it was, its --fit margin included), the
+    # configuration is wrong: gpuswapd learns the resident's footprint and repairs what comes back smaller.
+    resident_needs_gib: float = 22.0
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize."""
@@ -81,12 +84,14 @@ on_shutdown = "restore"
 [gpu]
 probe = "nvml"
 window_needs = "21GiB"
-resident_needs = "22GiB"
+resident_needs = "{self.resident_needs_gib:g}GiB"
 release_timeout = "60s"
 [resident]
 units = ["strata.service"]
 stop_timeout = "90s"
 start_timeout = "120s"
+server = "llama.cpp"
+props_url = "http://resident.sim:8081/props"
 [resident.idle]
 kind = "llama.cpp-slots"
 url = "http://resident.sim:8081/slots"
@@ -173,6 +178,7 @@ def draw_setup(rng: random.Random) -> Setup:
         on_busy=rng.choice(("proceed", "proceed", "fail")),
         max_restarts=rng.choice((0, 1, 2)),
         watch_interval=rng.choice((2.0, 5.0)),
+        resident_needs_gib=rng.choice((22.0, 22.0, 22.0, 19.0)),
     )
 
 

@@ -59,6 +59,7 @@ from gpuswapd import clock, ids, tasks, workers
 from gpuswapd.config import Config, parse_config
 from gpuswapd.daemon import Daemon, Systems
 from gpuswapd.errors import ConfigError, GpuswapError
+from gpuswapd.metrics import window_now
 from gpuswapd.outside import _ERRORS, Late, close_unawaited
 from gpuswapd.peers import Peer
 from gpuswapd.phases import Phase
@@ -67,9 +68,14 @@ from tests.simulation import world as world_module
 from tests.simulation.history import Setup
 from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop
 from tests.simulation.streams import Connection
-from tests.simulation.world import EngineSpec, GiB, Unit, World
+from tests.simulation.world import EngineSpec, Fit, GiB, Unit, World
 
-RESIDENT_BYTES = 21 * GiB
+# strata's llama-server: 12 GiB of weights, 1 MiB of KV cache per token of its 8192 (two slots of
+# 4096), 1 GiB of compute buffers; llama.cpp's --fit leaves 1 GiB free besides (--fit-target), and
+# shrinks the context to no less than 4096 (--fit-ctx) when that does not fit.
+FIT = Fit(weights=12 * GiB, kv_per_token=1 << 20, margin=1 * GiB, target=1 * GiB, ctx=8192, slots=2, min_ctx=4096)
+RESIDENT_BYTES = FIT.claim(FIT.ctx)  # 21 GiB
+RESIDENT_NEEDS = RESIDENT_BYTES + FIT.target  # what it needs free to come back as it was
 ENGINE_BYTES = int(19.5 * GiB)
 TOTAL_BYTES = 24 * GiB
 CHECK_EVERY_S = 1.0
@@ -421,7 +427,8 @@ class Run:
         s = self.setup
         world = World(self.clock, TOTAL_BYTES, s.exit_lag, s.sleep_lag)
         sd = world.systemd
-        sd.add(Unit("strata.service", "active", gpu_bytes=RESIDENT_BYTES, start_s=s.resident_start, stop_s=0.3))
+        sd.add(Unit("strata.service", "active", gpu_bytes=RESIDENT_BYTES, start_s=s.resident_start, stop_s=0.3,
+                    fit=FIT))
         sd.add(Unit("llama-swap.service", "active", requires=("strata.service",), start_s=0.2, stop_s=0.1))
         world.resident_units = ("strata.service", "llama-swap.service")
         sd.add_timer("agent-triage.timer", True, 47.0, 4.0)
@@ -789,7 +796,7 @@ class Run:
             return
         daemon = self.host.daemon
         if daemon is None or daemon.window.record is not None or self._disk_window() or \
-                self.world.card.free() < RESIDENT_BYTES:
+                self.world.card.free() < RESIDENT_NEEDS:
             self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
             return
         self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
@@ -911,6 +918,9 @@ class Run:
         world = self.world
         if world.card.ooms:
             self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
+        if world.short_starts and self.config.gpu.resident_needs >= RESIDENT_NEEDS:
+            # With gpu.resident_needs right, gpuswapd never starts the resident into less than it needs.
+            self.violate("3", f"the resident was started short of memory: {world.short_starts[0]}")
         daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
         on_disk = self._disk_window()
         in_memory = daemon is not None and daemon.window.record is not None
@@ -1014,6 +1024,34 @@ class Run:
         unreadable = profile == "default" and any(start <= at < end for start, end in self.env_unreadable)
         return not gone and not unreadable
 
+    def _check_as_it_was(self, daemon: Daemon) -> None:
+        """Invariant 1: quiet, the resident has its baseline's context and slots, and gpuswapd knows that baseline.
+
+        Only a stranger's memory may leave it smaller: then the last restore said "restored,
+        smaller", with what changed, and gpuswapd_resident_degraded is 1.
+        """
+        strata = self.world.systemd.units["strata.service"]
+        full = FIT.ctx // FIT.slots
+        baseline = daemon.window.known.baseline
+        if baseline is None or (baseline.n_ctx, baseline.slots, baseline.models) != (full, FIT.slots, ("strata",)):
+            self.violate("1", f"quiet, but gpuswapd's baseline of the resident is {baseline and baseline.describe()}, "
+                              f"not n_ctx {full} x {FIT.slots} slots, models strata")
+        restored = [r for r in self.finished.values() if r.get("restored") is not None]
+        last = max(restored, key=lambda r: float(r.get("closed_at") or 0.0)) if restored else None
+        degraded = window_now(daemon.window).resident_degraded
+        if strata.n_ctx == full:
+            if degraded:
+                self.violate("1", "quiet, with the resident as it was, but gpuswapd_resident_degraded is 1")
+            return
+        card = self.world.card
+        card.free()
+        strangers = [n for n in card.holdings if not n.startswith(("engine:", "strata."))]
+        said = last is not None and last.get("restored") == "smaller" and last.get("resident_changed") is not None
+        if not (said and degraded and strangers):
+            self.violate("1", f"quiet, but the resident has n_ctx {strata.n_ctx}, not {full} (last restore: "
+                              f"{last and last.get('restored')}, gpuswapd_resident_degraded {int(degraded)}, "
+                              f"strangers on the card: {strangers or 'none'}; {card.describe()})")
+
     def _window_in_memory(self, window: str | None) -> dict[str, Any] | None:
         daemon = self.host.daemon
         if daemon is None or window is None:
@@ -1077,6 +1115,7 @@ class Run:
         restarted = world.last_resident_start()
         if restarted > 0 and not any(t >= restarted and who == "resident" for t, who in world.http.completions):
             self.violate("1", f"quiet, but the resident was not verified after its last start at {restarted:.1f}s")
+        self._check_as_it_was(daemon)
         timers = {name: t.active for name, t in world.systemd.timer_units.items()}
         expected = dict(self.initial_timers)
         if self.baseline_restores:  # documented: the baseline starts every matching timer, even one that was off

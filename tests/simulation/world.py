@@ -27,6 +27,7 @@ from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import (
@@ -196,6 +197,35 @@ class Card:
 # -- systemd -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Fit:
+    """llama.cpp's ``--fit``: the server claims weights + KV(ctx) + margin, and leaves ``target`` free besides.
+
+    Started with less free than its full claim and the target, it lowers its context (256 tokens
+    per slot at a time) until that fits, down to ``min_ctx``; it fails (out of memory) only when
+    even ``min_ctx`` does not fit at all. ``ctx`` is ``-c``, the KV cache of all the slots.
+    """
+
+    weights: int
+    kv_per_token: int
+    margin: int
+    target: int
+    ctx: int
+    slots: int
+    min_ctx: int
+
+    def claim(self, ctx: int) -> int:
+        """Return what the server holds with ``ctx`` tokens of context (all slots)."""
+        return self.weights + self.kv_per_token * ctx + self.margin
+
+    def fit(self, free: int) -> int:
+        """Return the context it starts with when ``free`` bytes are free (the minimum, when nothing fits)."""
+        ctx = self.ctx
+        while ctx > self.min_ctx and self.claim(ctx) + self.target > free:
+            ctx = max(self.min_ctx, ctx - 256 * self.slots)
+        return ctx
+
+
 @dataclass
 class Unit:
     """A unit the simulated manager knows."""
@@ -211,6 +241,8 @@ class Unit:
     started_at: list[float] = field(default_factory=list)
     job: tuple[str, int] | None = None  # the pending job: (method, world action)
     job_paths: list[str] = field(default_factory=list)
+    fit: Fit | None = None  # a llama-server that fits itself to the free memory
+    n_ctx: int = 0  # its context per slot, as its /props says
 
 
 @dataclass
@@ -252,6 +284,8 @@ class Systemd:
             unit.started_at.append(self.world.clock.now)
             if unit.gpu_bytes:
                 assert self.world.card.claim(self._key(unit), unit.pid, unit.gpu_bytes)
+            if unit.fit is not None:
+                unit.n_ctx = unit.fit.ctx // unit.fit.slots
 
     def add_timer(self, name: str, active: bool, every_s: float, runs_s: float) -> None:
         """Load a timer and its service; an active timer runs its service every ``every_s``."""
@@ -431,7 +465,16 @@ class Systemd:
             return
         unit.starts += 1
         unit.pid = next(self._pids)
-        if unit.gpu_bytes and not self.world.card.claim(self._key(unit), unit.pid, unit.gpu_bytes):
+        size = unit.gpu_bytes
+        if unit.fit is not None:
+            free = self.world.card.free()
+            ctx = unit.fit.fit(free)
+            size, unit.n_ctx = unit.fit.claim(ctx), ctx // unit.fit.slots
+            if ctx < unit.fit.ctx and size <= free:
+                self.world.short_starts.append(
+                    f"at {self.world.clock.now:.1f}s {unit.name} started with {free / GiB:.1f} GiB free and fit "
+                    f"itself to n_ctx {unit.n_ctx} (held: {self.world.card.describe()})")
+        if size and not self.world.card.claim(self._key(unit), unit.pid, size):
             self._set(unit, "failed")  # CUDA out of memory while loading
             self._finish(unit, "failed")
             return
@@ -719,7 +762,8 @@ class Http:
     def __init__(self, world: World) -> None:
         self.world = world
         self.engines: dict[str, str] = {}  # netloc -> container name
-        self.resident_host = "resident.sim:8080"
+        self.resident_host = "resident.sim:8080"  # llama-swap, in front of strata
+        self.props_host = "resident.sim:8081"  # strata's llama-server itself
         self.completions: list[tuple[float, str]] = []
 
     def _container(self, url: str) -> Container | None:
@@ -792,6 +836,21 @@ class Http:
                 if retry_until is None or self.world.clock.now >= retry_until:
                     raise
                 await asyncio.sleep(min(self.RETRY_S, max(0.0, retry_until - self.world.clock.now)))
+
+    async def props(self, url: str, timeout: float) -> ServerProps:
+        """Answer strata's /props: its context per slot and its slots, as it fit itself at its start."""
+        await asyncio.sleep(0)
+        strata = self.world.systemd.units["strata.service"]
+        if urlsplit(url).netloc != self.props_host or strata.active_state != "active" or strata.fit is None:
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        return ServerProps(strata.n_ctx, strata.fit.slots, "/models/strata.gguf", "strata")
+
+    async def model_ids(self, url: str, timeout: float) -> list[str]:
+        """Answer llama-swap's /v1/models."""
+        await asyncio.sleep(0)
+        if urlsplit(url).netloc != self.resident_host or not self.world.resident_serves():
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        return ["strata"]
 
     async def idle(self, idle: Any, timeout: float = 10.0, draining: bool = False) -> Busy:
         """Say whether an agent job is using the resident now."""
@@ -966,6 +1025,7 @@ class World:
         self.resident_units: tuple[str, ...] = ()
         self.agent_runs = 0
         self.agent_failures: list[str] = []
+        self.short_starts: list[str] = []  # the resident fit itself smaller: it was started short of memory
 
     def resident_serves(self) -> bool:
         """Tell whether the resident answers completions now (its units active)."""

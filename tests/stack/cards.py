@@ -61,7 +61,7 @@ def instance_sections(stack: Stack, name: str, run_dir: Path | None, state_root:
     assert port != ENGINE_PORT
     return {
         **sections,
-        "resident": {"units": [RESIDENT1]},
+        "resident": {"units": [RESIDENT1], "props_url": f"http://127.0.0.1:{RESIDENT1_PORT}/props"},
         "resident.idle": {"url": f"http://127.0.0.1:{RESIDENT1_PORT}/slots"},
         "resident.verify": {"url": f"http://127.0.0.1:{RESIDENT1_PORT}/v1/chat/completions", "model": "strata1"},
         "timers": {"pause": []},

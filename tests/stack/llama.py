@@ -294,6 +294,49 @@ def llama_server_args(
     return args
 
 
+@dataclass(frozen=True)
+class Fit:
+    """How the test world's resident fits itself to the simulated card, as llama.cpp's ``--fit`` does.
+
+    Its claim on the VRAM ledger follows its context ``ctx`` (``-c``: every slot's KV cache)::
+
+        claim(ctx) = weights + kv_per_token * ctx + margin
+
+    With the defaults, 12 GiB + 1 MiB x 8192 + 1 GiB = 21 GiB at the world's ``-c 8192`` (two
+    slots of 4096), the ledger's RESIDENT_VRAM. It starts with its full context only if
+    ``claim(ctx) + target`` is free (``--fit-target``, 1 GiB); short of that it lowers ``-c`` by
+    256 tokens per slot at a time until it fits, down to ``min_ctx`` (``--fit-ctx``), and fails as
+    CUDA out of memory only when even ``claim(min_ctx)`` is not free. tests/stack/sim/llama_fit.py
+    does it; a test opts in with ``enable_fit`` (the world's resident otherwise claims its fixed
+    21 GiB or fails, so that the out-of-memory tests keep their meaning).
+    """
+
+    weights: int = 12 << 30
+    kv_per_token: int = 1 << 20
+    margin: int = 1 << 30
+    target: int = 1 << 30
+    min_ctx: int = 4096
+
+    def claim(self, ctx: int) -> int:
+        """Return what the resident holds with ``ctx`` tokens of context."""
+        return self.weights + self.kv_per_token * ctx + self.margin
+
+
+FIT_FILE = "strata.fit.json"  # in the world's control directory: present, strata fits itself at its next start
+
+
+def enable_fit(control: Path, fit: Fit | None = None) -> Fit:
+    """Make strata fit itself to the free memory from its next start on (until the file is removed)."""
+    fit = fit or Fit()
+    (control / FIT_FILE).write_text(json.dumps(asdict(fit)))
+    return fit
+
+
+def disable_fit(control: Path) -> None:
+    """Make strata claim its fixed size again from its next start on."""
+    (control / FIT_FILE).unlink(missing_ok=True)
+
+
 def stop_server(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
     """Stop a llama-server child: SIGTERM, then a second SIGTERM, then SIGKILL; return its rc."""
     # One SIGTERM is not always enough in this version: with a streamed request in flight the

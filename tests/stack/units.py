@@ -54,12 +54,22 @@ def resident_on_card(spec: Spec, name: str, port: int, card: int) -> str:
     )
 
 
+RESIDENT_CTX = 4096  # per slot
+RESIDENT_SLOTS = 2
+
+
+def resident_exec(spec: Spec, alias: str = "strata") -> str:
+    """Return strata's ExecStart=: llama-server on the simulated card, fitting itself if a test asked (llama.Fit)."""
+    server_args = " ".join(llama.llama_server_args(spec.model, spec.resident_port, ctx=RESIDENT_CTX,
+                                                   parallel=RESIDENT_SLOTS, alias=alias))
+    return (f"ExecStart={spec.python} {spec.sim}/llama_fit.py --dir {spec.gpu} --name strata "
+            f"--bytes {spec.resident_vram} --fit-file {spec.control}/{llama.FIT_FILE} -- {spec.llama_server} "
+            f"{server_args}\n")
+
+
 def render(spec: Spec) -> dict[str, str]:
     """Return every unit file of the test world, by name."""
     py, sim = spec.python, spec.sim
-    server_args = " ".join(
-        llama.llama_server_args(spec.model, spec.resident_port, ctx=4096, parallel=2, alias="strata")
-    )
     files: dict[str, str] = {
         "dbus.socket": _unit("D-Bus System Message Bus Socket", "", "")
         + "\n[Socket]\nListenStream=/run/dbus/system_bus_socket\n",
@@ -72,9 +82,7 @@ def render(spec: Spec) -> dict[str, str]:
         "strata.service": _unit(
             "strata: the resident model (llama.cpp llama-server)",
             "",
-            f"Type=exec\nExecStart={py} {sim}/gpu_hold.py --dir {spec.gpu} --name strata "
-            f"--bytes {spec.resident_vram} -- {spec.llama_server} {server_args}\n"
-            f"TimeoutStopSec=20\n{_logs(spec, 'strata')}",
+            f"Type=exec\n{resident_exec(spec)}TimeoutStopSec=20\n{_logs(spec, 'strata')}",
         ),
         "llama-swap.service": _unit(
             "llama-swap proxy in front of strata",

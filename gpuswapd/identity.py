@@ -1,0 +1,381 @@
+"""What the resident is, and proof that every restore brings it back so: its context, slots and models.
+
+llama.cpp's llama-server fits itself to the memory it finds (``--fit``, on by default): started
+short, it shrinks its context and says nothing. An answered completion proves only that it
+serves, so after each restore's verify gpuswapd reads what the resident is (``GET /props`` for
+``resident.server = "llama.cpp"``, ``GET /v1/models`` for every server) and compares it with its
+baseline, what it was when all was well:
+
+- The baseline is recorded at start (the resident healthy, no window open) and after every
+  restore whose resident is as it was (or larger), in the state document, with the VRAM its
+  processes held then.
+- A restore that finds it smaller (its context, its slots, a model gone) logs ``resident_changed``
+  and repairs it: a parked engine is removed, the resident stopped, the memory its baseline held
+  (or ``gpu.resident_needs``, whichever is larger) waited for, with every exited process's, and
+  the resident started, verified and compared once more.
+- Still smaller: the window ends *restored, smaller*. The resident serves and the timers resume
+  (nothing is stuck: this is not DEGRADED); status and history carry ``resident_changed``, a
+  warning names the numbers, what holds the memory and the key to raise, the gauge
+  ``gpuswapd_resident_degraded`` is 1, and the next close tries again.
+
+Before a window stops the resident, what its processes hold on the card is its footprint: larger
+than ``gpu.resident_needs``, it is warned of once and used instead for every later check, the
+park decision included (``Known.needs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gpuswapd import clock, parking
+from gpuswapd.errors import BadResponse, Degraded, GpuswapError
+from gpuswapd.logs import log
+from gpuswapd.record import WindowRecord, _Fields
+from gpuswapd.sizes import format_size
+from gpuswapd.tasks import sleep_unless
+from gpuswapd.vram import Holder
+
+if TYPE_CHECKING:
+    from gpuswapd.window import Window
+
+Pause = Callable[[float], Awaitable[None]]
+POLL_S = 0.25
+READ_FOR_S = 30.0
+WARN_AFTER = 5  # tries at start before an unanswered /props is warned of (it may still be loading)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The resident at one moment: its context per slot and slots (llama.cpp), its models, its VRAM."""
+
+    n_ctx: int | None
+    slots: int | None
+    model_path: str | None
+    alias: str | None
+    models: tuple[str, ...]
+    held_bytes: int | None  # what its processes held on the card (None: no GPU probe, or it could not say)
+    held: tuple[Holder, ...] = ()
+    at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the state document, status and history."""
+        return {"n_ctx": self.n_ctx, "slots": self.slots, "model_path": self.model_path, "alias": self.alias,
+                "models": list(self.models), "held_bytes": self.held_bytes,
+                "held": [{"pid": h.pid, "unit": h.unit, "bytes": h.used_bytes} for h in self.held], "at": self.at}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Identity:
+        """Rebuild from ``to_dict`` output; ValueError names what is wrong."""
+        d = _Fields(data, where)
+        held = []
+        for i, h in enumerate(d.items("held")):
+            e = _Fields(h, f"{where}.held[{i}]")
+            held.append(Holder(int(e.number("pid")), int(e.number("bytes")), e.text("unit", optional=True)))
+        n_ctx, slots, held_bytes = (d.number(k, optional=True) for k in ("n_ctx", "slots", "held_bytes"))
+        return cls(None if n_ctx is None else int(n_ctx), None if slots is None else int(slots),
+                   d.text("model_path", optional=True), d.text("alias", optional=True), tuple(d.texts("models")),
+                   None if held_bytes is None else int(held_bytes), tuple(held), d.number("at", default=0.0))
+
+    def describe(self) -> str:
+        """Say it for a person: context, slots, models."""
+        ctx = f"n_ctx {self.n_ctx} x {self.slots} slot(s), " if self.n_ctx is not None else ""
+        return f"{ctx}models {', '.join(self.models) or '(none)'}"
+
+    def same_as(self, other: Identity) -> bool:
+        """Tell whether it says the same as ``other`` (the memory and the time aside)."""
+        return (self.n_ctx, self.slots, self.model_path, self.alias, self.models) == (
+            other.n_ctx, other.slots, other.model_path, other.alias, other.models)
+
+
+def smaller(now: Identity, was: Identity, server: str) -> list[str]:
+    """Say how ``now`` falls short of ``was``: a smaller context or fewer slots (llama.cpp), a model gone."""
+    out = []
+    if server == "llama.cpp":
+        if was.n_ctx is not None and (now.n_ctx is None or now.n_ctx < was.n_ctx):
+            out.append(f"n_ctx {now.n_ctx} (was {was.n_ctx})")
+        if was.slots is not None and (now.slots is None or now.slots < was.slots):
+            out.append(f"total_slots {now.slots} (was {was.slots})")
+    missing = sorted(set(was.models) - set(now.models))
+    if missing:
+        out.append(f"model(s) {', '.join(missing)} missing (it lists {', '.join(now.models) or 'none'})")
+    return out
+
+
+@dataclass
+class Known:
+    """What gpuswapd knows of the resident across windows and restarts (the state document's ``resident``)."""
+
+    baseline: Identity | None = None
+    footprint: int | None = None  # what its processes held the last time a window stopped it
+    changed: dict[str, Any] | None = None  # the last close left it smaller: was, now, why, holders
+    warned: int = 0  # the largest footprint warned of: each is warned of once
+
+    def needs(self, configured: int) -> int:
+        """Return what the resident needs free: ``gpu.resident_needs``, or more if it was seen to hold more."""
+        held = self.baseline.held_bytes if self.baseline is not None else None
+        return max(configured, self.footprint or 0, held or 0)
+
+    def to_dict(self) -> dict[str, Any] | None:
+        """Serialize for the state document (None when nothing is known yet)."""
+        if self.baseline is None and self.footprint is None and self.changed is None:
+            return None
+        return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
+                "footprint_bytes": self.footprint, "footprint_warned": self.warned, "changed": self.changed}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Known:
+        """Rebuild from the state document; ValueError names what is wrong."""
+        if data is None:
+            return cls()
+        d = _Fields(data, "resident")
+        baseline = d.table("baseline")
+        footprint = d.number("footprint_bytes", optional=True)
+        return cls(None if baseline is None else Identity.from_dict(baseline, "resident.baseline"),
+                   None if footprint is None else int(footprint), d.table("changed"),
+                   int(d.number("footprint_warned", default=0)))
+
+    def status(self, configured: int) -> dict[str, Any]:
+        """Describe it for ``status``: the baseline, what the last close found, what the checks use."""
+        needs = self.needs(configured)
+        return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
+                "changed": self.changed, "degraded": self.changed is not None,
+                "footprint_bytes": self.footprint, "needs_bytes": needs, "needs": format_size(needs)}
+
+
+# -- reading it -----------------------------------------------------------------------------------
+
+
+async def read(w: Window, units: list[str]) -> Identity:
+    """Read what the resident is now, and what the processes of ``units`` hold on the card."""
+    props, models = await w.resident.what_it_is()
+    held = await _held(w, units)
+    return Identity(props.n_ctx if props else None, props.slots if props else None,
+                    props.model_path if props else None, props.alias if props else None, tuple(models),
+                    None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall())
+
+
+async def _held(w: Window, units: list[str]) -> list[Holder] | None:
+    """List the card's processes that belong to ``units`` (None: the card cannot be read)."""
+    try:
+        reading = await w.vram.read(processes=True)
+    except GpuswapError:
+        return None
+    if reading is None:
+        return None
+    held = []
+    for proc in reading.processes:
+        unit = await w.vram.unit_of(proc.pid)
+        if unit is not None and unit in units:
+            held.append(Holder(proc.pid, proc.used_bytes, unit))
+    return held
+
+
+async def _others(w: Window, units: list[str]) -> list[Holder]:
+    """List what processes outside ``units`` hold on the card now, largest first."""
+    try:
+        reading = await w.vram.read(processes=True)
+    except GpuswapError:
+        return []
+    if reading is None:
+        return []
+    out = []
+    for proc in sorted(reading.processes, key=lambda p: -p.used_bytes):
+        unit = await w.vram.unit_of(proc.pid)
+        if unit is None or unit not in units:
+            out.append(Holder(proc.pid, proc.used_bytes, unit))
+    return out
+
+
+async def learn_footprint(w: Window, running: list[str]) -> None:
+    """Before a window stops the resident, learn what its processes hold; warn once if more than it is said to need."""
+    held = await _held(w, running)
+    if not held:
+        return  # no probe, or nothing listed under its units (a resident off the card)
+    footprint = sum(h.used_bytes for h in held)
+    configured = w.config.gpu.resident_needs
+    w.known.footprint = footprint
+    w.writer.request()
+    if footprint > configured and footprint > w.known.warned:
+        w.known.warned = footprint
+        log.warning("resident_footprint_larger", footprint=format_size(footprint),
+                    resident_needs=format_size(configured), held="; ".join(h.describe() for h in held),
+                    consequence=f"gpuswapd counts {format_size(footprint)} for the resident from now on (the park "
+                                "decision too); raise gpu.resident_needs to at least that")
+
+
+# -- after a restore's verify -----------------------------------------------------------------------
+
+
+async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | None:
+    """Read it, retrying a server that does not answer yet, a while; None: unread.
+
+    The resident has just answered a completion: a /props that does not answer within
+    ``READ_FOR_S`` (or ``resident.verify.timeout``, if shorter) is a wrong URL, not a slow server.
+    """
+    deadline = clock.monotonic() + min(READ_FOR_S, w.config.resident.verify.timeout)
+    first, cap = w.backoffs.restore
+    attempt = 0
+    while True:
+        try:
+            return await read(w, units)
+        except GpuswapError as err:
+            attempt += 1
+            delay = min(cap, first * 2 ** (attempt - 1))
+            # A wrong answer (a wrong URL, not llama-server) will not heal by asking again.
+            if isinstance(err, BadResponse) or clock.monotonic() + delay > deadline:
+                log.warning("resident_identity_unread", error=err.message,
+                            consequence="the resident is not compared with its baseline this time; check "
+                                        "resident.props_url and resident.verify.url (the next close tries again)")
+                return None
+            await pause(delay)
+
+
+def _record(w: Window, now: Identity, why: str) -> None:
+    """Make ``now`` the baseline (and clear a change it makes good)."""
+    known, was = w.known, w.known.baseline
+    known.baseline = now
+    if was is None or not now.same_as(was) or was.held_bytes != now.held_bytes:
+        log.info("resident_baseline_recorded", resident=now.describe(), held=_size(now.held_bytes), why=why)
+    if known.changed is not None:
+        known.changed = None
+        log.info("resident_as_it_was", resident=now.describe())
+    w.writer.request()
+
+
+async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Pause) -> bool:
+    """Compare the resident just verified with its baseline; False: it is smaller and a repair comes first."""
+    now = await _read_within(w, rec.units, pause)
+    if now is None:
+        rec.restored = "unchecked"
+        return True
+    was, server = w.known.baseline, w.config.resident.server
+    if was is None:
+        _record(w, now, "the first restore gpuswapd saw")
+        rec.restored = "as_it_was"
+        return True
+    short = smaller(now, was, server)
+    if not short:
+        if rec.resident_changed is not None:
+            rec.resident_changed = {**rec.resident_changed, "repaired": True, "after": now.to_dict()}
+        _record(w, now, "a restore found it as it was")
+        rec.restored = "as_it_was"
+        return True
+    change = {"was": was.to_dict(), "now": now.to_dict(), "smaller": short, "repaired": False, "at": now.at}
+    if not repaired:
+        log.warning("resident_changed", was=was.describe(), now=now.describe(), smaller="; ".join(short),
+                    next="the resident is started again with the room it had at its baseline")
+        rec.resident_changed = change
+        await w.persist(required=False)
+        return False
+    others = await _others(w, rec.units)
+    message = _restored_smaller(w, was, now, short, others)
+    rec.resident_changed = {**change, "holders": [{"pid": h.pid, "unit": h.unit, "bytes": h.used_bytes}
+                                                  for h in others], "message": message}
+    rec.restored = "smaller"
+    w.known.changed = {**rec.resident_changed, "window": rec.id}
+    log.warning("resident_restored_smaller", error=message)
+    w.writer.request()
+    return True
+
+
+def _restored_smaller(w: Window, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:
+    """Say for a person what came back, what holds the memory, and the next step."""
+    held = "; ".join(h.describe() for h in others) or "no other process"
+    text = (f"the resident came back smaller than its baseline, even after a restart with the room it had: "
+            f"{'; '.join(short)}; it holds {_size(now.held_bytes)} (at its baseline {_size(was.held_bytes)}); "
+            f"held on the card besides it: {held}")
+    if now.models != was.models and not any(s.startswith(("n_ctx", "total_slots")) for s in short):
+        return text + "; check the resident's own configuration (it serves other models now); it serves meanwhile"
+    configured = w.config.gpu.resident_needs
+    return (text + f"; stop those processes, or raise gpu.resident_needs (now {format_size(configured)}) to what the "
+            f"resident needs free to load as it was (the {_size(was.held_bytes)} it held, and llama.cpp's "
+            "--fit-target margin, 1 GiB by default), so that gpuswapd waits for it; it serves meanwhile, and the next "
+            "window's close tries again")
+
+
+def _size(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else format_size(nbytes)
+
+
+async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
+    """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
+    if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
+        raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.get('name')}, "
+                       "which could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd keeps trying")
+    await w.resident.stop(rec.units)
+    was = w.known.baseline
+    need = max(w.resident_needs, (was.held_bytes or 0) if was is not None else 0)
+    deadline = clock.monotonic() + w.config.gpu.release_timeout
+    while True:
+        # Free enough, and nothing that exited (the engine, the resident's own processes) still listed.
+        try:
+            reading = await w.vram.read(processes=True)
+        except GpuswapError as err:
+            log.warning("vram_unknown_before_restore", error=err.message, attempt=1)
+            return
+        if reading is None:
+            return
+        exited = [p for p in reading.processes if await w.vram.unit_of(p.pid) is None]
+        if reading.free_bytes >= need and not exited:
+            log.info("vram_free", free=format_size(reading.free_bytes), need=format_size(need))
+            return
+        if clock.monotonic() >= deadline:
+            log.warning("vram_not_free_restoring_anyway",
+                        error=await w.vram.describe_shortfall(reading, need, w.config.gpu.release_timeout))
+            return
+        await pause(POLL_S)
+
+
+# -- while no window is open ---------------------------------------------------------------------------
+
+
+async def record_at_start(w: Window) -> None:
+    """Record the baseline at start once the resident serves while no window is open."""
+    attempt, first, cap = 0, *w.backoffs.restore
+    units = w.config.resident.units
+    while not w.stopping.is_set():
+        if w.record is not None or len(w.queue):
+            return  # a window's restore compares and records it
+        try:
+            running = await w.resident.closure()
+            if set(units) <= set(running):
+                now = await read(w, running)
+                if w.record is None:
+                    _at_start(w, now)
+                return
+        except GpuswapError as err:
+            if attempt + 1 == WARN_AFTER:
+                log.warning("resident_identity_unread", error=err.message,
+                            consequence="no baseline of the resident yet (asked again until it answers): check "
+                                        "resident.props_url and resident.verify.url")
+        attempt += 1
+        await sleep_unless(w.stopping, min(cap, first * 2 ** (attempt - 1)))
+
+
+def _at_start(w: Window, now: Identity) -> None:
+    """Take what runs at start as the baseline, unless the last close left it smaller and it still is.
+
+    Another model file or alias is its operator's change, never llama.cpp's fitting: it is taken.
+    """
+    was = w.known.baseline
+    same_model = was is not None and (now.model_path, now.alias) == (was.model_path, was.alias)
+    if w.known.changed is not None and was is not None and same_model and smaller(now, was, w.config.resident.server):
+        log.warning("resident_still_smaller", now=now.describe(), was=was.describe(),
+                    consequence="the baseline stays as it was; the next window's close tries again")
+        return
+    _record(w, now, "gpuswapd started with the resident serving")
+
+
+async def recheck(w: Window) -> None:
+    """While idle, see whether a resident left smaller is back as it was (its operator restarted it, say)."""
+    was = w.known.baseline
+    if w.known.changed is None or was is None or w.record is not None:
+        return
+    running = await w.resident.closure()
+    if not set(w.config.resident.units) <= set(running):
+        return
+    now = await read(w, running)
+    if w.record is None and not smaller(now, was, w.config.resident.server):
+        _record(w, now, "the reconcile found it as it was")
