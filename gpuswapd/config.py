@@ -135,6 +135,14 @@ def _unit_patterns(value: Any, path: str) -> list[str]:
     return patterns
 
 
+def _abs_paths(value: Any, path: str) -> list[str]:
+    paths = _strings(value, path)
+    for i, item in enumerate(paths):
+        if not os.path.isabs(item):
+            raise _fail(f"{path}[{i}]", f"must be an absolute path, got {item!r}")
+    return paths
+
+
 def _timer_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
@@ -268,6 +276,9 @@ class ResidentConfig:
     units: list[str] = _key(_units)
     stop_timeout: float = _key(_span(0.1), 90.0)
     start_timeout: float = _key(_span(0.1), 300.0)
+    # Its model files, read into the page cache during a close ([]: found from the units' ExecStart=).
+    files: list[str] = _key(_abs_paths, [])
+    prefetch: bool = _key(_bool, True)
     idle: IdleConfig
     verify: CompletionCheck
 

@@ -8,13 +8,15 @@ from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
 from gpuswapd.parking import Parked
+from gpuswapd.prefetch import ResidentFiles
 from gpuswapd.resident import Resident
 from gpuswapd.sizes import format_size
 from gpuswapd.vram import Vram, predict_fit
 
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,
-                    parked: Parked | None = None, profile: Profile | None = None) -> dict[str, Any]:
+                    parked: Parked | None = None, profile: Profile | None = None,
+                    files: ResidentFiles | None = None) -> dict[str, Any]:
     """Describe the units, timers, container and VRAM a window of ``profile`` would touch, and any blocker."""
     profile = profile or config.profile(DEFAULT_PROFILE)
     problems: list[str] = []
@@ -44,6 +46,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     if start == "cold":
         await attempt("engine", engine.preflight())
     reading = await attempt("gpu", vram.read())
+    # What the resident loads when it comes back, and how much of it is in RAM now.
+    model = await attempt("resident files", files.describe(units or config.resident.units)) if files else None
     plan: dict[str, Any] = {
         "profile": profile.name,
         "kind": profile.kind,
@@ -58,6 +62,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         "vram": None,
         "next_open": start,
         "parked": parked_note,
+        "resident_files": model,
         "problems": problems,
     }
     if reading is not None:

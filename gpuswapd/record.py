@@ -66,6 +66,10 @@ class WindowRecord:
     freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
     # Switched to from a bare window: the holders' processes of that window may still hold memory.
     after_bare: bool = False
+    # The close's read of the resident's model files into the page cache (prefetch.py), and the
+    # resident's time from its start to its verifying completion.
+    prefetch: dict[str, Any] | None = None
+    resident_s: float | None = None
     # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
     sealed: bool = field(default=False, compare=False)
 
@@ -121,6 +125,7 @@ class WindowRecord:
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
             "preempted": self.preempted, "freeing": self.freeing,
             "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
+            "prefetch": self.prefetch, "resident_s": self.resident_s,
         }
 
     @classmethod
@@ -144,6 +149,7 @@ class WindowRecord:
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
             saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
             freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
+            prefetch=d.table("prefetch"), resident_s=d.number("resident_s", optional=True),
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from gpuswapd import clock, closing, holding, opening, parking, preempting, recovery
+from gpuswapd.adapters.pagecache import Files
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -41,6 +42,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.prefetch import ResidentFiles
 from gpuswapd.progress import progress
 from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
@@ -69,7 +71,7 @@ class Window:
 
     def __init__(self, config: Config, resident: Resident, engine: Engine, vram: Vram, store: StateStore,
                  notifier: Notifier, outside: Outside, backoffs: Backoffs | None = None,
-                 engines: dict[str, Engine] | None = None) -> None:
+                 engines: dict[str, Engine] | None = None, files: Files | None = None) -> None:
         self.config = config
         self.resident = resident
         # One engine per profile: "default" is [window]'s; a bare profile has none to speak of.
@@ -78,6 +80,7 @@ class Window:
             if profile.kind == "bare":
                 self.engines.setdefault(name, BareEngine())
         self.vram = vram
+        self.files = ResidentFiles(config, resident, files, outside)  # the resident's model files, read in at close
         self.store = store
         self.notifier = notifier
         self.outside = outside

@@ -27,8 +27,9 @@ from urllib.parse import urlsplit
 from gpuswapd.adapters.docker import ContainerState
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.unitstates import JobResults, TimerState, UnitState
+from gpuswapd.adapters.unitstates import Commands, JobResults, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
@@ -54,6 +55,8 @@ AGENTS = ("triage", "review", "digest")
 RESIDENT_BYTES = 21 * GiB
 ENGINE_BYTES = int(19.5 * GiB)
 RESIDUAL_BYTES = 1 * GiB  # what a sleeping engine keeps (its CUDA context and pools)
+MODEL_PATH = "/models/strata.gguf"  # the resident's GGUF, named by strata.service's ExecStart=
+MODEL_BYTES = 21_600_000_000
 CANARY = "2, 3, 5, 7, 11"
 
 CONFIG = f"""
@@ -127,7 +130,7 @@ kind = "bare"
 needs = "20GiB"
 """
 PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
-DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
+DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, files=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
                     writer=(0.005, 0.02))
 
@@ -331,7 +334,7 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a live process (None: it is gone); a process on the card outside these units is a session's."""
+        """Name the unit of a live process (None: gone); one on the card outside these units is a session's."""
         unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
         if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
             return "session-1.scope"
@@ -342,6 +345,42 @@ class FakeSystemd:
         if unit not in self.units:
             raise UnitNotFound(f"no unit {unit}")
         return f"/system.slice/{unit}"
+
+    def commands(self, unit: str) -> Commands:
+        """Say what a unit runs: strata is llama-server on its GGUF, behind a wrapper; the rest run a binary."""
+        if unit not in self.units:
+            raise UnitNotFound(f"no unit {unit}")
+        if unit == "strata.service":
+            return Commands(unit, (("/usr/bin/gpu-hold", "--", "/usr/bin/llama-server", "-m", MODEL_PATH,
+                                    "--port", "8081"),))
+        return Commands(unit, ((f"/usr/bin/{unit.removesuffix('.service')}",),))
+
+
+class FakeFiles:
+    """The page cache of the resident's model files: the GGUF, pushed out of RAM while an engine ran."""
+
+    def __init__(self) -> None:
+        self.sizes = {MODEL_PATH: MODEL_BYTES}
+        self.cached = {MODEL_PATH: 0}
+        self.mem_available = 64 * GiB
+        self.read_s = 30.0  # how long a prefetch reads (wall seconds) before it is done, unless stopped
+        self.prefetches = 0
+
+    def measure(self, paths: list[str]) -> Measured:
+        """Measure each file (a path it does not know: no such file)."""
+        return Measured(tuple(FileCache(p, p, self.sizes[p], self.cached[p]) if p in self.sizes
+                              else FileCache(p, p, error="no such file") for p in paths), self.mem_available)
+
+    def prefetch(self, paths: list[str], stop: threading.Event, progress: Progress) -> Progress:
+        """Read the files in, unless stopped first."""
+        self.prefetches += 1
+        if stop.wait(self.read_s):
+            return progress
+        for p in paths:
+            progress.read += self.sizes[p] - self.cached[p]
+            progress.cached += self.sizes[p] - self.cached[p]
+            self.cached[p] = self.sizes[p]
+        return progress
 
 
 @dataclass
@@ -654,6 +693,7 @@ class FakeWorld:
         self.systemd = FakeSystemd(self.gpu)
         self.docker = FakeDocker(self.gpu)
         self.http = FakeHttp(self.systemd, self.docker)
+        self.files = FakeFiles()
         self.systemd.add_unit(FakeUnit("strata.service", gpu_bytes=RESIDENT_BYTES, pid=1001))
         self.systemd.add_unit(FakeUnit("llama-swap.service", requires=("strata.service",), pid=1002))
         for agent in AGENTS:
@@ -670,7 +710,7 @@ class FakeWorld:
         engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
                    for p in self.config.engine_profiles() if p.name != "default"}
         return Window(self.config, resident, engine, vram, self.store, Notifier(""), outside,  # type: ignore[arg-type]
-                      BACKOFFS, engines=engines)  # type: ignore[arg-type]
+                      BACKOFFS, engines=engines, files=self.files)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, Any]:
         """Read the world's state: units, timers, containers, VRAM."""

@@ -41,6 +41,16 @@ class TimerState:
         return self.service_state in ("activating", "active", "deactivating", "reloading")
 
 
+@dataclass(frozen=True)
+class Commands:
+    """What a unit runs: each ExecStart= command line (program first), its Environment= and WorkingDirectory=."""
+
+    unit: str
+    argvs: tuple[tuple[str, ...], ...] = ()
+    environment: tuple[str, ...] = ()
+    working_directory: str = ""
+
+
 class JobResults:
     """Results of removed jobs, handed to whoever waits for that job path.
 

@@ -271,7 +271,7 @@ class Host:
     async def _boot(self) -> None:
         run = self.run
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
-                                                    run.world.card, run.world.store))  # type: ignore[arg-type]
+                                                    run.world.card, run.world.store, run.world.files))  # type: ignore[arg-type]
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
