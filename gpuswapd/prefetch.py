@@ -160,6 +160,9 @@ class ResidentFiles:
 
 def unreadable(f: FileCache) -> str:
     """Say why a file cannot be measured or read, and what to do about it."""
+    if f.denied and not f.mode:
+        return (f"{f.path}: gpuswapd may not reach it: a directory on its path is not searchable for root without "
+                "CAP_DAC_OVERRIDE (as gpuswapd runs); let others search it (chmod o+x), or name a readable path")
     if f.denied:
         return (f"{f.path}: gpuswapd may not read it (mode {f.mode}, owner {f.owner}, group {f.group}; it runs as "
                 "root without CAP_DAC_OVERRIDE): give it the file's group with a drop-in for gpuswapd.service "

@@ -193,6 +193,9 @@ class FakeSystemd:
         self.moments = itertools.count(1)
         self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
+        self.start_gate: threading.Event | None = None  # set: a unit on the card starts (its model loaded)
+        self.exec_start: dict[str, tuple[str, ...]] = {}  # what a unit runs, instead of the usual
+        self.commands_read = 0
 
     def add_unit(self, unit: FakeUnit) -> None:
         """Load a unit (started if it says it is active)."""
@@ -254,6 +257,8 @@ class FakeSystemd:
                 self.fail_starts[name] -= 1
                 unit.active_state = "failed"
                 return "failed"
+            if unit.gpu_bytes and self.start_gate is not None:
+                self.start_gate.wait(2.0)
             if unit.gpu_bytes and not self.gpu.claim(unit.name, unit.pid, unit.gpu_bytes):
                 unit.active_state = "failed"
                 return "failed"
@@ -350,6 +355,9 @@ class FakeSystemd:
         """Say what a unit runs: strata is llama-server on its GGUF, behind a wrapper; the rest run a binary."""
         if unit not in self.units:
             raise UnitNotFound(f"no unit {unit}")
+        self.commands_read += 1
+        if unit in self.exec_start:
+            return Commands(unit, (self.exec_start[unit],))
         if unit == "strata.service":
             return Commands(unit, (("/usr/bin/gpu-hold", "--", "/usr/bin/llama-server", "-m", MODEL_PATH,
                                     "--port", "8081"),))
@@ -365,6 +373,8 @@ class FakeFiles:
         self.mem_available = 64 * GiB
         self.read_s = 30.0  # how long a prefetch reads (wall seconds) before it is done, unless stopped
         self.prefetches = 0
+        self.read_in = threading.Event()  # set once a prefetch has read to the end
+        self.stopped = threading.Event()  # set once a prefetch has seen its stop
 
     def measure(self, paths: list[str]) -> Measured:
         """Measure each file (a path it does not know: no such file)."""
@@ -375,11 +385,13 @@ class FakeFiles:
         """Read the files in, unless stopped first."""
         self.prefetches += 1
         if stop.wait(self.read_s):
+            self.stopped.set()
             return progress
         for p in paths:
             progress.read += self.sizes[p] - self.cached[p]
             progress.cached += self.sizes[p] - self.cached[p]
             self.cached[p] = self.sizes[p]
+        self.read_in.set()
         return progress
 
 

@@ -107,8 +107,8 @@ def measure_file(path: str) -> FileCache:
     real = os.path.realpath(path)
     try:
         st = os.stat(path)
-    except OSError as err:
-        return FileCache(path, real, error=_why(err))
+    except OSError as err:  # EACCES here: a directory on the way that gpuswapd may not search
+        return FileCache(path, real, error=_why(err), denied=err.errno in (errnos.EACCES, errnos.EPERM))
     owner, group = _name(pwd.getpwuid, st.st_uid), _name(grp.getgrgid, st.st_gid)
     mode = f"{stat.S_IMODE(st.st_mode):04o}"
     if not stat.S_ISREG(st.st_mode):

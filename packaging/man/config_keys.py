@@ -84,6 +84,9 @@ MEANINGS: dict[str, str] = {
                     "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
     "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
                             "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
+    "daemon.reconcile": "How often a gpuswapd with no window open checks that the resident is up; one found down "
+                        "(failed, or stopped without its operator and without gpuswapd) is started again like the "
+                        "baseline. A unit its operator stopped (systemctl stop) stays down. 0: never.",
     "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
                          "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
                          "its ExecStopPost= runs as usual.",
@@ -101,7 +104,21 @@ MEANINGS: dict[str, str] = {
                       "them are found over D-Bus, recorded and stopped as well (dependents first), and exactly "
                       "those are started again.",
     "resident.stop_timeout": "How long stopping one unit may take.",
-    "resident.start_timeout": "How long starting one unit may take.",
+    "resident.start_timeout": "How long starting one unit may take. It also bounds a prefetch of the resident's "
+                              "files (a read that takes longer is of no help to a start).",
+    "resident.files": "The resident's model files (absolute paths), read back into the page cache while a window "
+                      "closes, so that the resident loads them from RAM. Empty: gpuswapd finds them in what the "
+                      "resident's units run (ExecStart= over D-Bus: llama-server's -m/--model, --mmproj, "
+                      "-md/--model-draft, also inside a wrapper's or a shell's command line; Environment= "
+                      "LLAMA_ARG_MODEL, LLAMA_ARG_MMPROJ, LLAMA_ARG_MODEL_DRAFT). A model llama.cpp downloads "
+                      "itself (-hf) has no path to find: name it here. gpuswapctl plan lists the files with the "
+                      "fraction of each in the page cache.",
+    "resident.prefetch": "Whether a close that restores the resident reads its files into the page cache in the "
+                         "background, from the start of the close, while the engine stops or sleeps and the VRAM "
+                         "comes free. Nothing waits for it and it ends with the close; it is skipped (and logged) "
+                         "when the host's MemAvailable, less what a level-1 park keeps in host RAM "
+                         "(window.park.host_ram_needs, else the window's VRAM), cannot hold the files. A switch to "
+                         "another profile and a preemption do not restore the resident and read nothing.",
     "resident.idle.kind": "How to tell whether a request is in flight on the resident: \"llama.cpp-slots\" (GET url, "
                           "busy while any slot is_processing), \"prometheus\" (GET url, busy while metric > 0), "
                           "\"command\" (run command, idle when it exits 0), \"gateway\" (ask gpuswapd-gateway at "
@@ -161,6 +178,9 @@ MEANINGS: dict[str, str] = {
                         "restarts of gpuswapd.",
     "window.park.host_ram_needs": "Sleep at level 1 only if at least this much host memory is available "
                                   "(MemAvailable); otherwise sleep at level 2. 0: do not check.",
+    "window.park.settle": "How long the memory of an engine that says it sleeps may take to come free (the driver "
+                          "lists it a while longer) before gpuswapd decides whether what comes next fits beside it; "
+                          "if not, the engine is removed instead of parked.",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
     "window.warmup.prompt": "The prompt of the warmup completions.",
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
@@ -224,6 +244,7 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_docker_size": lambda c: "string, a Docker size",
     "_listen": lambda c: "host:port, or empty",
     "_abs_path": lambda c: "absolute path, or empty",
+    "_abs_paths": lambda c: "list of absolute paths",
     "_command": lambda c: "list of strings, the first an absolute path",
     "_event_names": lambda c: "list of event names",
     "_model_names": lambda c: "list of model names",
