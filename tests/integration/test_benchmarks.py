@@ -30,9 +30,12 @@ SMOKE = {
     "lease_bench": (["--seconds", "0.3", "--slice", "1", "--flood", "200"],
                     ["join/100 p99_ms", "status_under_flood", "watch_interval 10s", "targets"]),
     "metrics_bench": (["--scrape-every", "1"], ["metrics on, scraped every 1s", "one scrape:", "targets"]),
+    "restore_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--stop-delay", "0.5"],
+                      ["RESTORING with and without the prefetch, 1 cycles", "no prefetch / prefetch, per cycle",
+                       "cold read of the model", "cached after the prefetch"]),
 }
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
-           "metrics_bench": "metrics"}
+           "metrics_bench": "metrics", "restore_bench": "restore"}
 
 
 @pytest.mark.parametrize("name", sorted(SMOKE))
@@ -40,7 +43,7 @@ def test_the_benchmark_runs_one_cycle_and_prints_its_figures(name: str, world: S
     args, shown = SMOKE[name]
     out = subprocess.run([sys.executable, "-m", f"tests.benchmarks.{name}", "--cycles", "1", *args], cwd=REPO,
                          env={**os.environ, "GPUSWAPD_BENCH_DIR": str(tmp_path)}, capture_output=True, text=True,
-                         timeout=240)
+                         timeout=420)  # restore_bench writes its 2.27 GB model once
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for text in shown:
         assert text in out.stdout, (text, out.stdout[-3000:])
