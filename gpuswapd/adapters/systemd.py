@@ -227,11 +227,13 @@ class Systemd:
         path = self._mgr().LoadUnit(unit, timeout=self._timeout)
         if not unit.endswith(".service"):
             return Commands(unit)  # a target or socket runs nothing of its own
-        props = self._properties(path).GetAll(_SERVICE_IFACE, timeout=self._timeout)
+        # Three small Gets, not GetAll: a service has some 200 properties to unpack (milliseconds each time).
+        props = self._properties(path)
+        exec_start, env, cwd = (props.Get(_SERVICE_IFACE, name, timeout=self._timeout)
+                                for name in ("ExecStart", "Environment", "WorkingDirectory"))
         # ExecStart is a(sasbttttuii): path, argv, ignore failure, then timestamps and the last exit.
-        argvs = tuple(tuple(str(a) for a in row[1]) for row in props.get("ExecStart") or [])
-        return Commands(unit, argvs, tuple(str(e) for e in props.get("Environment") or []),
-                        str(props.get("WorkingDirectory") or ""))
+        argvs = tuple(tuple(str(a) for a in row[1]) for row in exec_start or [])
+        return Commands(unit, argvs, tuple(str(e) for e in env or []), str(cwd or ""))
 
     @_systemd_errors
     def timers(self, patterns: Iterable[str]) -> list[TimerState]:
