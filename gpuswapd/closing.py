@@ -13,6 +13,7 @@ the resident still down; the resident comes back when the queue is empty.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -119,7 +120,8 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
     gpu = w.config.gpu
     if await w.resident.all_active(rec.units):
         return  # it is back already (a close carried on after a restart): its own memory is no wait
-    await _parked_leaves_room(w)
+    with contextlib.suppress(Degraded):  # the restore retries it, in DEGRADED
+        await _parked_leaves_room(w)
     deadline = clock.monotonic() + gpu.release_timeout
     attempt = 0
     while True:
@@ -146,7 +148,10 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
 
 
 async def _parked_leaves_room(w: Window) -> None:
-    """Remove a parked engine that leaves the resident less than ``gpu.resident_needs`` (it was parked for a switch)."""
+    """Remove a parked engine that leaves the resident less than ``gpu.resident_needs`` (it was parked for a switch).
+
+    Degraded if it could not be removed: the restore waits for it, and says whose memory it is.
+    """
     parked = w.parked
     if parked is None:
         return
@@ -161,8 +166,12 @@ async def _parked_leaves_room(w: Window) -> None:
     except GpuswapError as err:
         log.warning("parked_engine_room_unknown", error=err.message)
         return
-    await parking.remove(w, f"the resident needs {format_size(need)} and only {free} is free beside it "
-                            f"(residual {format_size(parked.residual_bytes)})")
+    why = (f"the resident needs {format_size(need)} and only {free} is free beside it "
+           f"(residual {format_size(parked.residual_bytes)})")
+    if not await parking.remove(w, why):
+        raise Degraded(f"the parked engine {parked.container.get('name')} leaves the resident too little memory "
+                       f"({why}) and could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd "
+                       "keeps trying")
 
 
 async def _let_exited_go(w: Window) -> None:
@@ -193,7 +202,8 @@ async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
     reading = await w.vram.read(processes=True)
     if reading is None or reading.free_bytes >= need:
         return
-    fit = await predict_fit(w.vram, reading, rec.units, frozenset(rec.freeing))
+    parked = set(w.parked.pids) if w.parked is not None else set()
+    fit = await predict_fit(w.vram, reading, rec.units, frozenset({*rec.freeing, *parked}))
     if reading.free_bytes + fit.freed_bytes >= need:
         return
     held = "; ".join(h.describe() for h in sorted(fit.others, key=lambda h: -h.used_bytes)) or "no process listed"
@@ -217,6 +227,7 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
                                f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
             # A process that just exited (a holder's, a start that failed) is still freeing its memory.
             await _let_exited_go(w)
+            await _parked_leaves_room(w)
             if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
@@ -329,8 +340,9 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
         await _reconcile_late_calls(w, rec)
         if not rec.units:
             # Nothing to restore now, but the resident may start any time (its operator, the
-            # reconcile): a parked engine must leave it room all the same.
-            await _parked_leaves_room(w)
+            # reconcile): a parked engine must leave it room all the same (the park watch retries).
+            with contextlib.suppress(Degraded):
+                await _parked_leaves_room(w)
     except Interrupted:
         log.warning("window_left_for_next_start", window=rec.id, phase=str(rec.phase))
         return

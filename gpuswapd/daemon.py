@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, instances
+from gpuswapd import __version__, bootchecks, instances, knownbad
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -69,9 +69,10 @@ class Daemon:
     """One gpuswapd process: the adapters, the window and the socket server."""
 
     def __init__(self, config: Config, bus: EventBus | None = None, instance: str = DEFAULT_INSTANCE,
-                 systems: Systems | None = None) -> None:
+                 systems: Systems | None = None, known_bad: knownbad.Table | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.known_bad = known_bad  # None: read at start
         self.notifier = Notifier()
         d = config.daemon
         # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
@@ -100,12 +101,14 @@ class Daemon:
             self.systemd,
             self.outside,
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
-                                      self.window.parked, config.profile(profile), self.window.files),
+                                      self.window.parked, config.profile(profile), self.known_bad,
+                                      self.window.files),
             instance=instance,
         )
         self.observers = Observers(config, self.window, self.server, bus or EventBus())
         self._stop = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
+        self.forced = False  # a second SIGTERM or SIGINT: give up the restore
         self._signals = 0
         self._own_socket: str | None = None
 
@@ -147,7 +150,7 @@ class Daemon:
         return sock
 
     async def connect(self) -> None:
-        """Connect to systemd, follow the units' states, and check the configured images."""
+        """Connect to systemd, follow the units' states, check the images and the engines' settings."""
         await self.outside.systemd.call("connect", self.systemd.connect)
         loop = asyncio.get_running_loop()
 
@@ -157,7 +160,8 @@ class Daemon:
             loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
-        await self._check_image()
+        docker_up = await self._check_image()
+        await self._check_engines(docker_up)
 
     async def begin(self) -> None:
         """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
@@ -167,16 +171,19 @@ class Daemon:
             self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
 
     async def _reconcile(self, every: float) -> None:
-        """While no window is open, bring the resident back if it was found down (not by its operator)."""
+        """While no window is open, bring the resident back if it was found down (not by its operator).
+
+        The first look is at once: a gpuswapd that starts with the resident down brings it back.
+        """
         while not self.window.stopping.is_set():
-            await sleep_unless(self.window.stopping, every)
             try:
                 await self.window.reconcile()
             except GpuswapError as err:  # systemd cannot say now: ask again next time
                 log.warning("reconcile_failed", error=err.message)
+            await sleep_unless(self.window.stopping, every)
 
-    async def _check_image(self) -> None:
-        """Refuse to start on a configured image that Docker does not have; Docker may be down."""
+    async def _check_image(self) -> bool:
+        """Refuse to start on a configured image that Docker does not have; Docker may be down (False)."""
         try:
             await self.outside.docker.call("ping", self.docker.ping)
             for p in self.config.engine_profiles():
@@ -188,12 +195,34 @@ class Daemon:
                                       f"(`docker pull {c.image}` or `docker load` it)")
         except DockerUnavailable as err:
             log.warning("docker_unavailable_at_start", error=err.message)
+            return False
+        return True
+
+    async def _check_engines(self, ask_docker: bool) -> None:
+        """Warn of compile caches kept nowhere and known-bad settings; refuse a refusing row (exit 78)."""
+        if self.known_bad is None:
+            self.known_bad = knownbad.load_table()
+        refusals = []
+        for p in self.config.engine_profiles():
+            view = await self.window.engine_of(p.name).settings(ask_docker)
+            if view is not None:
+                found = bootchecks.check(p, view, self.known_bad)
+                bootchecks.log_check(found)
+                refusals += found.refusals()
+        if refusals:
+            raise ConfigError("; ".join(refusals))
 
     def _on_signal(self, sig: int) -> None:
+        # As uvicorn's handle_exit: a handler only sets flags. The first signal stops gpuswapd the
+        # normal way (restoring the resident); a second one forces it: the close under way stops at
+        # its next wait, the record stays for the next start, and the exit status says so.
         self._signals += 1
         if self._signals > 1:
-            log.warning("forced_exit", signal=signal.Signals(sig).name)
-            sys.exit(1)  # a second signal: stop waiting for the restore
+            log.warning("forced_exit", signal=signal.Signals(sig).name,
+                        consequence="the window is left for the next start of gpuswapd to finish")
+            self.forced = True
+            self.window.abort.set()
+            return
         log.info("stopping", signal=signal.Signals(sig).name, on_shutdown=self.config.daemon.on_shutdown)
         self._stop.set()
 
@@ -223,6 +252,7 @@ class Daemon:
         state could not be written: the record then stays for the next start to finish.
         """
         self.notifier.send(stopping="1", status=f"stopping ({self.window.phase})")
+        self.window.refuse_new()  # at once: the checks below may take a while
         restore = self.config.daemon.on_shutdown == "restore" and not await self._system_stopping()
         await self.server.close()
         await reap(self._reconciler)
@@ -234,7 +264,7 @@ class Daemon:
         if self._own_socket is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._own_socket)
-        if given_back and saved:
+        if given_back and saved and not self.forced:
             log.info("gpuswapd_stopped")
             return 0
         log.error("gpuswapd_stopped", given_back=given_back, state_saved=saved,
@@ -267,16 +297,23 @@ def main(argv: list[str] | None = None) -> int:
             instance = instances.check_name(args.instance)
             path = args.config or str(instances.config_path(instance))
             config = instances.load_instance_config(path, instance)
+        table = knownbad.load_table()
     except ConfigError as err:
         print(f"gpuswapd: {err.message}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        checks = bootchecks.check_config(config, table)
         found = config_warnings(config) + (instances.warnings(config, instance) if args.instance else [])
-        for warning in found:
+        for warning in found + [w for c in checks for w in c.warnings()]:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
+        refusals = [r for c in checks for r in c.refusals()]
+        for refusal in refusals:
+            print(f"gpuswapd: {refusal}", file=sys.stderr)
+        if refusals:
+            return EX_CONFIG
         print(f"{path}: ok")
         return 0
     if args.instance is not None:
         # Every line an instance logs says which one: several share one journal.
         structlog.contextvars.bind_contextvars(instance=instance)
-    return asyncio.run(Daemon(config, bus, instance).run())
+    return asyncio.run(Daemon(config, bus, instance, known_bad=table).run())

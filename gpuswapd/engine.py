@@ -17,10 +17,11 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from gpuswapd import clock
+from gpuswapd import clock, engineview
 from gpuswapd.adapters.docker import Docker, read_env_file
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.config import WindowConfig
+from gpuswapd.engineview import EngineView
 from gpuswapd.errors import (
     ContainerNotFound,
     DockerError,
@@ -106,6 +107,9 @@ class Engine(Protocol):
     def spec(self) -> str:
         """Return a hash of the container's configuration (a parked engine must match it)."""
 
+    async def settings(self, ask_docker: bool = True) -> EngineView | None:
+        """Say what the engine's container runs with (None: there is no container)."""
+
 
 class ContainerEngine:
     """An engine in a Docker container, created or started per window."""
@@ -181,6 +185,24 @@ class ContainerEngine:
         self._watch_exits()
         log.info("engine_started", container=c.name, image=c.image, created=c.create)
         return {"name": c.name, "created": c.create, "image": c.image, "window": window_id, "spec": self.spec()}
+
+    async def settings(self, ask_docker: bool = True) -> EngineView:
+        """Say what the container runs with: as Docker has it where it answers, else as configured."""
+        c = self.config.container
+        file_env: dict[str, str] = {}
+        try:
+            if c.env_file:
+                file_env = await self._docker("env_file", read_env_file, c.env_file)
+            view = engineview.from_config(c, file_env)
+            if not ask_docker:
+                return view
+            if c.create:
+                image = await self._docker("settings", self.docker.image_settings, c.image)
+                return view if image is None else engineview.under_image(view, image)
+            container = await self._docker("settings", self.docker.container_settings, c.name)
+            return view if container is None else engineview.from_container(view, container)
+        except GpuswapError:  # Docker is down or the env file unreadable: preflight says so
+            return engineview.from_config(c, file_env)
 
     def spec(self) -> str:
         """Return a hash of the container's configuration (a parked engine must match it)."""
@@ -517,6 +539,10 @@ class BareEngine:
     def spec(self) -> str:
         """Return no spec: there is no container."""
         return ""
+
+    async def settings(self, ask_docker: bool = True) -> EngineView | None:
+        """Say nothing: there is no container."""
+        return None
 
 
 async def _port_taken(port: int) -> bool:

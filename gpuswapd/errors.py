@@ -6,7 +6,10 @@
     │   ├── PermissionDenied         permission_denied
     │   ├── TooManyClients           too_many_clients
     │   ├── LeaseNotFound            lease_not_found
-    │   └── NotReady                 not_ready
+    │   ├── NotFound                 not_found
+    │   ├── NotReady                 not_ready
+    │   ├── UnknownProfile           unknown_profile
+    │   └── QueueFull                queue_full
     ├── WindowError                  window_failed
     │   ├── ResidentBusy             resident_busy
     │   ├── WontFit                  wont_fit
@@ -15,6 +18,7 @@
     │   ├── VerifyFailed             verify_failed
     │   ├── RestoreFailed            restore_failed
     │   ├── WindowCancelled          window_cancelled
+    │   │   └── Stopping             stopping
     │   ├── Degraded                 degraded
     │   └── AcquireTimeout           acquire_timeout
     ├── StateError                   state

@@ -45,7 +45,8 @@ CALLS: dict[str, frozenset[str]] = {
     "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
                           "unit_of_pid", "unit_cgroup", "baseline_units", "baseline_timers", "commands"}),
     "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
-                         "logs_tail", "find", "env_file", "top"}),  # wait_exit: a long wait on a thread of its own
+                         "logs_tail", "find", "env_file", "top",
+                         "settings"}),  # wait_exit: a long wait on a thread of its own
     "gpu": frozenset({"read"}),
     "state": frozenset({"read", "write", "append_history", "read_history"}),
     "files": frozenset({"measure", "prefetch"}),

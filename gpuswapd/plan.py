@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuswapd import bootchecks
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
+from gpuswapd.knownbad import Table
 from gpuswapd.parking import Parked
 from gpuswapd.prefetch import ResidentFiles
 from gpuswapd.resident import Resident
@@ -16,8 +18,13 @@ from gpuswapd.vram import Vram, predict_fit
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,
                     parked: Parked | None = None, profile: Profile | None = None,
-                    files: ResidentFiles | None = None) -> dict[str, Any]:
-    """Describe the units, timers, container and VRAM a window of ``profile`` would touch, and any blocker."""
+                    known_bad: Table | None = None, files: ResidentFiles | None = None) -> dict[str, Any]:
+    """Describe the units, timers, container and VRAM a window of ``profile`` would touch, and any blocker.
+
+    ``warnings`` say what would not block the window but costs or risks something: a container that
+    keeps no compile cache, a known-bad setting. ``resident_files`` lists the resident's model files
+    with the fraction of each in the page cache now.
+    """
     profile = profile or config.profile(DEFAULT_PROFILE)
     problems: list[str] = []
     start, need, parked_note = "cold", profile.needs, None
@@ -48,6 +55,13 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     reading = await attempt("gpu", vram.read())
     # What the resident loads when it comes back, and how much of it is in RAM now.
     model = await attempt("resident files", files.describe(units or config.resident.units)) if files else None
+    warnings: list[str] = []
+    settings = None
+    view = await engine.settings() if profile.window is not None else None
+    if view is not None:
+        found = bootchecks.check(profile, view, known_bad or Table())
+        warnings, settings = found.warnings(), found.to_dict()
+        problems.extend(found.refusals())
     plan: dict[str, Any] = {
         "profile": profile.name,
         "kind": profile.kind,
@@ -64,6 +78,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         "parked": parked_note,
         "resident_files": model,
         "problems": problems,
+        "warnings": warnings,
+        "settings": settings,
     }
     if reading is not None:
         # The same prediction that refuses an acquire: the units' memory comes free, the rest stays.

@@ -51,12 +51,13 @@ class Waiter:
 
 
 class Times:
-    """What history says windows take: the open time of each profile, and the resident's restore."""
+    """What history says windows take: the open time of each profile, its boots, and the resident's restore."""
 
     def __init__(self) -> None:
         self._open: dict[str, deque[float]] = {}
         self._restore: deque[float] = deque(maxlen=TIMES_KEPT)
         self._close: deque[float] = deque(maxlen=TIMES_KEPT)
+        self._boots: dict[str, Boots] = {}
 
     def learn(self, record: dict[str, Any]) -> None:
         """Take the timings of one finished window (a history record)."""
@@ -74,10 +75,17 @@ class Times:
                   and isinstance(t.get("took_s"), (int, float))]
         if closed and restored and record.get("outcome") == "closed" and not record.get("switched_to"):
             self._close.append(sum(closed))
+        booted = boot_took(record)
+        if booted is not None:
+            self._boots.setdefault(str(record.get("profile") or DEFAULT_PROFILE), Boots()).add(booted)
 
     def close_time(self) -> float | None:
         """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
         return float(statistics.median(self._close)) if self._close else None
+
+    def boots(self) -> dict[str, dict[str, Any]]:
+        """Describe each profile's boots to healthy (BOOTING): the last two, the longest, how many."""
+        return {profile: boots.to_dict() for profile, boots in sorted(self._boots.items())}
 
     def open_time(self, profile: str) -> float | None:
         """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""
@@ -90,6 +98,40 @@ class Times:
             return None
         return {"resident_restore_s": round(float(statistics.median(self._restore)), 3),
                 "measured_windows": len(self._restore)}
+
+
+@dataclass
+class Boots:
+    """How long one profile's engine took to boot to healthy, as history has it."""
+
+    last: deque[float] = field(default_factory=lambda: deque(maxlen=2))
+    longest: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        """Take one boot's duration."""
+        self.last.append(seconds)
+        self.longest = max(self.longest, seconds)
+        self.count += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Describe them for ``status``: the newest boot first."""
+        return {"last_s": [round(s, 3) for s in reversed(self.last)], "longest_s": round(self.longest, 3),
+                "count": self.count}
+
+
+def boot_took(record: dict[str, Any]) -> float | None:
+    """Return how long a finished window's engine booted to healthy (BOOTING); None if it did not boot.
+
+    A window that woke a parked engine did not boot; one whose boot failed never became healthy.
+    """
+    timings = [t for t in record.get("timings") or [] if isinstance(t, dict) and t.get("stage", "open") == "open"]
+    phases = [t.get("phase") for t in timings]
+    if str(Phase.BOOTING) not in phases or str(Phase.WARMING) not in phases:
+        return None
+    booting = timings[phases.index(str(Phase.BOOTING))]
+    took = booting.get("took_s")
+    return float(took) if isinstance(took, (int, float)) and not isinstance(took, bool) else None
 
 
 class Queue:

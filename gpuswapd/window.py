@@ -107,6 +107,7 @@ class Window:
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
         self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
+        self.refusing = False  # told to stop (SIGTERM): no new lease or request, whatever the shutdown then does
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
@@ -158,7 +159,7 @@ class Window:
         A request for the open window's profile joins it, unless a queued request for another
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
-        if self.stopping.is_set():
+        if self.stopping.is_set() or self.refusing:
             raise Stopping("gpuswapd is stopping")
         if profile not in self.engines:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
@@ -322,6 +323,7 @@ class Window:
             "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
             "resident_back": self.resident_back(now),
+            "boots": self.times.boots(),  # per profile: each boot to healthy, as history has it
         }
 
     def resident_back(self, now: float) -> dict[str, Any] | None:
@@ -621,7 +623,8 @@ class Window:
 
     async def reconcile(self) -> None:
         """Restore the baseline if the resident is down while no window is open and nobody holds it down."""
-        if self.stopping.is_set() or self.record is not None or len(self.queue) or self._driver is not None:
+        if self.stopping.is_set() or self.refusing or self.record is not None or len(self.queue) \
+                or self._driver is not None:
             return
         states = await self.resident.states(self.config.resident.units)
         if any(state in ("activating", "deactivating", "reloading") for state in states.values()):
@@ -770,6 +773,12 @@ class Window:
             await closing.close(self, rec, "rolled_back")
 
     # -- shutdown --------------------------------------------------------------------------
+
+    def refuse_new(self) -> None:
+        """Take no new lease or request from now on, and fail those that wait: gpuswapd is about to stop."""
+        self.refusing = True
+        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
+                                   "acquire again once it is back"))
 
     async def shutdown(self, restore: bool, bound: float = math.inf) -> bool:
         """Stop serving the window; with ``restore``, close it and give the GPU back first.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuswapd.adapters.docker import ContainerState
+from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
@@ -214,6 +214,9 @@ class FakeSystemd:
     def connect(self) -> None:
         """Connect (nothing to do)."""
 
+    def close(self) -> None:
+        """Close (nothing to do)."""
+
     def watch_active_state(self, watcher: Any) -> None:
         """Remember who wants to hear of state changes."""
         self._watchers.append(watcher)
@@ -339,7 +342,7 @@ class FakeSystemd:
         return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of a live process (None: gone); one on the card outside these units is a session's."""
+        """Name the unit of a live process (None: it is gone); one on the card outside these units is a session's."""
         unit = next((u.name for u in self.units.values() if u.pid == pid and pid), None)
         if unit is None and any(p == pid for p, _ in self.gpu.holders.values()):
             return "session-1.scope"
@@ -426,6 +429,14 @@ class FakeDocker:
     def image_present(self, image: str) -> bool:
         """Tell whether the image is here."""
         return image in self.images
+
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Say what an image runs with: nothing of its own."""
+        return RunSettings(image, {}, [], [], "") if image in self.images else None
+
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Say what a container runs with: nothing of its own."""
+        return RunSettings("", {}, [], [], "") if name in self.containers else None
 
     def state(self, name: str) -> ContainerState | None:
         """Inspect a container."""

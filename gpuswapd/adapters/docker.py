@@ -70,6 +70,56 @@ class ContainerState:
         return self.status in _ALIVE
 
 
+@dataclass(frozen=True)
+class DockerMount:
+    """One mount of a container, as Docker lists it."""
+
+    kind: str  # "bind", "volume", "tmpfs", ...
+    source: str
+    target: str
+    writable: bool
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What an image or a container runs with: environment, command line, user, mounts."""
+
+    image: str
+    env: dict[str, str]
+    entrypoint: list[str]
+    cmd: list[str]
+    user: str  # "" is root
+    mounts: list[DockerMount] = field(default_factory=list)
+
+
+def _env_list(items: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, _, value = str(item).partition("=")
+        out[key] = value
+    return out
+
+
+def _argv(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value or []]
+
+
+def _settings_of(data: dict[str, Any], image: str, container: bool) -> RunSettings:
+    """Build RunSettings from ``docker inspect`` output of an image or (``container``) a container."""
+    cfg = data.get("Config") or {}
+    mounts = [DockerMount(str(m.get("Type", "")), str(m.get("Source") or m.get("Name") or ""),
+                          str(m.get("Destination", "")), bool(m.get("RW", True)))
+              for m in data.get("Mounts") or []] if container else []
+    if container:  # what it really runs: Path and Args (the entrypoint and command, resolved)
+        return RunSettings(str(cfg.get("Image") or image), _env_list(cfg.get("Env")),
+                           [str(data.get("Path") or "")] if data.get("Path") else [], _argv(data.get("Args")),
+                           str(cfg.get("User") or ""), mounts)
+    return RunSettings(image, _env_list(cfg.get("Env")), _argv(cfg.get("Entrypoint")), _argv(cfg.get("Cmd")),
+                       str(cfg.get("User") or ""))
+
+
 def _state_of(data: dict[str, Any]) -> ContainerState:
     """Build a ContainerState from ``docker inspect`` output."""
     state = data.get("State") or {}
@@ -288,6 +338,22 @@ class Docker:
         except docker.errors.NotFound:
             return False
         return True
+
+    @_docker_errors("inspect image")
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Read what an image runs with (its ENV, ENTRYPOINT, CMD, USER); None if there is no such image."""
+        try:
+            return _settings_of(self._api().inspect_image(image), image, container=False)
+        except docker.errors.NotFound:
+            return None
+
+    @_docker_errors("inspect")
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Read what a container runs with (environment, command line, user, mounts); None if there is none."""
+        try:
+            return _settings_of(self._api().inspect_container(name), "", container=True)
+        except docker.errors.NotFound:
+            return None
 
     @_docker_errors("inspect")
     def state(self, name: str) -> ContainerState | None:

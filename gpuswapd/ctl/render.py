@@ -134,6 +134,10 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         endpoint = profile.get("endpoint")
         where = endpoint["url"] if endpoint else f"the bare card (CUDA_VISIBLE_DEVICES={profile.get('gpu_index')})"
         out.write(f"profile {name}: {profile['kind']}, needs {profile['needs']}, {where}\n")
+    for name, boots in (reply.get("boots") or {}).items():
+        took = ", ".join(f"{b:.1f}s" for b in boots["last_s"])
+        out.write(f"boot to healthy, profile {name}: last {took}; longest {boots['longest_s']:.1f}s "
+                  f"(of {boots['count']} boot{'s' if boots['count'] != 1 else ''})\n")
     out.write(f"parked: {parked_line(reply.get('parked'))}\n")
     last = reply.get("last")
     if last:
@@ -173,6 +177,14 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
     if vram:
         out.write(f"VRAM:          {vram['free']} free of {vram['total']} now; "
                   f"{vram.get('free_after_stop', '?')} once the units stop; window needs {vram['window_needs']}\n")
+    for cache in (plan.get("settings") or {}).get("caches", []):
+        kept = "kept" if cache["kept"] else "not kept: compiled again at every boot"
+        where = f" on {cache['mount']['target']}" if cache["kept"] and cache.get("mount") else ""
+        via = f" (inside {cache['inside']})" if cache.get("inside") else ""
+        out.write(f"compile cache: {cache['variable']} {cache['path'] or '(the user home is not known)'} "
+                  f"{kept}{where}{via}\n")
+    for warning in plan.get("warnings") or []:
+        out.write(f"warning:       {warning}\n")
     model = plan.get("resident_files")
     if model is not None:
         rows = model.get("files") or []

@@ -84,9 +84,10 @@ MEANINGS: dict[str, str] = {
                     "(0: no aging). Aging orders the queue only; preemption looks at the base priority.",
     "daemon.preempt_grace": "How long the holders of a preempted window have between the notice (the preempting "
                             "event; gpuswapctl run sends its command SIGTERM) and the revoking of their leases.",
-    "daemon.reconcile": "How often a gpuswapd with no window open checks that the resident is up; one found down "
-                        "(failed, or stopped without its operator and without gpuswapd) is started again like the "
-                        "baseline. A unit its operator stopped (systemctl stop) stays down. 0: never.",
+    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the configured resident units "
+                        "are up, and restores the baseline when one is down (0: never). A resident unit its operator "
+                        "stopped while no window was open (systemctl stop, not through gpuswapd) is left down until "
+                        "it is started again; one that failed is brought back.",
     "daemon.never_stop": "Units (glob patterns) a preemption never stops: their leases are only revoked. Other "
                          "leases bound to a unit have that unit stopped through systemd when they are revoked, so "
                          "its ExecStopPost= runs as usual.",
@@ -176,16 +177,21 @@ MEANINGS: dict[str, str] = {
                          "(a slower wake that reloads them).",
     "window.park.keep": "A parked engine unused this long is removed (the resident is not touched). It holds across "
                         "restarts of gpuswapd.",
+    "window.park.settle": "A sleeping engine frees its memory some time after it says it sleeps: park only once "
+                          "what comes next (the resident, or the next window of a direct switch) is free, waiting "
+                          "up to this long; otherwise the engine is removed, with the numbers in the log.",
     "window.park.host_ram_needs": "Sleep at level 1 only if at least this much host memory is available "
                                   "(MemAvailable); otherwise sleep at level 2. 0: do not check.",
-    "window.park.settle": "How long the memory of an engine that says it sleeps may take to come free (the driver "
-                          "lists it a while longer) before gpuswapd decides whether what comes next fits beside it; "
-                          "if not, the engine is removed instead of parked.",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
     "window.warmup.prompt": "The prompt of the warmup completions.",
     "window.warmup.max_tokens": "The max_tokens of the warmup completions.",
     **{f"window.verify.{k}": v + (" It proves the engine serves before the window is READY."
                                   if k == "url" else "") for k, v in _VERIFY.items()},
+    # The known-bad table (KNOWN-BAD SETTINGS below).
+    "window.allow_known_bad": "The ids of the known-bad rows (KNOWN-BAD SETTINGS) that this engine may match: "
+                              "such a row neither warns nor refuses for this profile, and gpuswapd logs at start "
+                              "that it is allowed (known_bad_allowed). An id no row has is a warning. Each engine "
+                              "profile has its own list; none is inherited from [window].",
     "metrics.listen": "host:port on which gpuswapd serves GET /metrics (Prometheus's text format) from its own "
                       "event loop, within the socket's connection caps and timeouts, e.g. \"127.0.0.1:9477\". "
                       "Port 0 is refused; a port that cannot be had stops the start (exit 78). Empty: off.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gzip
+import json
 import os
 import re
 import shutil
@@ -55,6 +56,7 @@ EXPECTED = {
     "usr/share/doc/gpuswapd/examples/metrics-textfile.conf": "packaging/examples/metrics-textfile.conf",
     "usr/share/doc/gpuswapd/examples/gpuswap-notify": "packaging/examples/gpuswap-notify",
     "usr/share/gpuswapd/grafana/gpuswapd.json": "packaging/grafana/gpuswapd.json",
+    "usr/share/gpuswapd/known-bad.toml": "gpuswapd/data/known-bad.toml",
 }
 
 
@@ -144,6 +146,8 @@ def test_package_holds_the_python_package_and_nothing_stray(built: Built) -> Non
     assert len(init) == 1, sorted(n for n in names if n.endswith("__init__.py"))
     site = init[0].rpartition("/gpuswapd/")[0]
     assert f"{site}/gpuswapd/ctl/main.py" in names
+    assert f"{site}/gpuswapd/data/known-bad.toml" in names  # package data: every install has the table
+    assert built.members["etc/gpuswapd/known-bad.d"].isdir()  # the operator's rows go here
     assert f"{site}/gpuswapd-{__version__}.dist-info/entry_points.txt" in names
     for name in names - {".PKGINFO", ".BUILDINFO", ".MTREE"}:
         assert name.split("/")[0] in ("usr", "etc"), name
@@ -197,6 +201,31 @@ def test_packaged_gpuswapctl_runs(built: Built, tmp_path: Path) -> None:
     assert action.choices is not None
     for name in action.choices:
         assert name in proc.stdout
+
+
+def test_packaged_gpuswapd_reads_the_known_bad_table_the_package_ships(built: Built, tmp_path: Path) -> None:
+    """The packaged module finds its table as package data, and reads /usr/share's copy first."""
+    root = tmp_path / "root"
+    built.tar.extractall(root, members=[m for m in built.tar.getmembers() if m.name.startswith("usr/")],
+                         filter="tar")
+    site = next(root.glob("usr/lib/python3*/*-packages"))
+    interpreter = built.read("usr/bin/gpuswapctl").split(b"\n", 1)[0][2:].decode()
+    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+            "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1",
+           "GPUSWAPD_KNOWN_BAD_DIR": str(tmp_path / "none")}
+    for shipped in (None, root / "usr/share/gpuswapd/known-bad.toml"):
+        extra = {} if shipped is None else {"GPUSWAPD_KNOWN_BAD": str(shipped)}
+        proc = subprocess.run([interpreter, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr
+        module, files, ids = json.loads(proc.stdout)
+        assert module.startswith(str(site))
+        if shipped is not None:
+            assert files == [str(shipped)]
+        elif not Path("/usr/share/gpuswapd/known-bad.toml").exists():  # a host with the package reads that
+            assert files == [str(site / "gpuswapd/data/known-bad.toml")]
+        assert ids[0] == "dflash-tokens-above-7-at-20k"
 
 
 def test_build_stays_within_budget(built: Built) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -643,3 +644,55 @@ def test_the_unit_leaves_room_for_the_connection_caps() -> None:
     s = unit_settings(UNITS / "gpuswapd.service")
     d = DaemonConfig()
     assert int(one(s, "Service", "LimitNOFILE")) >= 4 * (d.max_clients + 256)
+
+
+# --- the known-bad table: package data, documented ---------------------------------------------
+
+def test_a_fresh_virtualenv_install_finds_the_known_bad_table(tmp_path: Path) -> None:
+    """A wheel of this checkout, installed into a new virtualenv, carries the table as package data."""
+    from gpuswapd import knownbad
+
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels),
+                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    [wheel] = wheels.glob("gpuswapd-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    install = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    # Out of the checkout (cwd), without the test layer's table: only what the wheel installed.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", knownbad.SHIPPED_ENV)}
+    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+            "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
+    proc = subprocess.run([str(venv / "bin/python"), "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**env, knownbad.DIR_ENV: str(tmp_path / "no-rows")})
+    assert proc.returncode == 0, proc.stderr
+    module, files, ids = json.loads(proc.stdout)
+    assert module.startswith(str(venv)), module
+    if not knownbad.SHIPPED.exists():  # a host with the Arch package reads /usr/share's copy first
+        [data] = files
+        assert data.startswith(str(venv)) and data.endswith("gpuswapd/data/known-bad.toml")
+        assert Path(data).read_bytes() == (ROOT / "gpuswapd" / knownbad.PACKAGE_DATA).read_bytes()
+    assert ids == knownbad.load_table((str(ROOT / "gpuswapd" / knownbad.PACKAGE_DATA),
+                                       (ROOT / "gpuswapd" / knownbad.PACKAGE_DATA).read_text()),
+                                      tmp_path / "no-rows").ids
+
+
+def test_toml_page_documents_every_shipped_known_bad_row() -> None:
+    from gpuswapd import knownbad
+
+    path = ROOT / "gpuswapd" / knownbad.PACKAGE_DATA
+    rows = knownbad.parse_rows(path.read_text(), str(path))
+    text = page_text("gpuswapd.toml.5")
+    body = section(text, "KNOWN-BAD SETTINGS")
+    shipped = body.partition('.SS "The shipped rows"')[2]
+    assert shipped, "gpuswapd.toml(5) has no \"The shipped rows\" in KNOWN-BAD SETTINGS"
+    documented = re.findall(r"^\.TP\n\.B (\S+)$", shipped, re.M)
+    assert documented == [r.id for r in rows]
+    for row in rows:
+        entry = shipped.split(f".B {row.id}\n", 1)[1].split(".TP", 1)[0]
+        plain = re.sub(r"\s+", " ", entry.replace("\n.B ", " "))
+        assert f"refuse = {'true' if row.refuse else 'false'}" in plain, row.id
+        assert row.reason in plain, f"{row.id}: the page does not give its reason as the table does"

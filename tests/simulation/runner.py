@@ -3,6 +3,36 @@
 ``play(setup, events)`` returns what went wrong (the first violation of each invariant) and,
 when asked, a trace of every event, phase change and daemon log line. Nothing here is random:
 the same setup and events give the same run.
+
+The invariants, checked after every event and every virtual second, and once all is quiet (no
+lease, queue or waiter, and quiet for longer than ``daemon.reconcile``):
+
+ 1. Quiescent means restored: the resident's units are up, and verified by a completion after
+    gpuswapd last started them; exactly the timers that ran at the start run (a baseline restore
+    starts every matching one, as documented); no window record in memory or on disk; no container
+    but a parked, sleeping, recorded engine whose residual leaves ``gpu.resident_needs`` free.
+ 2. The resident is down only while a window record exists in memory or on disk (after a
+    SIGKILL), while its operator holds it down, or within ``daemon.reconcile`` (and a start) of
+    gpuswapd being idle after it crashed.
+ 3. No out-of-memory on the card, ever (but an engine started by a Docker call that outlived
+    its deadline and landed late, which gpuswapd could not stop).
+ 4. A lease ends only for a reason: its release, its expiry, its unit stopping, its bound
+    connection ending, a preemption (whose preemptor could open when it was noticed), a failed
+    window (the engine gave up, the opening or the recovery rolled it back), a shutdown, or a
+    baseline restore (no state readable).
+ 5. A READY window of profile P grants a request for P at once, unless a preemption is under
+    way, the window is closing or has a switch pending, fairness blocks joins, or the window is
+    DEGRADED (or the state directory, which a grant waits for, is failing).
+ 6. Every client that stays connected gets exactly one final reply; what gpuswapd keeps unread
+    for one client stays under a fixed bound (a client dropped for not reading is answered).
+ 7. After any SIGKILL, 1 holds again once the restarted daemon quiesces (the same final check).
+Beyond the seven:
+ 8. A held connection hears of a preemption only for a lease it holds, of its own window.
+ 9. No exception escapes its owner: no "Task exception was never retrieved", and none of
+    gpuswapd's own bug reports (task_failed, window_driver_failed, request_crashed, ...).
+10. "Won't fit" is said only of memory that others than gpuswapd's own processes hold.
+11. A shutdown with on_shutdown = "restore" exits 0 only with the resident back, the timers
+    resumed and no window on disk (or when its operator holds the resident down).
 """
 
 from __future__ import annotations
@@ -883,7 +913,7 @@ class Run:
         on_disk = self._disk_window()
         in_memory = daemon is not None and daemon.window.record is not None
         now = self.clock.now
-        if in_memory or on_disk:
+        if in_memory or on_disk or self.host.state != "up":
             self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = now
@@ -1025,6 +1055,9 @@ class Run:
                 return  # written to a client that does not read
             if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:
                 return
+            now_rec = daemon.window.record
+            if now_rec is not rec or now_rec.phase is not Phase.READY or now_rec.closing:
+                return  # the window failed or began closing in that instant: the request went with it
             error = (c.reply or {}).get("error") or {}
             got = "no reply yet" if c.reply is None else f"{error.get('code')}: {error.get('message')}"
             self.violate("5", f"client {c.id} asked READY window {window} of profile {e['profile']!r} for a lease "

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuswapd.adapters.docker import ContainerState
+from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
@@ -586,6 +586,14 @@ class Docker:
     def image_present(self, image: str) -> bool:
         """Tell whether the image is here."""
         return image in self.images
+
+    def image_settings(self, image: str) -> RunSettings | None:
+        """Say what an image runs with: nothing of its own."""
+        return RunSettings(image, {}, [], [], "") if image in self.images else None
+
+    def container_settings(self, name: str) -> RunSettings | None:
+        """Say what a container runs with: nothing of its own."""
+        return RunSettings("", {}, [], [], "") if name in self.containers else None
 
     def state(self, name: str) -> ContainerState | None:
         """Inspect a container."""

@@ -43,7 +43,7 @@ DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, files=0.1, ht
 HANG_S = 0.25  # a hung call's thread returns this much later, long after its deadline
 # Calls only the daemon's startup and the socket server make, tested at their own seams.
 NOT_THE_DRIVER = {("systemd", "connect"), ("systemd", "system_state"), ("systemd", "unit_cgroup"),
-                  ("state", "read_history")}
+                  ("state", "read_history"), ("docker", "settings")}
 CONCURRENCY = 16
 RESIDENT_UNITS = ("strata.service", "llama-swap.service")
 

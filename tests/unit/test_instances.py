@@ -108,7 +108,9 @@ def test_check_config_of_an_instance_warns_about_every_gpu_and_another_index(
     assert daemon.main(["--instance", "1", "--config", str(path), "--check-config"]) == 0
     err = capsys.readouterr().err
     assert 'window.container.gpus = "all"' in err and "reads GPU 0" in err
-    path.write_text(MINIMAL.replace('image = "hyperqwen:latest"', 'image = "hyperqwen:latest"\ngpus = [1]')
+    # gpus = [1] for gpu.index = 1, and a volume for the compile caches (gpuswapd.caches): no warning.
+    path.write_text(MINIMAL.replace('image = "hyperqwen:latest"', 'image = "hyperqwen:latest"\ngpus = [1]\n'
+                                    'volumes = { "/var/cache/hyperqwen" = "/root/.cache" }')
                     + "\n[gpu]\nindex = 1\n")
     assert daemon.main(["--instance", "1", "--config", str(path), "--check-config"]) == 0
     assert "warning" not in capsys.readouterr().err
