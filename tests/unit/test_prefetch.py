@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import re
+import threading
 import time
 from typing import Any
 
@@ -19,7 +20,18 @@ from gpuswapd.metrics import Metrics, window_now
 from gpuswapd.plan import make_plan
 from gpuswapd.prefetch import parked_in_host_ram, unreadable
 from gpuswapd.record import WindowRecord
-from tests.fakes import CONFIG, MODEL_BYTES, MODEL_PATH, PARK_CONFIG, PROFILES, FakeWorld, GiB, running, settle
+from tests.fakes import (
+    CONFIG,
+    MODEL_BYTES,
+    MODEL_PATH,
+    PARK_CONFIG,
+    PROFILES,
+    RESIDENT_URL,
+    FakeWorld,
+    GiB,
+    running,
+    settle,
+)
 
 
 def run(coro: Any) -> Any:
@@ -209,3 +221,46 @@ def test_the_plan_prints_each_file_and_what_of_it_is_in_ram() -> None:
 def test_bad_resident_files_keys_name_the_key(patch: str, says: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(says)):
         world(patch)
+
+
+def test_a_hung_read_of_the_units_never_holds_up_the_close() -> None:
+    fw = FakeWorld()
+    answer = threading.Event()
+    commands = fw.systemd.commands
+
+    def hangs(unit: str) -> Any:
+        answer.wait(10)  # until the test lets it go: long after the lane's deadline
+        return commands(unit)
+
+    fw.systemd.commands = hangs  # type: ignore[method-assign]
+    seen_hung: list[bool] = []
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            verify = fw.http.verify
+
+            async def late_verify(check: Any, retry_until: float | None = None) -> Any:
+                if check.url != RESIDENT_URL:  # the engine's
+                    return await verify(check, retry_until)
+                # The resident answers only once the read has outlived its deadline (a slow load).
+                for _ in range(60):
+                    if w.outside.status()["systemd"]["hung"]:
+                        break
+                    await asyncio.sleep(0.005)
+                seen_hung.append(bool(w.outside.status()["systemd"]["hung"]))
+                return await verify(check, retry_until)
+
+            fw.http.verify = late_verify  # type: ignore[method-assign]
+            await w.release((await w.acquire("job", 60)).id)
+            await settle(w, timeout=5)  # the close would wait here for the hung call if it counted
+            assert w.outside.status()["systemd"]["hung"][0]["call"] == "commands"
+            answer.set()
+
+    try:
+        run(main())
+    finally:
+        answer.set()
+    [record] = fw.store.history_records
+    assert seen_hung == [True]
+    assert record["outcome"] == "closed" and record["prefetch"]["outcome"] == "failed"
+    assert "did not answer (commands)" in record["prefetch"]["error"]
