@@ -137,8 +137,10 @@ class DirectWarm(Direct):
             if _post(self.port, f"/sleep?level={self.engine.park.level}")[0] != 200:
                 raise StackError("the engine did not sleep")
             _wait("asleep", lambda: _sleeping(self.port))
-            if free_bytes(gpu) < cfg.gpu.resident_needs:
-                raise StackError("the resident would not fit beside the sleeping engine")
+            # A sleeping engine's memory comes free some time after it says it sleeps (a card's lag;
+            # the world's ledger has one): wait for it, up to park.settle, as gpuswapd does.
+            _wait("room for the resident beside the sleeping engine",
+                  lambda: free_bytes(gpu) >= cfg.gpu.resident_needs, timeout=self.engine.park.settle)
 
         self._timed(steps, "sleep", sleep)
         r = cfg.resident.verify
