@@ -73,9 +73,18 @@ class ResidentFiles:
         """Measure what of each file is in the page cache (and the host's available memory)."""
         assert self.files is not None
         measured = await self.outside.files.call("measure", self.files.measure, list(paths))
+        kept = []
         for f in measured.files:
+            if f.error == "no such file" and not self.config.resident.files:
+                # Found in a command line but no file: a model's name (llama-swap's --model NAME, say).
+                self._once(f"resident_file:{f.path}", f"{f.path}: no such file, so not a model file of the "
+                           "resident (a name, or a path only the unit sees)",
+                           next_step="name the files in [resident] files")
+                continue
             if f.error is not None:
                 self._once(f"resident_file:{f.path}", unreadable(f))
+            kept.append(f)
+        measured = Measured(tuple(kept), measured.mem_available)
         readable = [f for f in measured.files if f.error is None]
         if readable:
             self.ratio = _ratio(sum(f.cached for f in readable), sum(f.size for f in readable))

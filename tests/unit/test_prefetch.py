@@ -264,3 +264,23 @@ def test_a_hung_read_of_the_units_never_holds_up_the_close() -> None:
     assert seen_hung == [True]
     assert record["outcome"] == "closed" and record["prefetch"]["outcome"] == "failed"
     assert "did not answer (commands)" in record["prefetch"]["error"]
+
+
+def test_a_name_where_a_path_would_be_is_no_file_of_the_resident() -> None:
+    fw = FakeWorld()
+    fw.systemd.exec_start["llama-swap.service"] = ("/usr/bin/llama-swap", "--listen", ":8080", "--model", "strata")
+
+    async def main() -> list[dict[str, Any]]:
+        w = fw.window()
+        first = await make_plan(fw.config, w.resident, w.engine, w.vram, files=w.files)
+        again = await make_plan(fw.config, w.resident, w.engine, w.vram, files=w.files)
+        w.outside.close()
+        return [first, again]
+
+    with structlog.testing.capture_logs() as logs:
+        plans = run(main())
+    for plan in plans:
+        assert [f["path"] for f in plan["resident_files"]["files"]] == [MODEL_PATH]
+    skipped = [e["reason"] for e in logs if e["event"] == "resident_file_skipped"]
+    assert skipped == ["/strata: no such file, so not a model file of the resident (a name, or a path only the "
+                       "unit sees)"]
