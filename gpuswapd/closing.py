@@ -237,8 +237,10 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
+            started = clock.monotonic()
             await w.resident.start(rec.units)
             await w.resident.verify()
+            rec.resident_s = round(clock.monotonic() - started, 3)
             if not await identity.after_verify(w, rec, repair == "done", lambda s: _pause(w, s)):
                 repair = "due"
                 attempt -= 1  # not a failure: the next pass repairs it
@@ -322,6 +324,8 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
     """
     first = _first_step(rec)
     remover: asyncio.Task[bool] | None = None
+    # The resident's files are read into the page cache meanwhile; nothing waits for it (prefetch.py).
+    fetch = w.files.start(w, rec) if switch_target(w, rec) is None else None
     try:
         for index, (phase, step) in enumerate(STEPS):
             if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
@@ -332,6 +336,7 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
             if engine_left(rec) and remover is None:
                 remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
             if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
+                await reap(fetch)
                 w.switch(rec, nxt, outcome)
                 return
         if remover is not None and not remover.done():
@@ -353,6 +358,7 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
         return
     finally:
         await reap(remover)
+        await reap(fetch)
     w.finish(rec, outcome)
 
 

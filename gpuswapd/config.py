@@ -145,6 +145,14 @@ def _unit_patterns(value: Any, path: str) -> list[str]:
     return patterns
 
 
+def _abs_paths(value: Any, path: str) -> list[str]:
+    paths = _strings(value, path)
+    for i, item in enumerate(paths):
+        if not os.path.isabs(item):
+            raise _fail(f"{path}[{i}]", f"must be an absolute path, got {item!r}")
+    return paths
+
+
 def _timer_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
@@ -304,6 +312,9 @@ class ResidentConfig:
     # (GET /props on the server itself, not through a proxy); any server lists its models.
     server: str = _key(_choice(*RESIDENT_SERVERS), "other")
     props_url: str = _key(_optional_url, "")
+    # Its model files, read into the page cache during a close ([]: found from the units' ExecStart=).
+    files: list[str] = _key(_abs_paths, [])
+    prefetch: bool = _key(_bool, True)
     idle: IdleConfig
     verify: CompletionCheck
 

@@ -17,6 +17,7 @@ from gpuswapd import __version__, bootchecks, clock, failpoints, identity, insta
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
+from gpuswapd.adapters.pagecache import Files, PageCache
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
@@ -58,13 +59,14 @@ class Systems:
     probe: GpuProbe | None
     store: StateStore
     host: Host | None = None  # what the OS says of callers; None: the real one (LinuxHost over systemd)
+    files: Files | None = None  # the page cache of the resident's model files (None: the machine's own)
 
     @classmethod
     def real(cls, config: Config) -> Systems:
         """Connect the real adapters of this configuration (nothing is called yet)."""
         d = config.daemon
         return cls(Systemd(call_timeout=d.call_timeout), Docker(timeout=d.call_timeout), ModelHttp(),
-                   make_probe(config.gpu), StateStore(d.state_dir))
+                   make_probe(config.gpu), StateStore(d.state_dir), PageCache())
 
 
 class Daemon:
@@ -80,7 +82,8 @@ class Daemon:
         # Each adapter bounds its own calls a little below its lane's deadline: the adapter's
         # error, which says what happened, usually comes first.
         self.outside = Outside(Deadlines(systemd=d.call_timeout + 5.0, docker=d.call_timeout + 5.0,
-                                         state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0))
+                                         state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0,
+                                         files=d.call_timeout))
         systems = systems or Systems.real(config)
         self.systemd = systems.systemd
         self.docker = systems.docker
@@ -94,7 +97,7 @@ class Daemon:
                                                               instance)
                                       for p in config.engine_profiles() if p.name != DEFAULT_PROFILE}
         self.window = Window(config, self.resident, self.engine, self.vram, self.store, self.notifier, self.outside,
-                             engines=engines)
+                             engines=engines, files=systems.files if systems.files is not None else PageCache())
         self.server = Server(
             config,
             self.window,
@@ -102,7 +105,8 @@ class Daemon:
             self.systemd,
             self.outside,
             lambda profile: make_plan(config, self.resident, self.window.engine_of(profile), self.vram,
-                                      self.window.parked, config.profile(profile), self.known_bad),
+                                      self.window.parked, config.profile(profile), self.known_bad,
+                                      self.window.files),
             instance=instance,
             host=systems.host,
         )

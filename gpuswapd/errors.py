@@ -31,6 +31,7 @@
     │   ├── ImageNotFound            image_not_found
     │   └── ContainerNotFound        container_not_found
     ├── GpuProbeError                gpu_probe
+    ├── FilesError                   files
     └── EndpointError                endpoint
         ├── EndpointUnreachable      endpoint_unreachable
         ├── EndpointTimeout          endpoint_timeout
@@ -248,6 +249,12 @@ class GpuProbeError(GpuswapError):
     """The GPU's memory could not be read."""
 
     code = "gpu_probe"
+
+
+class FilesError(GpuswapError):
+    """The resident's model files could not be measured or read ahead (the page cache, the disk)."""
+
+    code = "files"
 
 
 class EndpointError(GpuswapError):

@@ -37,13 +37,15 @@ class Now:
     degraded: bool
     vram_free_bytes: int | None
     resident_degraded: bool = False
+    resident_cached_ratio: float | None = None
 
 
 def window_now(window: Window) -> Now:
     """Read what the gauges show from the window."""
     rec, last = window.record, window.vram.last
     return Now(str(window.phase), len(window.leases()), bool(rec is not None and rec.degraded),
-               None if last is None else last.free_bytes, window.known.changed is not None)
+               None if last is None else last.free_bytes, window.known.changed is not None,
+               window.files.ratio)
 
 
 class _Live(Collector):
@@ -71,11 +73,16 @@ class _Live(Collector):
         if now.vram_free_bytes is not None:
             vram.add_metric([inst], float(now.vram_free_bytes))
         yield vram
+        cached = GaugeMetricFamily("gpuswapd_resident_cached_ratio", "Fraction of the resident's model files in the "
+                                   "page cache, as last measured (plan, a close; absent before)", labels=["instance"])
+        if now.resident_cached_ratio is not None:
+            cached.add_metric([inst], now.resident_cached_ratio)
+        yield cached
 
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the window (registration must not touch it)."""
         for name in ("gpuswapd_phase", "gpuswapd_leases", "gpuswapd_degraded", "gpuswapd_resident_degraded",
-                     "gpuswapd_vram_free_bytes"):
+                     "gpuswapd_vram_free_bytes", "gpuswapd_resident_cached_ratio"):
             yield GaugeMetricFamily(name, "")
 
 

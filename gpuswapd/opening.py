@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock, identity, parking
+from gpuswapd.adapters.gpu import VramReading
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
@@ -40,6 +41,7 @@ class Opening:
     rec: WindowRecord
     timers: list[TimerState] = field(default_factory=list)
     parked: parking.Parked | None = None
+    running: list[str] = field(default_factory=list)  # the resident's active units, as the timers were paused
 
     @property
     def needs(self) -> int:
@@ -49,18 +51,33 @@ class Opening:
 
 
 async def _check_and_drain(op: Opening) -> None:
-    """Check everything that could fail before anything changes, at once; then let work finish."""
-    w, cfg = op.window, op.window.config
-    op.parked = await _usable_parked(w, op.rec)
-    preflight = w.engine.preflight() if op.parked is None else _nothing()
-    going = frozenset(op.rec.freeing)  # the engine the last window took down: its memory is coming free
-    fits = check_fit(w, op.needs, going, op.rec.freeing_unknown)
-    if op.rec.switched_from:  # the timers are paused and the resident is down already
-        await together(preflight, fits)
+    """Check everything that could fail before anything changes, at once; then let work finish.
+
+    Nothing here changes the system but the removal of a parked engine that cannot be used: the
+    parked engine, the card, the resident's units, the timers and the resident's idle probe are
+    all asked at the same time, and the fit is judged once the parked engine is known.
+    """
+    w, cfg, rec = op.window, op.window.config, op.rec
+    parked = w.parked
+    going = frozenset(rec.freeing)  # the engine the last window took down: its memory is coming free
+
+    async def checks() -> None:
+        seen = together(w.vram.read(processes=True), w.resident.closure())
+        timers = w.resident.timers() if not rec.switched_from else _nothing()
+        op.parked, (reading, running), op.timers = await together(_usable_parked(w, rec), seen, timers)
+        if parked is not None and op.parked is None and w.parked is None:
+            reading, running = None, None  # the parked engine was removed: read the card again
+        preflight = w.engine.preflight() if op.parked is None else _nothing()
+        await together(preflight, check_fit(w, op.needs, going, rec.freeing_unknown, reading, running))
+
+    # The drain's first look goes with the checks; a check that fails ends it at once.
+    await together(checks(), w.resident.drain() if not rec.switched_from else _nothing())
+    if rec.switched_from:  # the timers are paused and the resident is down already
         return
-    _, _, op.timers = await together(preflight, fits, w.resident.timers())
-    await together(w.resident.wait_jobs(op.timers, clock.monotonic() + cfg.timers.wait_for_jobs),
-                   w.resident.drain())
+    op.timers = op.timers or []
+    await w.resident.wait_jobs(op.timers, clock.monotonic() + cfg.timers.wait_for_jobs)
+    # Recorded by the write that enters PAUSING_TIMERS, before any timer is stopped.
+    rec.timers = [t.name for t in op.timers if t.active_state == "active"]
 
 
 async def _nothing() -> None:
@@ -103,7 +120,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
 
 
 async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = frozenset(),
-                    unsure: bool = False) -> None:
+                    unsure: bool = False, reading: VramReading | None = None, running: list[str] | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free.
 
     The resident's units and ``going`` (the pids of gpuswapd's engines being taken down) come
@@ -112,9 +129,10 @@ async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = 
     WAITING_VRAM tells, naming what still holds the memory.
     """
     need = w.profile.needs if need is None else need
-    # With the resident up the card is mostly taken, so the process list is nearly always needed:
-    # read it in the same go (this read is also the check that the probe answers at all).
-    reading, running = await together(w.vram.read(processes=True), w.resident.closure())
+    if reading is None or running is None:  # not read already by the caller
+        # With the resident up the card is mostly taken, so the process list is nearly always needed:
+        # read it in the same go (this read is also the check that the probe answers at all).
+        reading, running = await together(w.vram.read(processes=True), w.resident.closure())
     if reading is None or reading.free_bytes >= need:
         return  # it fits already (or there is no probe to ask)
     # The resident's own processes are no stranger's, whatever state their unit is in (stopping, say).
@@ -131,27 +149,26 @@ async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = 
 
 
 async def _pause_timers(op: Opening) -> None:
+    """Stop the timers (recorded as the phase was entered); then learn which units the next phase stops."""
     w, rec = op.window, op.rec
-    rec.timers = [t.name for t in op.timers if t.active_state == "active"]
-    await w.persist(required=True)
     await w.resident.pause(rec.timers)
     # A job its timer started just before the pause must not lose the resident under it.
     await w.resident.wait_jobs(await w.resident.timers(), clock.monotonic() + w.config.timers.wait_for_jobs)
+    op.running = await w.resident.closure()
+    # A resident unit that is down though nobody holds it down (it failed) comes back with the
+    # rest when the window closes: the window ends at the baseline, not at what it found.
+    fallen = await w.resident.fallen(op.running, set(w.held_down))
+    if fallen:
+        log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
+    # Recorded by the write that enters STOPPING_RESIDENT, before any unit is stopped.
+    rec.units = [*op.running, *fallen]
 
 
 async def _stop_resident(op: Opening) -> None:
-    w, rec = op.window, op.rec
-    running = await w.resident.closure()
-    # A resident unit that is down though nobody holds it down (it failed) comes back with the
-    # rest when the window closes: the window ends at the baseline, not at what it found.
-    fallen = await w.resident.fallen(running, set(w.held_down))
-    if fallen:
-        log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
-    rec.units = [*running, *fallen]
-    await w.persist(required=True)
+    w = op.window
     # What the resident really holds, while it still holds it: the checks from here on count that.
-    await identity.learn_footprint(w, running)
-    await w.resident.stop(running)
+    await identity.learn_footprint(w, op.running)
+    await w.resident.stop(op.running)
 
 
 async def _wait_vram(op: Opening) -> None:
@@ -240,6 +257,7 @@ BEFORE_ENGINE: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = 
     (Phase.STOPPING_RESIDENT, _stop_resident),
     (Phase.WAITING_VRAM, _wait_vram),
 )
+_LOOKING = frozenset({Phase.DRAINING, Phase.WAITING_VRAM})
 COLD: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
     (Phase.BOOTING, _boot),
     (Phase.WARMING, _warm),
@@ -252,7 +270,8 @@ async def open_window(window: Window, rec: WindowRecord) -> None:
     for phase, step in BEFORE_ENGINE:
         if rec.switched_from and phase in (Phase.PAUSING_TIMERS, Phase.STOPPING_RESIDENT):
             continue
-        await window.enter(rec, phase, required=True)
+        # DRAINING and WAITING_VRAM only look: their write goes on meanwhile, and the next one covers it.
+        await window.enter(rec, phase, required=True, overlap=phase in _LOOKING)
         await step(op)
     if rec.kind == "bare":
         return  # the card is clear: the holders bring their own processes
@@ -260,7 +279,7 @@ async def open_window(window: Window, rec: WindowRecord) -> None:
         if await _wake(op):
             return
         op.parked = None  # boot cold: wait for the whole window's memory first
-        await window.enter(rec, Phase.WAITING_VRAM, required=True)
+        await window.enter(rec, Phase.WAITING_VRAM, required=True, overlap=True)
         await _wait_vram(op)
     for phase, step in COLD:
         await window.enter(rec, phase, required=True)

@@ -4,6 +4,7 @@
     docker   the Docker SDK
     gpu      NVML or nvidia-smi
     state    reads and writes of the state directory
+    files    the resident's model files: what of them is in the page cache, and reading them in
     http     the model servers (httpx, asynchronous: a deadline, no thread)
 
 A call that outlives its deadline fails at once with the system's own error. Its thread may go
@@ -26,7 +27,15 @@ from typing import Any, ParamSpec, TypeVar
 
 from gpuswapd import clock
 from gpuswapd import workers as workers_
-from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointTimeout, GpuProbeError, GpuswapError, StateError
+from gpuswapd.errors import (
+    BusUnavailable,
+    DockerUnavailable,
+    EndpointTimeout,
+    FilesError,
+    GpuProbeError,
+    GpuswapError,
+    StateError,
+)
 from gpuswapd.logs import log
 
 P = ParamSpec("P")
@@ -34,27 +43,35 @@ R = TypeVar("R")
 
 CALLS: dict[str, frozenset[str]] = {
     "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
-                          "unit_of_pid", "unit_cgroup", "unit_service", "baseline_units", "baseline_timers"}),
+                          "unit_of_pid", "unit_cgroup", "unit_service", "baseline_units", "baseline_timers",
+                          "commands"}),
     "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
                          "logs_tail", "find", "env_file", "top",
                          "settings"}),  # wait_exit: a long wait on a thread of its own
     "gpu": frozenset({"read"}),
     "state": frozenset({"read", "write", "append_history", "read_history"}),
+    "files": frozenset({"measure", "prefetch"}),
     "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify", "is_sleeping", "sleep", "wake_up",
                        "canary", "props", "models"}),
 }
 
+# Calls that only look and change nothing: one that outlives its deadline is still shown as hung,
+# but the close does not wait for it to land (closing.hung_mark counts the others): the prefetch's
+# read of the resident's units never holds up a close.
+LOOKS_ONLY: dict[str, frozenset[str]] = {"systemd": frozenset({"commands"})}
+
 # Raised when a call of that lane misses its deadline or the lane is hung.
 _ERRORS: dict[str, type[GpuswapError]] = {
     "systemd": BusUnavailable, "docker": DockerUnavailable, "gpu": GpuProbeError, "state": StateError,
-    "http": EndpointTimeout,
+    "files": FilesError, "http": EndpointTimeout,
 }
 _WHAT = {"systemd": "systemd (D-Bus)", "docker": "Docker", "gpu": "the GPU probe", "state": "the state directory",
-         "http": "the model server"}
+         "files": "the resident's model files", "http": "the model server"}
 _NEXT = {"systemd": "check `systemctl status` and the system bus",
          "docker": "check `systemctl status docker`",
          "gpu": "the driver may be hung: check `dmesg` and `nvidia-smi`",
          "state": "check the disk under daemon.state_dir",
+         "files": "check the disk or filesystem that holds them",
          "http": "check the server's log"}
 
 
@@ -79,6 +96,7 @@ class Deadlines:
     docker: float = 60.0
     gpu: float = 12.0
     state: float = 30.0
+    files: float = 30.0  # a measure; a prefetch has a deadline of its own (resident.start_timeout)
     http: float = 5.0  # for calls with a timeout of their own, the margin beyond it
     workers: int = 4
 
@@ -102,7 +120,7 @@ class Lane:
         self._stuck: dict[int, _Stuck] = {}
         self._drained = asyncio.Event()
         self._drained.set()
-        self.hung_total = 0  # calls that ever outlived their deadline
+        self.hung_total = 0  # calls that ever outlived their deadline, but those that only look
         self._error = _ERRORS[system]
 
     async def call(self, name: str, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -193,7 +211,8 @@ class Lane:
     def _hung(self, name: str, future: asyncio.Future[Any], started: float) -> None:
         key = id(future)
         self._stuck[key] = _Stuck(name, started)
-        self.hung_total += 1
+        if name not in LOOKS_ONLY.get(self.system, frozenset()):
+            self.hung_total += 1
         self._drained.clear()
         log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck))
 
@@ -228,11 +247,13 @@ class Outside:
         self.gpu = Lane("gpu", d.gpu, 2)
         # One worker: a write that outlives its deadline must land before the next, never after it.
         self.state = Lane("state", d.state, 1)
+        # Two: one prefetch reading, and a measure (plan, the next close) beside it.
+        self.files = Lane("files", d.files, 2)
         self.http = Lane("http", d.http, 1)
 
     def lanes(self) -> list[Lane]:
         """List every lane."""
-        return [self.systemd, self.docker, self.gpu, self.state, self.http]
+        return [self.systemd, self.docker, self.gpu, self.state, self.files, self.http]
 
     def close(self) -> None:
         """Let every lane's idle workers end (a hung one ends when its call returns)."""

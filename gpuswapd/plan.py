@@ -10,6 +10,7 @@ from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
 from gpuswapd.knownbad import Table
 from gpuswapd.parking import Parked
+from gpuswapd.prefetch import ResidentFiles
 from gpuswapd.resident import Resident
 from gpuswapd.sizes import format_size
 from gpuswapd.vram import Vram, predict_fit
@@ -17,11 +18,12 @@ from gpuswapd.vram import Vram, predict_fit
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,
                     parked: Parked | None = None, profile: Profile | None = None,
-                    known_bad: Table | None = None) -> dict[str, Any]:
+                    known_bad: Table | None = None, files: ResidentFiles | None = None) -> dict[str, Any]:
     """Describe the units, timers, container and VRAM a window of ``profile`` would touch, and any blocker.
 
     ``warnings`` say what would not block the window but costs or risks something: a container that
-    keeps no compile cache, a known-bad setting.
+    keeps no compile cache, a known-bad setting. ``resident_files`` lists the resident's model files
+    with the fraction of each in the page cache now.
     """
     profile = profile or config.profile(DEFAULT_PROFILE)
     problems: list[str] = []
@@ -51,6 +53,8 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     if start == "cold":
         await attempt("engine", engine.preflight())
     reading = await attempt("gpu", vram.read())
+    # What the resident loads when it comes back, and how much of it is in RAM now.
+    model = await attempt("resident files", files.describe(units or config.resident.units)) if files else None
     warnings: list[str] = []
     settings = None
     view = await engine.settings() if profile.window is not None else None
@@ -72,6 +76,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         "vram": None,
         "next_open": start,
         "parked": parked_note,
+        "resident_files": model,
         "problems": problems,
         "warnings": warnings,
         "settings": settings,

@@ -70,6 +70,10 @@ class WindowRecord:
     # with the room it had), "unchecked" (it could not be read); None: this window did not restore it.
     restored: str | None = None
     resident_changed: dict[str, Any] | None = None  # it came back smaller: was, now, repaired
+    # The close's read of the resident's model files into the page cache (prefetch.py), and the
+    # resident's time from its start to its verifying completion.
+    prefetch: dict[str, Any] | None = None
+    resident_s: float | None = None
     # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
     sealed: bool = field(default=False, compare=False)
 
@@ -126,6 +130,7 @@ class WindowRecord:
             "preempted": self.preempted, "freeing": self.freeing,
             "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
             "restored": self.restored, "resident_changed": self.resident_changed,
+            "prefetch": self.prefetch, "resident_s": self.resident_s,
         }
 
     @classmethod
@@ -150,6 +155,7 @@ class WindowRecord:
             saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
             freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
             restored=_restored(d.text("restored", optional=True)), resident_changed=d.table("resident_changed"),
+            prefetch=d.table("prefetch"), resident_s=d.number("resident_s", optional=True),
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from gpuswapd import clock, closing, holding, identity, opening, parking, preempting, recovery
+from gpuswapd.adapters.pagecache import Files
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
 from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
@@ -41,6 +42,7 @@ from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.prefetch import ResidentFiles
 from gpuswapd.progress import progress
 from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
@@ -74,7 +76,7 @@ class Window:
 
     def __init__(self, config: Config, resident: Resident, engine: Engine, vram: Vram, store: StateStore,
                  notifier: Notifier, outside: Outside, backoffs: Backoffs | None = None,
-                 engines: dict[str, Engine] | None = None) -> None:
+                 engines: dict[str, Engine] | None = None, files: Files | None = None) -> None:
         self.config = config
         self.resident = resident
         # One engine per profile: "default" is [window]'s; a bare profile has none to speak of.
@@ -83,6 +85,7 @@ class Window:
             if profile.kind == "bare":
                 self.engines.setdefault(name, BareEngine())
         self.vram = vram
+        self.files = ResidentFiles(config, resident, files, outside)  # the resident's model files, read in at close
         self.store = store
         self.notifier = notifier
         self.outside = outside
@@ -458,10 +461,17 @@ class Window:
         else:
             self.writer.request()  # retried in the background; the record in memory is the truth
 
-    async def enter(self, rec: WindowRecord, phase: Phase, required: bool) -> None:
-        """Enter a phase: check and persist it, tell systemd, the log and the waiters, then act."""
+    async def enter(self, rec: WindowRecord, phase: Phase, required: bool, overlap: bool = False) -> None:
+        """Enter a phase: check and persist it, tell systemd, the log and the waiters, then act.
+
+        With ``overlap`` (a phase that only reads: its checks, a VRAM poll) the write goes on while the
+        phase acts; the next required write covers it, before anything is changed.
+        """
         rec.enter(phase)
-        await self.persist(required)
+        if overlap:
+            self.writer.request()
+        else:
+            await self.persist(required)
         structlog.contextvars.bind_contextvars(phase=str(phase))
         elapsed = round(clock.wall() - rec.opened_at, 3)
         log.info("phase_entered", elapsed_s=elapsed, stage=rec.timings[-1].stage)
@@ -512,19 +522,34 @@ class Window:
                 for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
-        """Enter READY and give every waiting acquire its lease, once the leases are on disk."""
-        await self.enter(rec, Phase.READY, required=not rec.restarts)
+        """Enter READY and give every waiting acquire its lease, once READY and the leases are on disk.
+
+        One write covers both when the window opens; READY again after an engine restart carries on
+        without a record, but its leases still need one.
+        """
         granted = self.grant_waiters(rec)
-        if granted:
-            try:
-                await self._recorded(f"the lease of {granted[0][0].holder}" if len(granted) == 1 else
-                                     f"the leases of {len(granted)} waiting clients")
-            except StateError as err:
-                for waiter, lease in granted:
-                    rec.leases.release(lease.id)
-                    if not waiter.future.done():
-                        waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
-                granted = []
+        try:
+            if rec.restarts:
+                await self.enter(rec, Phase.READY, required=False)
+                if granted:
+                    await self._recorded(self._whose(granted))
+            else:
+                try:
+                    await self.enter(rec, Phase.READY, required=True)
+                except StateError as err:
+                    if not granted:
+                        raise
+                    raise StateError(f"{self._whose(granted)} could not be recorded, so it is not granted: "
+                                     f"{err.message}; try again once the state directory is writable "
+                                     "(gpuswapctl status)") from err
+        except StateError as err:
+            for waiter, lease in granted:
+                rec.leases.release(lease.id)
+                if not waiter.future.done():
+                    waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
+            if not rec.restarts:
+                raise
+            granted = []
         self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
@@ -533,6 +558,11 @@ class Window:
                 self._drop_lease(lease)
             else:
                 waiter.future.set_result(lease)
+
+    @staticmethod
+    def _whose(granted: list[tuple[Waiter, Lease]]) -> str:
+        return f"the lease of {granted[0][0].holder}" if len(granted) == 1 else \
+            f"the leases of {len(granted)} waiting clients"
 
     def refuse(self, waiter: Waiter, err: GpuswapError) -> None:
         """Fail one queued request with ``err`` (it could never be served)."""

@@ -30,9 +30,10 @@ from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
+from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
 from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
@@ -60,6 +61,8 @@ AGENTS = ("triage", "review", "digest")
 RESIDENT_BYTES = 21 * GiB
 ENGINE_BYTES = int(19.5 * GiB)
 RESIDUAL_BYTES = 1 * GiB  # what a sleeping engine keeps (its CUDA context and pools)
+MODEL_PATH = "/models/strata.gguf"  # the resident's GGUF, named by strata.service's ExecStart=
+MODEL_BYTES = 21_600_000_000
 CANARY = "2, 3, 5, 7, 11"
 
 CONFIG = f"""
@@ -135,7 +138,7 @@ kind = "bare"
 needs = "20GiB"
 """
 PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
-DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, http=0.1, workers=4)
+DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, files=0.15, http=0.1, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
                     writer=(0.005, 0.02), preempt_stop=(0.005, 0.02))
 
@@ -230,6 +233,9 @@ class FakeSystemd:
         self.started_at: list[tuple[int, str]] = []  # (moment, unit) of every start
         self.fail_starts: dict[str, int] = {}  # unit -> how many starts fail (ExecStartPre=/bin/false)
         self.fail_stops: dict[str, int] = {}  # unit -> how many stops fail (its stop job times out)
+        self.start_gate: threading.Event | None = None  # set: a unit on the card starts (its model loaded)
+        self.exec_start: dict[str, tuple[str, ...]] = {}  # what a unit runs, instead of the usual
+        self.commands_read = 0
 
     def add_unit(self, unit: FakeUnit) -> None:
         """Load a unit (started if it says it is active)."""
@@ -294,6 +300,8 @@ class FakeSystemd:
                 self.fail_starts[name] -= 1
                 unit.active_state = "failed"
                 return "failed"
+            if unit.gpu_bytes and self.start_gate is not None:
+                self.start_gate.wait(2.0)
             if unit.fit is not None:
                 free = self.gpu.read(processes=False).free_bytes
                 ctx = unit.fit.fit(free)
@@ -397,6 +405,49 @@ class FakeSystemd:
         if unit not in self.units:
             raise UnitNotFound(f"no unit {unit}")
         return f"/system.slice/{unit}"
+
+    def commands(self, unit: str) -> Commands:
+        """Say what a unit runs: strata is llama-server on its GGUF, behind a wrapper; the rest run a binary."""
+        if unit not in self.units:
+            raise UnitNotFound(f"no unit {unit}")
+        self.commands_read += 1
+        if unit in self.exec_start:
+            return Commands(unit, (self.exec_start[unit],))
+        if unit == "strata.service":
+            return Commands(unit, (("/usr/bin/gpu-hold", "--", "/usr/bin/llama-server", "-m", MODEL_PATH,
+                                    "--port", "8081"),))
+        return Commands(unit, ((f"/usr/bin/{unit.removesuffix('.service')}",),))
+
+
+class FakeFiles:
+    """The page cache of the resident's model files: the GGUF, pushed out of RAM while an engine ran."""
+
+    def __init__(self) -> None:
+        self.sizes = {MODEL_PATH: MODEL_BYTES}
+        self.cached = {MODEL_PATH: 0}
+        self.mem_available = 64 * GiB
+        self.read_s = 30.0  # how long a prefetch reads (wall seconds) before it is done, unless stopped
+        self.prefetches = 0
+        self.read_in = threading.Event()  # set once a prefetch has read to the end
+        self.stopped = threading.Event()  # set once a prefetch has seen its stop
+
+    def measure(self, paths: list[str]) -> Measured:
+        """Measure each file (a path it does not know: no such file)."""
+        return Measured(tuple(FileCache(p, p, self.sizes[p], self.cached[p]) if p in self.sizes
+                              else FileCache(p, p, error="no such file") for p in paths), self.mem_available)
+
+    def prefetch(self, paths: list[str], stop: threading.Event, progress: Progress) -> Progress:
+        """Read the files in, unless stopped first."""
+        self.prefetches += 1
+        if stop.wait(self.read_s):
+            self.stopped.set()
+            return progress
+        for p in paths:
+            progress.read += self.sizes[p] - self.cached[p]
+            progress.cached += self.sizes[p] - self.cached[p]
+            self.cached[p] = self.sizes[p]
+        self.read_in.set()
+        return progress
 
 
 @dataclass
@@ -838,6 +889,7 @@ class FakeWorld:
         self.systemd = FakeSystemd(self.gpu)
         self.docker = FakeDocker(self.gpu)
         self.http = FakeHttp(self.systemd, self.docker)
+        self.files = FakeFiles()
         full = self.fit.claim(self.fit.ctx) if self.fit is not None else RESIDENT_BYTES
         self.systemd.add_unit(FakeUnit("strata.service", gpu_bytes=full, pid=1001, fit=self.fit,
                                        n_ctx=self.fit.ctx // self.fit.slots if self.fit else 4096))
@@ -856,7 +908,7 @@ class FakeWorld:
         engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
                    for p in self.config.engine_profiles() if p.name != "default"}
         return Window(self.config, resident, engine, vram, self.store, Notifier(""), outside,  # type: ignore[arg-type]
-                      BACKOFFS, engines=engines)  # type: ignore[arg-type]
+                      BACKOFFS, engines=engines, files=self.files)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, Any]:
         """Read the world's state: units, timers, containers, VRAM."""

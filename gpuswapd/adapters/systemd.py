@@ -17,7 +17,7 @@ from pydbus import SystemBus
 
 from gpuswapd import clock
 from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
-from gpuswapd.adapters.unitstates import ACTIVE, JobResults, ServiceProcesses, TimerState, UnitState
+from gpuswapd.adapters.unitstates import ACTIVE, Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
 
 P = ParamSpec("P")
@@ -27,6 +27,7 @@ _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
+_SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
 _DEPENDENTS = ("RequiredBy", "BoundBy", "ConsistsOf")
 _UNAVAILABLE = frozenset({
@@ -219,6 +220,20 @@ class Systemd:
             for key in _DEPENDENTS:
                 queue.extend(sorted(props.get(key, [])))
         return active
+
+    @_systemd_errors
+    def commands(self, unit: str) -> Commands:
+        """Read what a service runs: its ExecStart= command lines, Environment= and WorkingDirectory=."""
+        path = self._mgr().LoadUnit(unit, timeout=self._timeout)
+        if not unit.endswith(".service"):
+            return Commands(unit)  # a target or socket runs nothing of its own
+        # Three small Gets, not GetAll: a service has some 200 properties to unpack (milliseconds each time).
+        props = self._properties(path)
+        exec_start, env, cwd = (props.Get(_SERVICE_IFACE, name, timeout=self._timeout)
+                                for name in ("ExecStart", "Environment", "WorkingDirectory"))
+        # ExecStart is a(sasbttttuii): path, argv, ignore failure, then timestamps and the last exit.
+        argvs = tuple(tuple(str(a) for a in row[1]) for row in exec_start or [])
+        return Commands(unit, argvs, tuple(str(e) for e in env or []), str(cwd or ""))
 
     @_systemd_errors
     def timers(self, patterns: Iterable[str]) -> list[TimerState]:

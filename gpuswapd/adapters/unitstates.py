@@ -52,6 +52,16 @@ class ServiceProcesses:
     control_pid: int    # the ExecStartPre=/ExecStopPost= (...) command running now; 0 when none
 
 
+@dataclass(frozen=True)
+class Commands:
+    """What a unit runs: each ExecStart= command line (program first), its Environment= and WorkingDirectory=."""
+
+    unit: str
+    argvs: tuple[tuple[str, ...], ...] = ()
+    environment: tuple[str, ...] = ()
+    working_directory: str = ""
+
+
 class JobResults:
     """Results of removed jobs, handed to whoever waits for that job path.
 

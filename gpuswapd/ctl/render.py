@@ -193,6 +193,16 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
                   f"{kept}{where}{via}\n")
     for warning in plan.get("warnings") or []:
         out.write(f"warning:       {warning}\n")
+    model = plan.get("resident_files")
+    if model is not None:
+        rows = model.get("files") or []
+        if not rows:
+            out.write("resident files: none found (name them in [resident] files)\n")
+        for f in rows:
+            held = "cannot be read: " + f["error"] if f.get("error") else f"{f['cached'] * 100:.0f}% in RAM"
+            out.write(f"resident file: {f['path']} ({f['size']}), {held}\n")
+        if rows and not model.get("prefetch"):
+            out.write("               not read back at close ([resident] prefetch = false)\n")
     for problem in plan["problems"]:
         out.write(f"problem:       {problem}\n")
     out.write("ok: a window can open now\n" if plan["ok"] else "not ok: a window would fail now\n")

@@ -122,7 +122,21 @@ MEANINGS: dict[str, str] = {
                       "them are found over D-Bus, recorded and stopped as well (dependents first), and exactly "
                       "those are started again.",
     "resident.stop_timeout": "How long stopping one unit may take.",
-    "resident.start_timeout": "How long starting one unit may take.",
+    "resident.start_timeout": "How long starting one unit may take. It also bounds a prefetch of the resident's "
+                              "files (a read that takes longer is of no help to a start).",
+    "resident.files": "The resident's model files (absolute paths), read back into the page cache while a window "
+                      "closes, so that the resident loads them from RAM. Empty: gpuswapd finds them in what the "
+                      "resident's units run (ExecStart= over D-Bus: llama-server's -m/--model, --mmproj, "
+                      "-md/--model-draft, also inside a wrapper's or a shell's command line; Environment= "
+                      "LLAMA_ARG_MODEL, LLAMA_ARG_MMPROJ, LLAMA_ARG_MODEL_DRAFT). A model llama.cpp downloads "
+                      "itself (-hf) has no path to find: name it here. gpuswapctl plan lists the files with the "
+                      "fraction of each in the page cache.",
+    "resident.prefetch": "Whether a close that restores the resident reads its files into the page cache in the "
+                         "background, from the start of the close, while the engine stops or sleeps and the VRAM "
+                         "comes free. Nothing waits for it and it ends with the close; it is skipped (and logged) "
+                         "when the host's MemAvailable, less what a level-1 park keeps in host RAM "
+                         "(window.park.host_ram_needs, else the window's VRAM), cannot hold the files. A switch to "
+                         "another profile and a preemption do not restore the resident and read nothing.",
     "resident.server": "What the resident is. \"llama.cpp\": a llama-server, whose context per slot "
                        "(default_generation_settings.n_ctx), total_slots, model_path and alias are read from "
                        "props_url; \"other\": any OpenAI server, known by its model ids only. Either way the ids of "
@@ -268,6 +282,7 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_docker_size": lambda c: "string, a Docker size",
     "_listen": lambda c: "host:port, or empty",
     "_abs_path": lambda c: "absolute path, or empty",
+    "_abs_paths": lambda c: "list of absolute paths",
     "_command": lambda c: "list of strings, the first an absolute path",
     "_event_names": lambda c: "list of event names",
     "_model_names": lambda c: "list of model names",

@@ -1,6 +1,6 @@
 """Re-opening from park against re-opening cold, alternating in one run with one gpuswapd.
 
-    .venv/bin/python -m tests.benchmarks.park_bench [--cycles 10] [--lag S] [--boot-delay S]
+    .venv/bin/python -m tests.benchmarks.park_bench [--cycles 10] [--lag S] [--boot-delay S] [--probe nvml]
 
 On the test world, one gpuswapd with two engine profiles: the default one (``park.mode =
 "stop"``, the engine is removed at close) and "warm" (``park.mode = "sleep"``, a second engine
@@ -14,6 +14,11 @@ parks its engine; then every cycle runs each variant once, in turn:
   10 ms polling and no daemon: drain, stop the timers, stop the resident, wait for the VRAM the
   parked engine does not hold, wake it, the canary; then sleep, read the VRAM, start and verify
   the resident, start the timers. gpuswapd's warm overhead is warm - direct warm, per cycle.
+
+gpuswapd reads the card as the test world offers: its simulated ``nvidia-smi`` (a Python script,
+about 60 ms a read), or with ``--probe nvml`` the path of a real card, gpuswapd's NVML probe with
+pynvml's calls answered in-process from the ledger (about a millisecond, as libnvidia-ml;
+tests/stack/nvml.py). The direct run reads the ledger in-process either way.
 
 gpuswapd's windows are timed as in swap_bench: an acquire from a connected client until its
 reply; a release until the running ``watch`` receives ``window_finished``. The cold/warm ratio
@@ -69,6 +74,7 @@ from tests.benchmarks.swap_bench import (
     world,
     world_constants,
 )
+from tests.stack import nvml
 from tests.stack.config import ENGINE_ENV, EVAL_PORT, stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.world import ENGINE_IMAGE, PROXY_PORT, Stack, StackError
@@ -133,11 +139,10 @@ class DirectWarm(Direct):
             if _post(self.port, f"/sleep?level={self.engine.park.level}")[0] != 200:
                 raise StackError("the engine did not sleep")
             _wait("asleep", lambda: _sleeping(self.port))
-            # The card frees what the engine let go some time after it says it sleeps (the
-            # world's release lag): wait for the resident's room as gpuswapd does, up to its
-            # window.park.settle, polling as the rest of this run does.
-            _wait("the resident's room beside the sleeping engine", lambda: free_bytes(gpu) >= cfg.gpu.resident_needs,
-                  self.engine.park.settle)
+            # A sleeping engine's memory comes free some time after it says it sleeps (a card's lag;
+            # the world's ledger has one): wait for it, up to park.settle, as gpuswapd does.
+            _wait("room for the resident beside the sleeping engine",
+                  lambda: free_bytes(gpu) >= cfg.gpu.resident_needs, timeout=self.engine.park.settle)
 
         self._timed(steps, "sleep", sleep)
         r = cfg.resident.verify
@@ -194,17 +199,19 @@ def warm_cycle(daemon: RunningDaemon, events: Events) -> dict[str, Any]:
     return out
 
 
-def run(cycles: int, lag: float | None = None, boot_delay: float | None = None) -> dict[str, Any]:
+def run(cycles: int, lag: float | None = None, boot_delay: float | None = None,
+        probe: str = "nvidia-smi") -> dict[str, Any]:
     """Prime the warm engine, then alternate cold, warm and direct warm windows."""
     stack = world(lag)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"probe": probe}
     with stack.exclusive():
         stack.up()
         os.environ.update(stack.env())
-        path = stack_config(stack, "park-bench", daemon={"linger": "0s"},
+        path = stack_config(stack, "park-bench", daemon={"linger": "0s"}, gpu={"probe": probe},
                             window__container={"env": engine_env(boot_delay)}, **warm_profile(stack, boot_delay))
         config = load_config(path)
-        daemon = RunningDaemon(stack, path, path.parent / "gpuswapd.sock")
+        daemon = RunningDaemon(stack, path, path.parent / "gpuswapd.sock", env=nvml.ENV if probe == "nvml" else None,
+                               program=nvml.PROGRAM if probe == "nvml" else None)
         events: Events | None = None
         direct: DirectWarm | None = None
         try:
@@ -278,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the park benchmark."""
     cli = parser("park_bench", __doc__, cycles_of="a cold window, a warm window and a direct warm one")
     add_world_options(cli)
+    cli.add_argument("--probe", choices=("nvidia-smi", "nvml"), default="nvidia-smi",
+                     help="how gpuswapd reads the card: the world's nvidia-smi, or NVML answered from the ledger "
+                          "(default nvidia-smi)")
     args = cli.parse_args(argv)
-    result = measured("park_bench", run, args.cycles, args.lag, args.boot_delay)
+    result = measured("park_bench", run, args.cycles, args.lag, args.boot_delay, args.probe)
     if result is None:
         return 1
     stats = analyse(result)
@@ -300,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         ("warm.close_overhead", "close overhead = gpuswapd - direct, per cycle"),
         ("warm.close_overhead_daemon", "close overhead, daemon's record - direct"),
         ("warm.close_overhead_outside_restore", "close overhead but for the resident's restore (record)"))]
-    print(table(f"\nre-open from park against cold, {args.cycles} cycles, variants alternating (seconds)",
+    print(table(f"\nre-open from park against cold, {args.cycles} cycles, variants alternating (seconds); "
+                f"probe {args.probe}",
                 SPREAD_HEADER, rows))
     k = result["constants"]
     print(f"\nby construction: engine boot delay {k['engine_boot_delay_s']}s against wake delay "

@@ -29,8 +29,12 @@ SMOKE = {
     "switch_bench": (["--lag", "0.1", "--boot-delay", "0.2"],
                      ["direct switch against closing to the resident, 1 cycles", "the direct switch saves"]),
     "lease_bench": (["--seconds", "0.3", "--slice", "1", "--flood", "200"],
-                    ["join/100 p99_ms", "status_under_flood", "watch_interval 10s", "targets"]),
+                    ["join/100 p99_ms", "status_under_flood", "status_during_flood max_ms", "watch_interval 10s",
+                     "targets"]),
     "metrics_bench": (["--scrape-every", "1"], ["metrics on, scraped every 1s", "one scrape:", "targets"]),
+    "restore_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--stop-delay", "0.5"],
+                      ["RESTORING with and without the prefetch, 1 cycles", "no prefetch / prefetch, per cycle",
+                       "cold read of the model", "cached after the prefetch"]),
 }
 # Benchmarks that need no test world: they start the engine simulator (and a stand-in gpuswapd) themselves.
 WORLDLESS = {
@@ -42,7 +46,7 @@ WORLDLESS = {
 # Benchmarks whose smoke run is in the fast layer, and where.
 FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
-           "metrics_bench": "metrics", "gateway_bench": "gateway"}
+           "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore"}
 EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 
 
@@ -50,7 +54,7 @@ def smoke(name: str, args: list[str], shown: list[str], results: Path) -> None:
     """Run one cycle of a benchmark; check that it printed its figures and wrote its results."""
     out = subprocess.run([sys.executable, "-m", f"tests.benchmarks.{name}", "--cycles", "1", *args], cwd=REPO,
                          env={**os.environ, "GPUSWAPD_BENCH_DIR": str(results)}, capture_output=True, text=True,
-                         timeout=240)
+                         timeout=420)  # restore_bench writes its 2.27 GB model once
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for text in shown:
         assert text in out.stdout, (text, out.stdout[-3000:])

@@ -235,6 +235,47 @@ def test_security_exposure_is_at_most_the_target() -> None:
     assert exposure("gpuswapd.service") <= SECURITY_TARGET
 
 
+def syscall_groups() -> dict[str, set[str]]:
+    """Read systemd's system call groups (``systemd-analyze syscall-filter``), each expanded to its calls."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter", "--no-pager"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    raw: dict[str, list[str]] = {}
+    group = ""
+    for line in out.splitlines():
+        word = line.strip().split(" ")[0] if line.strip() else ""
+        if line.startswith("@"):
+            group = line.split()[0]
+            raw[group] = []
+        elif group and word and not word.startswith("#"):
+            raw[group].append(word)
+
+    def expand(name: str) -> set[str]:
+        return set().union(*(expand(n) if n.startswith("@") else {n} for n in raw.get(name, [])))
+
+    return {name: expand(name) for name in raw}
+
+
+def allowed_syscalls(unit: str) -> set[str]:
+    """Apply a unit's SystemCallFilter= lines in order: the first allow list, then what each adds or takes away."""
+    groups = syscall_groups()
+    allowed: set[str] = set()
+    for line in unit_settings(UNITS / unit)["Service"]["SystemCallFilter"]:
+        deny = line.startswith("~")
+        names = set().union(*(groups[w] if w.startswith("@") else {w} for w in line.lstrip("~").split()))
+        allowed = allowed - names if deny else allowed | names
+    return allowed
+
+
+@pytest.mark.parametrize("unit", ["gpuswapd.service", "gpuswapd@.service"])
+def test_the_system_call_filter_lets_gpuswapd_measure_and_read_the_resident_files(unit: str) -> None:
+    need("systemd-analyze")
+    allowed = allowed_syscalls(unit)
+    # mincore: what of a file is in the page cache; fadvise64 and pread64/preadv: reading it in.
+    assert {"mincore", "fadvise64", "readahead", "pread64", "preadv", "mmap", "munmap"} <= allowed
+    assert "reboot" not in allowed and "setrlimit" not in allowed  # ~@privileged @resources still hold
+    assert "mincore" not in syscall_groups()["@system-service"], "drop the explicit mincore line"
+
+
 def test_the_gateway_unit_is_hardened_socket_activated_and_never_restarts() -> None:
     need("systemd-analyze")
     assert exposure("gpuswapd-gateway.service") <= SECURITY_TARGET

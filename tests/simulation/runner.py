@@ -308,7 +308,7 @@ class Host:
         run = self.run
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
                                                     run.world.card, run.world.store,  # type: ignore[arg-type]
-                                                    host=run.world.peers))
+                                                    run.world.files, host=run.world.peers))
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]

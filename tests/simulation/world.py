@@ -17,6 +17,7 @@ import asyncio
 import errno
 import fnmatch
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,10 @@ from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
+from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.streams import Completion
-from gpuswapd.adapters.unitstates import JobResults, ServiceProcesses, TimerState, UnitState
+from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import (
     BadResponse,
     ContainerNotFound,
@@ -44,6 +46,8 @@ from tests.simulation.loop import VirtualClock
 
 GiB = 1 << 30
 CANARY = "2, 3, 5, 7, 11"
+MODELS = "/models"
+MODEL_BYTES = 21_600_000_000  # the resident's GGUF
 # True while a blocking call that outlived its deadline does its work late: an engine it starts
 # then may find the card taken (an out-of-memory gpuswapd could not prevent: the call was gone).
 LATE = [False]
@@ -243,6 +247,7 @@ class Unit:
     job_paths: list[str] = field(default_factory=list)
     fit: Fit | None = None  # a llama-server that fits itself to the free memory
     n_ctx: int = 0  # its context per slot, as its /props says
+    exec_start: tuple[str, ...] = ()  # what it runs (none given: llama-server on /models/NAME.gguf if it holds VRAM)
 
 
 @dataclass
@@ -392,6 +397,16 @@ class Systemd:
         if unit not in self.units:
             raise UnitNotFound(f"no unit {unit}")
         return f"/system.slice/{unit}"
+
+    def commands(self, unit: str) -> Commands:
+        """Say what a unit runs (its ExecStart=): a unit on the card runs llama-server on its model file."""
+        u = self.units.get(unit)
+        if u is None:
+            raise UnitNotFound(f"unit {unit} is not-found")
+        stem = unit.removesuffix(".service")
+        argv = u.exec_start or (("/usr/bin/llama-server", "-m", f"{MODELS}/{stem}.gguf") if u.gpu_bytes
+                                else (f"/usr/bin/{stem}",))
+        return Commands(unit, (argv,))
 
     # -- how units change ----------------------------------------------------------------------
 
@@ -649,6 +664,7 @@ class Docker:
         c.pid = next(self._pids)
         c.key = f"engine:{name}#{c.starts}"
         c.sleeping, c.garbled, c.dead = None, False, False
+        self.world.files.evict()  # the engine's weights push the resident's model out of the page cache
         if self.world.card.claim(c.key, c.pid, c.vram):
             c.status, c.exit_code = "running", None
             c.healthy_at = self.world.clock.now + c.boot_s
@@ -947,6 +963,48 @@ class Store:
         return []
 
 
+class Files:
+    """The page cache of the model files: a file is read in at READ_RATE, and evicted when an engine boots."""
+
+    READ_RATE = 2e9  # bytes per second from disk
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.sizes: dict[str, int] = {f"{MODELS}/strata.gguf": MODEL_BYTES}
+        self.cached: dict[str, int] = dict(self.sizes)
+        self.mem_available = 64 * GiB
+        self.reads: list[tuple[float, float]] = []  # (started, ended) of every prefetch that read to the end
+
+    def evict(self) -> None:
+        """Push every file out of the page cache."""
+        self.cached = dict.fromkeys(self.sizes, 0)
+
+    def measure(self, paths: list[str]) -> Measured:
+        """Measure each file at once (a path it does not know: no such file)."""
+        return Measured(tuple(FileCache(p, p, self.sizes[p], self.cached[p]) if p in self.sizes
+                              else FileCache(p, p, error="no such file") for p in paths), self.mem_available)
+
+    def prefetch(self, paths: list[str], stop: threading.Event, progress: Progress) -> Any:
+        """Read what is missing, in virtual time (an awaitable: the simulation's pool awaits it)."""
+        future: asyncio.Future[Progress] = asyncio.get_running_loop().create_future()
+        known = [p for p in paths if p in self.sizes]
+        missing = sum(self.sizes[p] - self.cached[p] for p in known)
+        started = self.world.clock.now
+
+        def done() -> None:
+            if not stop.is_set():  # a prefetch stopped meanwhile reads no further
+                for p in known:
+                    progress.read += self.sizes[p] - self.cached[p]
+                    progress.cached += self.sizes[p] - self.cached[p]
+                    self.cached[p] = self.sizes[p]
+                self.reads.append((started, self.world.clock.now))
+            if not future.done():
+                future.set_result(progress)
+
+        self.world.scheduler.after(missing / self.READ_RATE, done)
+        return future
+
+
 # -- the whole machine ---------------------------------------------------------------------------------
 
 
@@ -1020,6 +1078,7 @@ class World:
         self.systemd = Systemd(self)
         self.docker = Docker(self)
         self.http = Http(self)
+        self.files = Files(self)
         self.store = Store(clock)
         self.peers = Peers(self)
         self.resident_units: tuple[str, ...] = ()

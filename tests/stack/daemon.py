@@ -22,10 +22,14 @@ class RunningDaemon:
     """A gpuswapd process started with a config for the stack."""
 
     def __init__(self, stack: Stack, config: Path, socket: Path, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> None:
+                 args: list[str] | None = None, prefix: list[str] | None = None,
+                 program: list[str] | None = None) -> None:
         self.stack = stack
         self.config = config
         self.args = args or []  # more of gpuswapd's options, e.g. ["--instance", "1"]
+        self.prefix = prefix or []  # what gpuswapd runs under, e.g. setpriv to drop its capabilities
+        # gpuswapd itself, or a launcher that runs it (tests.stack.nvml: NVML answered from the ledger)
+        self.program = program or [str(BIN / "gpuswapd")]
         self.socket = socket
         self.env = {**os.environ, **stack.env(), "GPUSWAPD_SOCKET": str(socket), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
@@ -40,7 +44,7 @@ class RunningDaemon:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(BIN / "gpuswapd"), "--config", str(self.config), *self.args],
+            self.proc = subprocess.Popen([*self.prefix, *self.program, "--config", str(self.config), *self.args],
                                          env={**self.env, **(env or {})}, stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, preexec_fn=limit)
         if wait:

@@ -66,9 +66,12 @@ class ModelSpec:
 
 # slow: n_ff tuned so that a 256-token completion streams for ~3.5-4.5 s with 2 threads on the
 # 2-core box when idle (~60-70 tokens/s), and longer under load.
+# big: over 2 GiB on disk (2.27 GB) with few layers, so that its KV cache stays small and a
+# token costs one read of the weights; for tests/benchmarks/restore_bench.py (written on first use).
 MODEL_KINDS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(n_layer=2, n_embd=64, n_ff=128, n_head=4, context_length=8192, seed=1),
     "slow": ModelSpec(n_layer=8, n_embd=512, n_ff=8192, n_head=8, context_length=8192, seed=2),
+    "big": ModelSpec(n_layer=11, n_embd=512, n_ff=65536, n_head=8, context_length=8192, seed=3),
 }
 
 

@@ -289,6 +289,13 @@ class Stack:
             "PATH": f"{self.paths.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
         }
 
+    def systemd_pid(self) -> int:
+        """Return the host PID of the world's systemd (PID 1 of its namespace): nsenter's target."""
+        proc = self._procs().get("systemd")
+        if proc is None or not proc.alive():
+            raise StackError("the test world's systemd does not run")
+        return proc.pid
+
     def _procs(self) -> dict[str, Proc]:
         try:
             data = json.loads(self.paths.pids.read_text())

@@ -39,7 +39,7 @@ from gpuswapd.window import Window
 from tests.fakes import BASELINE, ENGINE_URL, PARK_CONFIG, RESIDENT_URL, FakeWorld, settle
 
 KINDS = ("raise", "hang", "cancel")
-DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, http=0.1, workers=4)
+DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, files=0.1, http=0.1, workers=4)
 HANG_S = 0.25  # a hung call's thread returns this much later, long after its deadline
 # Calls only the daemon's startup and the socket server make, tested at their own seams.
 NOT_THE_DRIVER = {("systemd", "connect"), ("systemd", "system_state"), ("systemd", "unit_cgroup"),

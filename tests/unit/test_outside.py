@@ -36,6 +36,24 @@ def test_a_call_past_its_deadline_fails_counts_as_hung_until_it_returns_and_is_r
     run(main())
 
 
+def test_a_hung_call_that_only_looks_is_shown_but_not_counted_for_the_close() -> None:
+    outside = Outside(Deadlines(systemd=0.05))
+    release = threading.Event()
+
+    async def main() -> None:
+        with pytest.raises(Exception, match=r"did not answer \(commands\)"):
+            await outside.systemd.call("commands", release.wait)
+        assert outside.status()["systemd"]["hung"][0]["call"] == "commands"
+        assert outside.systemd.hung_total == 0  # the close does not wait for it (closing.hung_mark)
+        with pytest.raises(Exception, match=r"did not answer \(closure\)"):
+            await outside.systemd.call("closure", release.wait)
+        assert outside.systemd.hung_total == 1
+        release.set()
+        await asyncio.wait_for(outside.systemd.drained(), 2)
+
+    run(main())
+
+
 def test_a_lane_whose_every_worker_is_hung_fails_at_once_and_others_are_not_starved() -> None:
     outside = Outside(Deadlines(docker=0.05, systemd=1.0, workers=2))
     release = threading.Event()
