@@ -66,7 +66,7 @@ class Systems:
         """Connect the real adapters of this configuration (nothing is called yet)."""
         d = config.daemon
         return cls(Systemd(call_timeout=d.call_timeout), Docker(timeout=d.call_timeout), ModelHttp(),
-                   make_probe(config.gpu), StateStore(d.state_dir), PageCache())
+                   make_probe(config.gpu), StateStore(d.state_dir), files=PageCache())
 
 
 class Daemon:

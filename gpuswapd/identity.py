@@ -195,8 +195,7 @@ async def learn_footprint(w: Window, running: list[str]) -> None:
         return  # no probe, or nothing listed under its units (a resident off the card)
     footprint = sum(h.used_bytes for h in held)
     configured = w.config.gpu.resident_needs
-    w.known.footprint = footprint
-    w.writer.request()
+    w.known.footprint = footprint  # recorded by the write that enters STOPPING_RESIDENT
     if footprint > configured and footprint > w.known.warned:
         w.known.warned = footprint
         log.warning("resident_footprint_larger", footprint=format_size(footprint),

@@ -162,13 +162,13 @@ async def _pause_timers(op: Opening) -> None:
         log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
     # Recorded by the write that enters STOPPING_RESIDENT, before any unit is stopped.
     rec.units = [*op.running, *fallen]
+    # What the resident really holds, while it still holds it: the checks from here on count that
+    # (the same write records it).
+    await identity.learn_footprint(w, op.running)
 
 
 async def _stop_resident(op: Opening) -> None:
-    w = op.window
-    # What the resident really holds, while it still holds it: the checks from here on count that.
-    await identity.learn_footprint(w, op.running)
-    await w.resident.stop(op.running)
+    await op.window.resident.stop(op.running)
 
 
 async def _wait_vram(op: Opening) -> None:

@@ -308,7 +308,7 @@ class Host:
         run = self.run
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
                                                     run.world.card, run.world.store,  # type: ignore[arg-type]
-                                                    run.world.files, host=run.world.peers))
+                                                    files=run.world.files, host=run.world.peers))
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
@@ -797,6 +797,8 @@ class Run:
         daemon = self.host.daemon
         if daemon is None or daemon.window.record is not None or self._disk_window() or \
                 self.world.card.free() < RESIDENT_NEEDS:
+            if daemon is not None and daemon.window.record is None and daemon.window.parked is not None:
+                self._do_park_remove({})  # a parked engine would keep the card from ever being free
             self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
             return
         self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
