@@ -330,11 +330,13 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
         for index, (phase, step) in enumerate(STEPS):
             if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
                 continue
+            if index > 0 and engine_left(rec) and remover is None:
+                # An engine CLOSING could not take down, or one a restart found left (the close
+                # resumes past CLOSING), is retried alongside the rest: RESTORING may wait for it.
+                remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
             if rec.phase is not phase:
                 await w.enter(rec, phase, required=False)
             await step(w, rec)
-            if engine_left(rec) and remover is None:
-                remover = spawn(_keep_taking_down(w, rec), "engine-take-down")
             if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
                 await reap(fetch)
                 w.switch(rec, nxt, outcome)
