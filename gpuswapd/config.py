@@ -390,7 +390,7 @@ class WindowConfig:
     # the engine's OpenAI API answers ("": the scheme, host and port of verify.url).
     serves: list[str] = _key(_model_names, [])
     api: str = _key(_api_url, "")
-    # The known-bad table (gpuswapd.knownbad): the ids of the rows this engine may meet, logged at start.
+    # The known-bad table (gpuswapd.checks.knownbad): the ids of the rows this engine may meet, logged at start.
     allow_known_bad: list[str] = _key(_strings, [])
 
     @property

@@ -13,32 +13,34 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, bootchecks, clock, failpoints, identity, instances, knownbad
+from gpuswapd import __version__, clock, failpoints, instances
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.pagecache import Files, PageCache
 from gpuswapd.adapters.systemd import Systemd
+from gpuswapd.checks import bootchecks, knownbad
 from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
-from gpuswapd.engine import ContainerEngine, Engine
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
 from gpuswapd.events import EventBus
 from gpuswapd.instances import DEFAULT_INSTANCE
-from gpuswapd.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.logs import log, setup_logging
 from gpuswapd.notify import Notifier
-from gpuswapd.observers import Observers
+from gpuswapd.observe.observers import Observers
 from gpuswapd.outside import Deadlines, Outside
-from gpuswapd.peers import Host
-from gpuswapd.plan import make_plan
-from gpuswapd.recovery import recover_at_start
-from gpuswapd.resident import Resident
-from gpuswapd.server import Server
-from gpuswapd.state import StateStore
+from gpuswapd.parts.engine import ContainerEngine, Engine
+from gpuswapd.parts.resident import Resident
+from gpuswapd.parts.vram import Vram
+from gpuswapd.server.listen import activation_socket, own_socket, raise_fd_limit
+from gpuswapd.server.peers import Host
+from gpuswapd.server.server import Server
+from gpuswapd.state.store import StateStore
 from gpuswapd.tasks import reap, sleep_unless, spawn
-from gpuswapd.vram import Vram
-from gpuswapd.window import Window
+from gpuswapd.window import identity
+from gpuswapd.window.plan import make_plan
+from gpuswapd.window.recovery import recover_at_start
+from gpuswapd.window.window import Window
 
 EX_CONFIG = 78  # sysexits.h; the unit sets RestartPreventExitStatus=78
 # The shutdown must end within the units' TimeoutStopSec= (11min), or systemd kills gpuswapd in the

@@ -68,7 +68,7 @@ KNOWN_EVENTS = frozenset({
     "vram_unknown_restoring_anyway", "watcher_dropped", "window_abandoned", "window_adopted", "window_driver_failed",
     "window_driver_interrupted", "window_failed", "window_finished", "window_left_for_next_start",
     "window_open_crashed", "window_recovering", "window_stale", "window_switching",
-    # Before an engine boots (gpuswapd.bootchecks): its compile caches and the known-bad table.
+    # Before an engine boots (gpuswapd.checks.bootchecks): its compile caches and the known-bad table.
     "compile_cache_not_kept", "known_bad_allowed", "known_bad_setting",
 })
 PLANNED: frozenset[str] = frozenset()  # named by the design, not logged yet

@@ -66,7 +66,7 @@ class WindowRecord:
     freeing_unknown: bool = False  # one of them went with its pids unknown (Docker could not list them)
     # Switched to from a bare window: the holders' processes of that window may still hold memory.
     after_bare: bool = False
-    # How the resident came back (gpuswapd.identity): "as_it_was", "smaller" (even after a restart
+    # How the resident came back (gpuswapd.window.identity): "as_it_was", "smaller" (even after a restart
     # with the room it had), "unchecked" (it could not be read); None: this window did not restore it.
     restored: str | None = None
     resident_changed: dict[str, Any] | None = None  # it came back smaller: was, now, repaired

@@ -35,7 +35,6 @@ from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
-from gpuswapd.engine import ContainerEngine
 from gpuswapd.errors import (
     BadResponse,
     ContainerNotFound,
@@ -45,11 +44,12 @@ from gpuswapd.errors import (
 )
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Deadlines, Outside
-from gpuswapd.peers import Peer, PeerChanged
-from gpuswapd.resident import Resident
-from gpuswapd.state import Document, Loaded, decode
-from gpuswapd.vram import Vram
-from gpuswapd.window import Backoffs, Window
+from gpuswapd.parts.engine import ContainerEngine
+from gpuswapd.parts.resident import Resident
+from gpuswapd.parts.vram import Vram
+from gpuswapd.server.peers import Peer, PeerChanged
+from gpuswapd.state.store import Document, Loaded, decode
+from gpuswapd.window.window import Backoffs, Window
 
 GiB = 1 << 30
 RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"

@@ -49,7 +49,7 @@ import time
 from typing import Any
 
 from gpuswapd.config import Config, WindowConfig, load_config
-from gpuswapd.engine import CANARY_PROMPT, CANARY_SAMPLING, CANARY_TOKENS
+from gpuswapd.parts.engine import CANARY_PROMPT, CANARY_SAMPLING, CANARY_TOKENS
 from tests.benchmarks.clients import Events
 from tests.benchmarks.report import (
     SPREAD_HEADER,

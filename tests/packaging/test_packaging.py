@@ -19,11 +19,12 @@ from types import ModuleType
 
 import pytest
 
-from gpuswapd import __version__, daemon, instances, window
+from gpuswapd import __version__, daemon, instances
 from gpuswapd.config import DEFAULT_PATH, DaemonConfig, GatewayConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
 from gpuswapd.timespan import parse_span
+from gpuswapd.window import window
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "units"
@@ -664,7 +665,7 @@ def test_the_unit_leaves_room_for_the_connection_caps() -> None:
 
 def test_a_fresh_virtualenv_install_finds_the_known_bad_table(tmp_path: Path) -> None:
     """A wheel of this checkout, installed into a new virtualenv, carries the table as package data."""
-    from gpuswapd import knownbad
+    from gpuswapd.checks import knownbad
 
     wheels = tmp_path / "wheels"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels),
@@ -695,7 +696,7 @@ def test_a_fresh_virtualenv_install_finds_the_known_bad_table(tmp_path: Path) ->
 
 
 def test_toml_page_documents_every_shipped_known_bad_row() -> None:
-    from gpuswapd import knownbad
+    from gpuswapd.checks import knownbad
 
     path = ROOT / "gpuswapd" / knownbad.PACKAGE_DATA
     rows = knownbad.parse_rows(path.read_text(), str(path))

@@ -59,11 +59,11 @@ from gpuswapd import clock, ids, tasks, workers
 from gpuswapd.config import Config, parse_config
 from gpuswapd.daemon import Daemon, Systems
 from gpuswapd.errors import ConfigError, GpuswapError
-from gpuswapd.metrics import window_now
+from gpuswapd.observe.metrics import window_now
 from gpuswapd.outside import _ERRORS, Late, close_unawaited
-from gpuswapd.peers import Peer
 from gpuswapd.phases import Phase
 from gpuswapd.protocol import encode
+from gpuswapd.server.peers import Peer
 from tests.simulation import world as world_module
 from tests.simulation.history import Setup
 from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop

@@ -40,8 +40,8 @@ from gpuswapd.errors import (
     ImageNotFound,
     UnitNotFound,
 )
-from gpuswapd.peers import Peer
-from gpuswapd.state import Document, Loaded, decode
+from gpuswapd.server.peers import Peer
+from gpuswapd.state.store import Document, Loaded, decode
 from tests.simulation.loop import VirtualClock
 
 GiB = 1 << 30
@@ -1009,7 +1009,7 @@ class Files:
 
 
 class Peers:
-    """What the OS says of the simulation's clients (gpuswapd.peers.Host): their processes and units.
+    """What the OS says of the simulation's clients (gpuswapd.server.peers.Host): their processes and units.
 
     A client is the process the simulation hands in with its Peer; one that is a unit's main process
     runs in that unit's cgroup, and the unit runs as the uid ``run_as`` gives it (``User=``).

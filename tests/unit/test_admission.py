@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gpuswapd.adapters.unitnames import service_prefixes
-from gpuswapd.admission import Admission
 from gpuswapd.leases import Lease
-from gpuswapd.peers import Peer
+from gpuswapd.server.admission import Admission
+from gpuswapd.server.peers import Peer
 
 ROOT, MEMBER, OTHER = Peer(1, 0, 0), Peer(2, 1000, 1000), Peer(3, 1001, 1001)
 

@@ -33,9 +33,9 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import setup_logging
 from gpuswapd.outside import _ERRORS, CALLS, Deadlines, Late, Outside, close_unawaited
 from gpuswapd.phases import Phase
-from gpuswapd.recovery import recover_at_start
-from gpuswapd.state import Document, Loaded, decode
-from gpuswapd.window import Window
+from gpuswapd.state.store import Document, Loaded, decode
+from gpuswapd.window.recovery import recover_at_start
+from gpuswapd.window.window import Window
 from tests.fakes import BASELINE, ENGINE_URL, PARK_CONFIG, RESIDENT_URL, FakeWorld, settle
 
 KINDS = ("raise", "hang", "cancel")

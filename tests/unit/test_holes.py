@@ -15,18 +15,18 @@ from typing import Any
 import pytest
 import structlog
 
-from gpuswapd import textfile
 from gpuswapd.adapters.docker import read_env_file
 from gpuswapd.config import parse_config
 from gpuswapd.errors import ConfigError, DockerError, RequestError
 from gpuswapd.events import EventBus
-from gpuswapd.hooks import Hooks
-from gpuswapd.listen import own_socket
 from gpuswapd.logs import setup_logging
+from gpuswapd.observe import textfile
+from gpuswapd.observe.hooks import Hooks
 from gpuswapd.protocol import encode, parse_request
+from gpuswapd.server.listen import own_socket
+from gpuswapd.server.watch import Watchers
 from gpuswapd.sizes import SizeError, parse_size
-from gpuswapd.state import StateStore
-from gpuswapd.watch import Watchers
+from gpuswapd.state.store import StateStore
 from tests.fakes import CONFIG, FakeWorld, running, settle
 from tests.unit.test_server import _ask, _connect, _serve
 

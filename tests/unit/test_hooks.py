@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from gpuswapd.events import to_event
-from gpuswapd.hooks import Hooks
+from gpuswapd.observe.hooks import Hooks
 
 # A hook: saves its stdin, then does what the event's "then" says (sleep N seconds in a child too, or exit N).
 HOOK = """

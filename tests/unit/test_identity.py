@@ -12,11 +12,11 @@ import structlog
 from gpuswapd.adapters.props import parse_model_ids, parse_props
 from gpuswapd.config import parse_config
 from gpuswapd.errors import BadResponse, ConfigError
-from gpuswapd.identity import Identity, Known, record_at_start
-from gpuswapd.metrics import window_now
-from gpuswapd.recovery import recover_at_start
-from gpuswapd.state import decode, encode
-from gpuswapd.vram import Holder
+from gpuswapd.observe.metrics import window_now
+from gpuswapd.parts.vram import Holder
+from gpuswapd.state.store import decode, encode
+from gpuswapd.window.identity import Identity, Known, record_at_start
+from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import CONFIG, FakeFit, FakeWorld, GiB, running, settle
 
 FIT = FakeFit()  # 12 GiB + 1 MiB x 8192 + 1 GiB = 21 GiB at full context; 1 GiB left free besides
@@ -297,7 +297,7 @@ def test_at_start_a_resident_left_smaller_keeps_its_baseline_until_it_is_as_it_w
 
 
 def test_smaller_compares_context_slots_and_models() -> None:
-    from gpuswapd.identity import smaller
+    from gpuswapd.window.identity import smaller
 
     was = Identity(4096, 2, "/m", "strata", ("a", "b"), 21 * GiB, (Holder(1, 21 * GiB, "strata.service"),))
     assert smaller(was, was, "llama.cpp") == []

@@ -108,7 +108,7 @@ def test_check_config_of_an_instance_warns_about_every_gpu_and_another_index(
     assert daemon.main(["--instance", "1", "--config", str(path), "--check-config"]) == 0
     err = capsys.readouterr().err
     assert 'window.container.gpus = "all"' in err and "reads GPU 0" in err
-    # gpus = [1] for gpu.index = 1, and a volume for the compile caches (gpuswapd.caches): no warning.
+    # gpus = [1] for gpu.index = 1, and a volume for the compile caches (gpuswapd.checks.caches): no warning.
     path.write_text(MINIMAL.replace('image = "hyperqwen:latest"', 'image = "hyperqwen:latest"\ngpus = [1]\n'
                                     'volumes = { "/var/cache/hyperqwen" = "/root/.cache" }')
                     + "\n[gpu]\nindex = 1\n")

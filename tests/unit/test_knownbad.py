@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from gpuswapd import bootchecks, knownbad
 from gpuswapd.adapters.docker import DockerMount, RunSettings
-from gpuswapd.caches import compile_caches
+from gpuswapd.checks import bootchecks, knownbad
+from gpuswapd.checks.caches import compile_caches
+from gpuswapd.checks.knownbad import Table, human_int, load_table, parse_rows
 from gpuswapd.config import Config, parse_config
 from gpuswapd.ctl.render import print_plan, print_status
-from gpuswapd.engineview import EngineView, Mount, from_config, from_container, under_image
 from gpuswapd.errors import ConfigError
-from gpuswapd.knownbad import Table, human_int, load_table, parse_rows
-from gpuswapd.queueing import Times, boot_took
+from gpuswapd.parts.engineview import EngineView, Mount, from_config, from_container, under_image
+from gpuswapd.window.queueing import Times, boot_took
 from tests.unit.test_config import MINIMAL
 
 SEED = "dflash-tokens-above-7-at-20k"
@@ -328,7 +328,7 @@ def test_an_unreadable_shipped_table_exits_78_naming_it(
 
 
 def test_the_package_ships_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    packaged = Path(knownbad.__file__).parent / knownbad.PACKAGE_DATA
+    packaged = Path(knownbad.__file__).parents[1] / knownbad.PACKAGE_DATA  # gpuswapd/data
     assert next(r.id for r in parse_rows(packaged.read_text(), str(packaged))) == SEED
     monkeypatch.delenv("GPUSWAPD_KNOWN_BAD")  # then /usr/share/gpuswapd/known-bad.toml, else the package's
     name, text = knownbad.shipped_source()

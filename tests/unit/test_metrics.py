@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuswapd import __version__
 from gpuswapd.events import EventBus, to_event
-from gpuswapd.metrics import Metrics, Now, window_now
+from gpuswapd.observe.metrics import Metrics, Now, window_now
 from gpuswapd.phases import Phase
 from tests.fakes import FakeWorld, running, settle
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpuswapd.adapters.unitstates import Commands
-from gpuswapd.modelfiles import model_files, split_parts
+from gpuswapd.parts.modelfiles import model_files, split_parts
 
 
 def found(*argvs: tuple[str, ...], env: tuple[str, ...] = (), cwd: str = "") -> tuple[list[str], list[str]]:

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from gpuswapd.phases import Phase
-from gpuswapd.state import decode
+from gpuswapd.state.store import decode
 from tests.fakes import PARK_CONFIG, FakeWorld, running, settle
 
 

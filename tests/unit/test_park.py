@@ -9,7 +9,7 @@ from typing import Any
 
 from gpuswapd.config import parse_config
 from gpuswapd.phases import Phase
-from gpuswapd.recovery import recover_at_start
+from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import BASELINE, CONFIG, PARK_CONFIG, RESIDUAL_BYTES, FakeWorld, running, settle
 
 ENGINE = "engine:hyperqwen"
@@ -234,7 +234,7 @@ def test_park_remove_on_request() -> None:
 
 
 def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
-    from gpuswapd import parking
+    from gpuswapd.window import parking
 
     world = park_world(host_ram_needs="64GiB")
     monkeypatch.setattr(parking, "host_ram_available", lambda: 8 << 30)

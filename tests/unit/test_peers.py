@@ -22,10 +22,10 @@ import pytest
 from gpuswapd.adapters import kernel
 from gpuswapd.adapters.unitstates import ServiceProcesses
 from gpuswapd.errors import BusUnavailable, PermissionDenied
-from gpuswapd.listen import own_socket
 from gpuswapd.outside import Deadlines, Outside
-from gpuswapd.peers import LinuxHost, Peer, PeerChanged, identify
-from gpuswapd.server import Server
+from gpuswapd.server.listen import own_socket
+from gpuswapd.server.peers import LinuxHost, Peer, PeerChanged, identify
+from gpuswapd.server.server import Server
 from tests.fakes import FakeHost, FakeProcess, FakeUnit, FakeWorld, running, settle
 
 ALICE, BOB, EVE = 1000, 1001, 1002

@@ -16,10 +16,10 @@ from gpuswapd.adapters.pagecache import FileCache
 from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_plan
 from gpuswapd.errors import ConfigError
-from gpuswapd.metrics import Metrics, window_now
-from gpuswapd.plan import make_plan
-from gpuswapd.prefetch import parked_in_host_ram, unreadable
+from gpuswapd.observe.metrics import Metrics, window_now
 from gpuswapd.record import WindowRecord
+from gpuswapd.window.plan import make_plan
+from gpuswapd.window.prefetch import parked_in_host_ram, unreadable
 from tests.fakes import (
     CONFIG,
     MODEL_BYTES,

@@ -13,8 +13,8 @@ import pytest
 from gpuswapd.config import parse_config
 from gpuswapd.errors import ConfigError, NotReady, QueueFull, UnknownProfile
 from gpuswapd.phases import Phase
-from gpuswapd.recovery import recover_at_start
-from gpuswapd.state import Document
+from gpuswapd.state.store import Document
+from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import BASELINE, CONFIG, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
 
 HOLDER_PID = 7777  # a process of the bare window's holder, outside every unit

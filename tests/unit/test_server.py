@@ -18,11 +18,11 @@ from typing import Any
 
 import structlog
 
-from gpuswapd.listen import own_socket
 from gpuswapd.outside import Deadlines, Outside
-from gpuswapd.peers import Peer
-from gpuswapd.server import Server
-from gpuswapd.watch import MAX_BUFFERED
+from gpuswapd.server.listen import own_socket
+from gpuswapd.server.peers import Peer
+from gpuswapd.server.server import Server
+from gpuswapd.server.watch import MAX_BUFFERED
 from tests.fakes import PROFILE_CONFIG, FakeWorld, running, settle
 
 FLOOD = """

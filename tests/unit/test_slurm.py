@@ -22,10 +22,10 @@ from gpuswapd.errors import (
     UnknownProfile,
 )
 from gpuswapd.leases import Lease
-from gpuswapd.listen import own_socket
-from gpuswapd.peers import Peer
 from gpuswapd.protocol import parse_request
 from gpuswapd.record import _lease
+from gpuswapd.server.listen import own_socket
+from gpuswapd.server.peers import Peer
 from tests.fakes import FakeWorld, running, settle
 from tests.unit.test_server import _ask, _serve, run
 

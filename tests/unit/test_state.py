@@ -13,7 +13,7 @@ import pytest
 
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
-from gpuswapd.state import Document, StateStore, decode, encode
+from gpuswapd.state.store import Document, StateStore, decode, encode
 
 
 def _record(phase: Phase = Phase.READY) -> WindowRecord:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuswapd.textfile import Textfile, temporary_name, write_atomically
+from gpuswapd.observe.textfile import Textfile, temporary_name, write_atomically
 
 
 def test_the_file_is_0644_under_umask_0077_and_the_temporary_name_is_not_read_by_node_exporter(

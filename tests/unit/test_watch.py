@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from gpuswapd import scrape
-from gpuswapd.admission import Admission
 from gpuswapd.events import EventBus, to_event
-from gpuswapd.listen import own_socket
-from gpuswapd.watch import Watchers
+from gpuswapd.observe import scrape
+from gpuswapd.server.admission import Admission
+from gpuswapd.server.listen import own_socket
+from gpuswapd.server.watch import Watchers
 from tests.fakes import FakeWorld, running
 from tests.unit.test_server import _connect, _serve
 
@@ -69,7 +69,7 @@ def test_a_watcher_that_reads_gets_every_event_and_one_that_does_not_is_dropped(
 
 
 def test_watch_needs_no_more_than_status(tmp_path: Path) -> None:
-    from gpuswapd.server import READ_ONLY
+    from gpuswapd.server.server import READ_ONLY
 
     assert "watch" in READ_ONLY
 

@@ -215,7 +215,7 @@ def test_adopting_with_docker_failing_does_not_kill_the_driver() -> None:
 
 
 def test_a_restart_ends_the_leases_bound_to_the_connections_of_the_gpuswapd_that_stopped() -> None:
-    from gpuswapd.recovery import recover_at_start
+    from gpuswapd.window.recovery import recover_at_start
 
     world = FakeWorld()
 

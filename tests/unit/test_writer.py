@@ -12,8 +12,8 @@ import pytest
 
 from gpuswapd.errors import StateError
 from gpuswapd.outside import Deadlines, Outside
-from gpuswapd.state import Document
-from gpuswapd.writer import StateWriter
+from gpuswapd.state.store import Document
+from gpuswapd.state.writer import StateWriter
 from tests.fakes import FakeStore
 
 

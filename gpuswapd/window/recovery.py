@@ -8,17 +8,18 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock, closing, holding, identity, opening, parking, preempting
+from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import PhaseTiming, WindowRecord
-from gpuswapd.state import Loaded
+from gpuswapd.state.store import Loaded
 from gpuswapd.tasks import uncancel
+from gpuswapd.window import closing, holding, identity, opening, parking, preempting
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuswapd import bootchecks
+from gpuswapd.checks import bootchecks
+from gpuswapd.checks.knownbad import Table
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
-from gpuswapd.engine import Engine
 from gpuswapd.errors import GpuswapError
-from gpuswapd.knownbad import Table
-from gpuswapd.parking import Parked
-from gpuswapd.prefetch import ResidentFiles
-from gpuswapd.resident import Resident
+from gpuswapd.parts.engine import Engine
+from gpuswapd.parts.resident import Resident
+from gpuswapd.parts.vram import Vram, predict_fit
 from gpuswapd.sizes import format_size
-from gpuswapd.vram import Vram, predict_fit
+from gpuswapd.window.parking import Parked
+from gpuswapd.window.prefetch import ResidentFiles
 
 
 async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vram,

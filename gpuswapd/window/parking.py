@@ -27,7 +27,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 RETRY_S = (1.0, 60.0)
 # What the window's container record says that a parked engine's does not need.

@@ -22,16 +22,17 @@ import asyncio
 import fnmatch
 from typing import TYPE_CHECKING, Any
 
-from gpuswapd import clock, opening
+from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
-from gpuswapd.queueing import Waiter
 from gpuswapd.record import WindowRecord
 from gpuswapd.tasks import spawn
+from gpuswapd.window import opening
+from gpuswapd.window.queueing import Waiter
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next window's wait for VRAM
 

@@ -21,7 +21,7 @@ from gpuswapd import clock
 from gpuswapd.errors import GpuswapError, StateError
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
-from gpuswapd.state import Document, StateStore, encode
+from gpuswapd.state.store import Document, StateStore, encode
 from gpuswapd.tasks import reap, sleep_unless, spawn, uncancel
 
 BACKOFF_S = (0.2, 30.0)

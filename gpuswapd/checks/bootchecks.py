@@ -12,14 +12,14 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuswapd import caches as caches_
 from gpuswapd.adapters.docker import read_env_file
-from gpuswapd.caches import Cache
+from gpuswapd.checks import caches as caches_
+from gpuswapd.checks.caches import Cache
+from gpuswapd.checks.knownbad import Match, Table
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
-from gpuswapd.engineview import EngineView, from_config
 from gpuswapd.errors import DockerError
-from gpuswapd.knownbad import Match, Table
 from gpuswapd.logs import log
+from gpuswapd.parts.engineview import EngineView, from_config
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
+from gpuswapd.adapters.jobs import run_jobs
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.config import Config
 from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
-from gpuswapd.jobs import run_jobs
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 
@@ -159,7 +159,7 @@ class Resident:
         finally:
             self.jobs_running -= 1
 
-    # -- what the resident is (gpuswapd.identity compares it with its baseline) -------------------
+    # -- what the resident is (gpuswapd.window.identity compares it with its baseline) -------------------
 
     async def what_it_is(self) -> tuple[ServerProps | None, list[str]]:
         """Read llama-server's ``/props`` (``resident.server = "llama.cpp"``) and the ids of ``/v1/models``."""

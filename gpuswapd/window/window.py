@@ -18,10 +18,9 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import clock, closing, holding, identity, opening, parking, preempting, recovery
+from gpuswapd import clock
 from gpuswapd.adapters.pagecache import Files
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
-from gpuswapd.engine import BareEngine, Engine
 from gpuswapd.errors import (
     Degraded,
     DockerError,
@@ -41,16 +40,18 @@ from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
+from gpuswapd.parts.engine import BareEngine, Engine
+from gpuswapd.parts.resident import Resident
+from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
-from gpuswapd.prefetch import ResidentFiles
-from gpuswapd.progress import progress
-from gpuswapd.queueing import Listener, Queue, Times, Waiter
 from gpuswapd.record import WindowRecord
-from gpuswapd.resident import Resident
-from gpuswapd.state import Document, StateStore
+from gpuswapd.state.store import Document, StateStore
+from gpuswapd.state.writer import StateWriter
 from gpuswapd.tasks import spawn, uncancel
-from gpuswapd.vram import Vram
-from gpuswapd.writer import StateWriter
+from gpuswapd.window import closing, holding, identity, opening, parking, preempting, recovery
+from gpuswapd.window.prefetch import ResidentFiles
+from gpuswapd.window.progress import progress
+from gpuswapd.window.queueing import Listener, Queue, Times, Waiter
 
 Owner = Callable[[Lease], bool]
 

@@ -13,17 +13,17 @@ from typing import Any
 from gpuswapd import __version__, clock
 from gpuswapd.config import Config
 from gpuswapd.events import Event, EventBus
-from gpuswapd.hooks import Hooks
 from gpuswapd.logs import log
-from gpuswapd.metrics import Metrics, window_now
+from gpuswapd.observe.hooks import Hooks
+from gpuswapd.observe.metrics import Metrics, window_now
+from gpuswapd.observe.scrape import ScrapeServer
+from gpuswapd.observe.textfile import Textfile
 from gpuswapd.phases import Phase
-from gpuswapd.progress import TICK_S
-from gpuswapd.scrape import ScrapeServer
-from gpuswapd.server import Server
+from gpuswapd.server.server import Server
+from gpuswapd.server.watch import Watchers
 from gpuswapd.tasks import reap, spawn
-from gpuswapd.textfile import Textfile
-from gpuswapd.watch import Watchers
-from gpuswapd.window import Window
+from gpuswapd.window.progress import TICK_S
+from gpuswapd.window.window import Window
 
 
 class Observers:

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import __version__, clock
-from gpuswapd.admission import Admission
 from gpuswapd.config import Config, Profile
 from gpuswapd.errors import (
     AcquireTimeout,
@@ -29,14 +28,15 @@ from gpuswapd.errors import (
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
+from gpuswapd.server.admission import Admission
+from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
+from gpuswapd.server.watch import MAX_BUFFERED, Watchers
 from gpuswapd.sizes import format_size
-from gpuswapd.state import StateStore
+from gpuswapd.state.store import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.timespan import format_span
-from gpuswapd.watch import MAX_BUFFERED, Watchers
-from gpuswapd.window import Window
+from gpuswapd.window.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
 IDLE_S = 60.0            # between requests on one connection

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-from gpuswapd import clock, engineview
+from gpuswapd import clock
 from gpuswapd.adapters.docker import Docker, read_env_file
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.config import WindowConfig
-from gpuswapd.engineview import EngineView
 from gpuswapd.errors import (
     ContainerNotFound,
     DockerError,
@@ -34,6 +33,8 @@ from gpuswapd.errors import (
 from gpuswapd.instances import DEFAULT_INSTANCE
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
+from gpuswapd.parts import engineview
+from gpuswapd.parts.engineview import EngineView
 from gpuswapd.tasks import in_daemon_thread, reap, sleep_unless, spawn
 
 R = TypeVar("R")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from gpuswapd import clock
 from gpuswapd.logs import log
-from gpuswapd.peers import Peer
+from gpuswapd.server.peers import Peer
 
 LOG_EVERY_S = 60.0  # a flood is logged once a minute per user, with a count, not once a connection
 

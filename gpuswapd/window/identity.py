@@ -29,16 +29,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpuswapd import clock, parking
+from gpuswapd import clock
 from gpuswapd.errors import BadResponse, Degraded, GpuswapError
 from gpuswapd.logs import log
+from gpuswapd.parts.vram import Holder
 from gpuswapd.record import WindowRecord, _Fields
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import sleep_unless
-from gpuswapd.vram import Holder
+from gpuswapd.window import parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 Pause = Callable[[float], Awaitable[None]]
 POLL_S = 0.25

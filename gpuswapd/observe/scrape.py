@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gpuswapd.admission import Admission
 from gpuswapd.errors import ConfigError
 from gpuswapd.logs import log
-from gpuswapd.peers import Peer
-from gpuswapd.server import BACKLOG, FIRST_REQUEST_S, WRITE_S
+from gpuswapd.server.admission import Admission
+from gpuswapd.server.peers import Peer
+from gpuswapd.server.server import BACKLOG, FIRST_REQUEST_S, WRITE_S
 
 MAX_HEAD = 8192
 # Every TCP client is this one "user" to the caps: an uid no account has ((uid_t) -1).

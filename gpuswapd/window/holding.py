@@ -6,17 +6,18 @@ import asyncio
 import math
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock, closing, opening, preempting
+from gpuswapd import clock
 from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.tasks import reap, retrieve
+from gpuswapd.window import closing, opening, preempting
 
 WATCH_BARE_S = 10.0  # a bare window has no engine to watch; leases and the queue still wake it
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 
 async def hold_then_close(w: Window, rec: WindowRecord) -> None:

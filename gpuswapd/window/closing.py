@@ -17,18 +17,19 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock, identity, parking
+from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
+from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
-from gpuswapd.vram import predict_fit
+from gpuswapd.window import identity, parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 
 class Interrupted(Exception):

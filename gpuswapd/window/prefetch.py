@@ -31,15 +31,15 @@ from gpuswapd.adapters.pagecache import FileCache, Files, Measured, Progress
 from gpuswapd.config import Config
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
-from gpuswapd.modelfiles import model_files
 from gpuswapd.outside import Outside
+from gpuswapd.parts.modelfiles import model_files
 from gpuswapd.record import WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import spawn
 
 if TYPE_CHECKING:
-    from gpuswapd.resident import Resident
-    from gpuswapd.window import Window
+    from gpuswapd.parts.resident import Resident
+    from gpuswapd.window.window import Window
 
 
 class ResidentFiles:

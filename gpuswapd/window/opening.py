@@ -17,20 +17,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock, identity, parking
+from gpuswapd import clock
 from gpuswapd.adapters.gpu import VramReading
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
+from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
-from gpuswapd.vram import predict_fit
+from gpuswapd.window import identity, parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 
 @dataclass

@@ -19,7 +19,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from gpuswapd.engineview import EngineView, Mount
+from gpuswapd.parts.engineview import EngineView, Mount
 
 FIRST_COMPILE = "about 3 minutes to healthy with the first compile against about 1 minute from a filled cache"
 

@@ -9,7 +9,7 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 
 if TYPE_CHECKING:
-    from gpuswapd.window import Window
+    from gpuswapd.window.window import Window
 
 GiB = 1024**3
 TICK_S = 1.0  # how often the line is refreshed while a window is open

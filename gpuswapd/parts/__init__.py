@@ -1,0 +1,1 @@
+"""What a window moves: the engine, the resident, the VRAM."""

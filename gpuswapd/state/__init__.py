@@ -1,0 +1,1 @@
+"""The state on disk: the state document and its writer."""
