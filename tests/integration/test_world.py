@@ -239,10 +239,17 @@ def test_down_spares_tmp_and_leaves_nothing_running(stack: Stack) -> None:
 
 
 def test_up_after_a_world_died_without_down(stack: Stack) -> None:
-    """A restart of the machine kills the world without down(): dockerd's pid file stays behind."""
+    """A restart of the machine kills the world without down(): the pid files stay behind.
+
+    dockerd's, and its containerd's: dockerd trusts that one, and a PID reused by any live process
+    (here PID 1) would make it wait for a containerd that is not there.
+    """
     stack.down()
     pidfile = stack.paths.docker / "dockerd.pid"
     pidfile.write_text("1")
+    containerd = stack.paths.docker / "exec" / "containerd"
+    containerd.mkdir(parents=True, exist_ok=True)
+    (containerd / "containerd.pid").write_text("1")
     stack.up()
     assert stack.running()
     assert stack.docker("version", "--format", "{{.Server.Version}}").returncode == 0

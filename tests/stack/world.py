@@ -475,6 +475,33 @@ class Stack:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         self.paths.driver.write_text(json.dumps(vars(Proc.of(child.pid))))
 
+    def _forget_containerd(self) -> None:
+        """Clear what an earlier dockerd's containerd left in the exec root, before dockerd starts.
+
+        dockerd trusts containerd's pid file: if the PID in it is alive it waits for that
+        containerd's socket instead of starting its own, and times out ("timeout waiting for
+        containerd to start") when the PID has been reused (a kernel thread's, another world's
+        namespace). A containerd of this world's own exec root is stopped by its PID; any other
+        process under that PID is left alone, and only the file goes.
+        """
+        state = self.paths.docker / "exec" / "containerd"
+        pidfile = state / "containerd.pid"
+        try:
+            pid = int(pidfile.read_text().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid > 0:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                cmdline = []
+            if cmdline and Path(cmdline[0].decode(errors="replace")).name == "containerd" and \
+                    any(str(state).encode() in arg for arg in cmdline):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _wait("the last world's containerd to exit", lambda: not Path(f"/proc/{pid}").exists(), 10)
+        pidfile.unlink(missing_ok=True)
+
     def _boot_dockerd(self) -> Proc:
         p = self.paths
         # A world whose processes died without down() (a machine restart, a SIGKILLed session)
@@ -487,6 +514,7 @@ class Stack:
                 raise StackError(f"a dockerd this world did not record answers on {p.docker_sock}: "
                                  f"stop it (its PID is in {pidfile}, as its own namespace numbers it) and retry")
             pidfile.unlink()
+        self._forget_containerd()
         proc = self._spawn(
             "dockerd",
             [
