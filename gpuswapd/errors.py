@@ -43,6 +43,8 @@ error with the phase it happened in; ``to_dict`` is what the socket and the stat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -289,3 +291,35 @@ def _subclasses(cls: type[GpuswapError]) -> list[type[GpuswapError]]:
 
 
 _BY_CODE: dict[str, type[GpuswapError]] = {c.code: c for c in _subclasses(GpuswapError)}
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """An error as the window record keeps it: its code, its message, the phase it happened in."""
+
+    code: str
+    message: str
+    phase: str | None = None
+
+    @classmethod
+    def of(cls, err: GpuswapError) -> ErrorRecord:
+        """Record ``err``."""
+        return cls(err.code, err.message, err.phase)
+
+    def error(self) -> GpuswapError:
+        """Rebuild the error (of the class its code names)."""
+        return GpuswapError.from_dict(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize as ``GpuswapError.to_dict`` does."""
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.phase is not None:
+            out["phase"] = self.phase
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ErrorRecord:
+        """Rebuild from ``to_dict`` output (an older record's missing fields read as GpuswapError's)."""
+        phase = data.get("phase")
+        return cls(str(data.get("code", GpuswapError.code)), str(data.get("message", "")),
+                   phase if isinstance(phase, str) else None)

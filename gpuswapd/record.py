@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
 
 from gpuswapd import clock, ids
-from gpuswapd.errors import GpuswapError
+from gpuswapd.errors import ErrorRecord, GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
 
@@ -30,6 +31,258 @@ class PhaseTiming:
         return out
 
 
+def _opt(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """Read ``key`` if it holds a ``kind`` (a bool is no number), else None: old documents still read."""
+    value = data.get(key)
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def _pid_list(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list):
+        return None
+    return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+
+
+@dataclass(frozen=True)
+class ContainerHandle:
+    """A window's engine container, as the window records it to take it down later (or park it).
+
+    ``Engine.bring_up`` returns name, created, image, window and spec; the window adds what it
+    learns (pids, sleep, canary...) and what it did (removed, parked). Absent fields are None and
+    stay out of the document.
+    """
+
+    name: str | None = None
+    created: bool | None = None
+    image: str | None = None
+    window: str | None = None  # the window that brought it up (its Docker label)
+    spec: str | None = None  # the hash of its configuration (a parked engine must match it)
+    free_before_boot: int | None = None  # the card's free bytes before it booted
+    pids: tuple[int, ...] | None = None  # the host pids of its processes, all it ever had
+    sleep: bool | None = None  # it offers sleep mode
+    canary: str | None = None  # its answer to the canary, before it ever slept
+    residual_bytes: int | None = None  # woken from park: what it kept on the card asleep
+    removed: bool | None = None
+    parked: bool | None = None
+    # The keys in the order the document read had them (a state document's are sorted): written
+    # back in that order, new ones after, as a dict updated in place would have them.
+    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the state document and history (the fields that are set, in this order)."""
+        out: dict[str, Any] = {}
+        for f in _CONTAINER_FIELDS:
+            value = getattr(self, f)
+            if f == "canary" and self.sleep is not None:
+                out[f] = value  # written beside sleep, null or not
+            elif value is not None:
+                out[f] = list(value) if f == "pids" else value
+        return _ordered(out, self.order)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ContainerHandle:
+        """Rebuild from ``to_dict`` output, or an older document's (what is missing or odd is None)."""
+        before = _opt(data, "free_before_boot", (int, float))
+        residual = _opt(data, "residual_bytes", (int, float))
+        return cls(name=_opt(data, "name", str), created=_opt(data, "created", bool), image=_opt(data, "image", str),
+                   window=_opt(data, "window", str), spec=_opt(data, "spec", str),
+                   free_before_boot=None if before is None else int(before), pids=_pid_list(data.get("pids")),
+                   sleep=_opt(data, "sleep", bool), canary=_opt(data, "canary", str),
+                   residual_bytes=None if residual is None else int(residual),
+                   removed=_opt(data, "removed", bool), parked=_opt(data, "parked", bool), order=tuple(data))
+
+    def without(self, *names: str) -> ContainerHandle:
+        """Return it without the fields ``names`` (set again later, they come last, as in a dict)."""
+        return replace(self, **dict.fromkeys(names), order=tuple(k for k in self.order if k not in names))
+
+    @property
+    def pid_list(self) -> list[int]:
+        """Return the recorded pids (none recorded: empty)."""
+        return list(self.pids or ())
+
+
+def _ordered(out: dict[str, object], order: tuple[str, ...]) -> dict[str, object]:
+    """Put the keys of ``order`` first, in that order; the rest follow as they are."""
+    if not order:
+        return out
+    return {**{k: out[k] for k in order if k in out}, **out}
+
+
+_CONTAINER_FIELDS = ("name", "created", "image", "window", "spec", "free_before_boot", "pids", "sleep", "canary",
+                     "residual_bytes", "removed", "parked")
+
+
+@dataclass(frozen=True)
+class PreemptedHolder:
+    """One lease a preemption revokes, as it was noticed."""
+
+    lease: str | None
+    holder: str | None
+    priority: int | None
+    unit: str | None
+    # The keys in the order the document read had them (a state document's are sorted): written
+    # back in that order, new ones after, as a dict updated in place would have them.
+    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the window record."""
+        return _ordered({"lease": self.lease, "holder": self.holder, "priority": self.priority, "unit": self.unit},
+                        self.order)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PreemptedHolder:
+        """Rebuild from ``to_dict`` output."""
+        return cls(_opt(data, "lease", str), _opt(data, "holder", str), _opt(data, "priority", int),
+                   _opt(data, "unit", str), order=tuple(data))
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A preemption of the window: who asked, at what priority, when the leases are revoked (``deadline``).
+
+    It ends one of three ways: the holders let go first (``yielded_at``), the preemptor stopped
+    waiting (``abandoned_at``, ``abandoned``: why), or the leases were revoked (``revoked_at``, and
+    the units stopped; ``stops_pending``: those whose stop is not confirmed yet).
+    """
+
+    by: str
+    profile: str
+    priority: int
+    at: float
+    grace_s: float
+    deadline: float
+    holders: tuple[PreemptedHolder, ...] = ()
+    revoked_at: float | None = None
+    abandoned_at: float | None = None
+    yielded_at: float | None = None
+    abandoned: str | None = None
+    stopped_units: tuple[str, ...] | None = None
+    stops_pending: tuple[str, ...] | None = None
+    # The keys in the order the document read had them (a state document's are sorted): written
+    # back in that order, new ones after, as a dict updated in place would have them.
+    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def ended(self) -> bool:
+        """Tell whether it is over: revoked, abandoned or yielded."""
+        return self.revoked_at is not None or self.abandoned_at is not None or self.yielded_at is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the window record (the fields of its end only once it ended so)."""
+        out: dict[str, Any] = {"by": self.by, "profile": self.profile, "priority": self.priority, "at": self.at,
+                               "grace_s": self.grace_s, "deadline": self.deadline, "revoked_at": self.revoked_at,
+                               "abandoned_at": self.abandoned_at, "holders": [h.to_dict() for h in self.holders]}
+        if self.yielded_at is not None:
+            out["yielded_at"] = self.yielded_at
+        if self.abandoned is not None:
+            out["abandoned"] = self.abandoned
+        if self.stopped_units is not None:
+            out["stopped_units"] = list(self.stopped_units)
+        if self.stops_pending is not None:
+            out["stops_pending"] = list(self.stops_pending)
+        return _ordered(out, self.order)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Preemption:
+        """Rebuild from ``to_dict`` output, or an older document's (what is missing is None)."""
+        holders = data.get("holders")
+
+        def units(key: str) -> tuple[str, ...] | None:
+            value = data.get(key)
+            return tuple(u for u in value if isinstance(u, str)) if isinstance(value, list) else None
+
+        def number(key: str) -> float | None:
+            value = _opt(data, key, (int, float))
+            return None if value is None else float(value)
+
+        return cls(by=str(data.get("by")), profile=str(data.get("profile")),
+                   priority=int(_opt(data, "priority", (int, float)) or 0), at=number("at") or 0.0,
+                   grace_s=number("grace_s") or 0.0, deadline=number("deadline") or 0.0,
+                   holders=tuple(PreemptedHolder.from_dict(h) for h in holders if isinstance(h, dict))
+                   if isinstance(holders, list) else (),
+                   revoked_at=number("revoked_at"), abandoned_at=number("abandoned_at"),
+                   yielded_at=number("yielded_at"), abandoned=_opt(data, "abandoned", str),
+                   stopped_units=units("stopped_units"), stops_pending=units("stops_pending"), order=tuple(data))
+
+
+@dataclass(frozen=True)
+class BaselineRestore:
+    """Why the baseline is being restored: no state could be read, or it was found broken."""
+
+    reason: str | None = None
+    at: float | None = None
+    cause: str | None = None  # "state_unreadable", "found_down"...
+    # The keys in the order the document read had them (a state document's are sorted): written
+    # back in that order, new ones after, as a dict updated in place would have them.
+    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for status and the window record (the fields that are set)."""
+        fields = (("reason", self.reason), ("at", self.at), ("cause", self.cause))
+        return _ordered({k: v for k, v in fields if v is not None}, self.order)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BaselineRestore:
+        """Rebuild from ``to_dict`` output."""
+        at = _opt(data, "at", (int, float))
+        return cls(_opt(data, "reason", str), None if at is None else float(at), _opt(data, "cause", str),
+                   order=tuple(data))
+
+
+@dataclass(frozen=True)
+class FinishedPhase:
+    """One phase of a finished window, as history keeps it."""
+
+    phase: str | None
+    stage: str  # "open" or "close" (a record of gpuswapd 0.1 has none: "open")
+    started_at: float | None
+    took_s: float | None  # None: it never ended
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished window, as history keeps it: what those who learn from history read of it.
+
+    ``document`` is the record as written (``WindowRecord.to_dict``): history lines are written
+    from it unchanged. A line of an older gpuswapd reads too; what it lacks is None.
+    """
+
+    id: str | None
+    profile: str
+    start: str
+    outcome: str | None
+    degraded: bool
+    switched_to: str | None
+    opened_at: float | None
+    closed_at: float | None
+    timings: tuple[FinishedPhase, ...]
+    document: Mapping[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the history line's document."""
+        return dict(self.document)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finished:
+        """Read a history line's document (leniently: a line of any version reads)."""
+
+        def number(d: Mapping[str, Any], key: str) -> float | None:
+            value = _opt(d, key, (int, float))
+            return None if value is None else float(value)
+
+        timings = data.get("timings")
+        phases = tuple(FinishedPhase(t.get("phase") if isinstance(t.get("phase"), str) else None,
+                                     str(t.get("stage", "open")), number(t, "started_at"), number(t, "took_s"))
+                       for t in (timings if isinstance(timings, list) else []) if isinstance(t, dict))
+        return cls(id=_opt(data, "id", str), profile=str(data.get("profile") or "default"),
+                   start=str(data.get("start", "cold")), outcome=None if data.get("outcome") is None
+                   else str(data.get("outcome")), degraded=bool(data.get("degraded")),
+                   switched_to=_opt(data, "switched_to", str) or None, opened_at=number(data, "opened_at"),
+                   closed_at=number(data, "closed_at"), timings=phases, document=dict(data))
+
+
 @dataclass
 class WindowRecord:
     """One GPU window, from acquire to the resident restored."""
@@ -42,14 +295,14 @@ class WindowRecord:
     # What the window changed, written before it is changed, so it can always be undone.
     timers: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
-    container: dict[str, Any] | None = None
+    container: ContainerHandle | None = None
     leases: LeaseBook = field(default_factory=LeaseBook)
     restarts: int = 0
-    error: dict[str, Any] | None = None
+    error: ErrorRecord | None = None
     outcome: str | None = None
     degraded: str | None = None
     # Set when no state could be read and this record was made from the configuration.
-    baseline: dict[str, Any] | None = None
+    baseline: BaselineRestore | None = None
     start: str = "cold"  # "warm": the engine was woken from park
     profile: str = "default"
     kind: str = "engine"  # "bare": no engine, the card is handed to the lease holders
@@ -59,7 +312,7 @@ class WindowRecord:
     switched_to: str | None = None
     saved: dict[str, Any] | None = None
     # A preemption: who asked, at what priority, when the leases are revoked (at ``deadline``).
-    preempted: dict[str, Any] | None = None
+    preempted: Preemption | None = None
     # Host pids of engines gpuswapd took down for this window (its own, or the one it switched
     # from): the card may list them, and their memory, until it comes free. Never strangers.
     freeing: list[int] = field(default_factory=list)
@@ -110,7 +363,7 @@ class WindowRecord:
         if err.phase is None:
             err.phase = str(self.phase)
         if self.error is None:
-            self.error = err.to_dict()
+            self.error = ErrorRecord.of(err)
 
     def took(self, phase: Phase, stage: str | None = None) -> float:
         """Sum the seconds spent in ``phase`` (of one ``stage``, if given)."""
@@ -122,12 +375,13 @@ class WindowRecord:
         return {
             "id": self.id, "phase": str(self.phase), "opened_at": self.opened_at,
             "closed_at": self.closed_at, "timings": [t.to_dict() for t in self.timings],
-            "timers": self.timers, "units": self.units, "container": self.container,
+            "timers": self.timers, "units": self.units, "container": _out(self.container),
             "leases": [lease.to_dict(now) for lease in self.leases.all()], "restarts": self.restarts,
-            "error": self.error, "outcome": self.outcome, "degraded": self.degraded, "baseline": self.baseline,
+            "error": _out(self.error), "outcome": self.outcome, "degraded": self.degraded,
+            "baseline": _out(self.baseline),
             "start": self.start, "profile": self.profile, "kind": self.kind,
             "switched_from": self.switched_from, "switched_to": self.switched_to, "saved": self.saved,
-            "preempted": self.preempted, "freeing": self.freeing,
+            "preempted": _out(self.preempted), "freeing": self.freeing,
             "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
             "restored": self.restored, "resident_changed": self.resident_changed,
             "prefetch": self.prefetch, "resident_s": self.resident_s,
@@ -146,17 +400,41 @@ class WindowRecord:
         return cls(
             id=d.text("id"), phase=d.phase("phase"), opened_at=d.number("opened_at"),
             closed_at=d.number("closed_at", optional=True), timings=timings,
-            timers=d.texts("timers"), units=d.texts("units"), container=d.table("container"),
-            leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)), error=d.table("error"),
+            timers=d.texts("timers"), units=d.texts("units"),
+            container=_in(ContainerHandle.from_dict, d.table("container")),
+            leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)),
+            error=_in(ErrorRecord.from_dict, d.table("error")),
             outcome=d.text("outcome", optional=True), degraded=d.text("degraded", optional=True),
-            baseline=d.table("baseline"), start=_start(d.text("start", optional=True) or "cold"),
+            baseline=_in(BaselineRestore.from_dict, d.table("baseline")),
+            start=_start(d.text("start", optional=True) or "cold"),
             profile=d.text("profile", optional=True) or "default", kind=_kind(d.text("kind", optional=True)),
             switched_from=d.text("switched_from", optional=True), switched_to=d.text("switched_to", optional=True),
-            saved=d.table("saved"), preempted=d.table("preempted"), freeing=d.pids("freeing"),
+            saved=d.table("saved"), preempted=_in(Preemption.from_dict, d.table("preempted")),
+            freeing=d.pids("freeing"),
             freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
             restored=_restored(d.text("restored", optional=True)), resident_changed=d.table("resident_changed"),
             prefetch=d.table("prefetch"), resident_s=d.number("resident_s", optional=True),
         )
+
+
+    def finished(self) -> Finished:
+        """Return the finished window as history keeps it."""
+        return Finished.from_dict(self.to_dict())
+
+
+class _Serial(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+_T = TypeVar("_T")
+
+
+def _out(value: _Serial | None) -> object:
+    return None if value is None else value.to_dict()
+
+
+def _in(kind: Callable[[Mapping[str, Any]], _T], data: Mapping[str, Any] | None) -> _T | None:
+    return None if data is None else kind(data)
 
 
 class _Fields:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from gpuswapd.events import LEASE_END_REASONS, Event
 from gpuswapd.phases import Phase
+from gpuswapd.record import Finished
 
 if TYPE_CHECKING:
     from gpuswapd.window.window import Window
@@ -146,21 +147,21 @@ class Metrics:
         elif event.get("reason") in LEASE_END_REASONS and name.startswith("lease_"):
             self.leases_ended.labels(self.instance, event["reason"]).inc()
 
-    def window_finished(self, record: dict[str, Any]) -> None:
+    def window_finished(self, record: Finished) -> None:
         """Observe a finished window from its record, as history keeps it."""
         inst = self.instance
-        profile, start = str(record.get("profile", "default")), str(record.get("start", "cold"))
-        timings = record.get("timings") or []
+        profile, start = record.profile, record.start
+        timings = record.timings
         for t in timings:
-            if "took_s" in t:
-                self.phase_duration.labels(inst, t["phase"], t["stage"], profile).observe(t["took_s"])
-        ready = next((t for t in timings if t["phase"] == str(Phase.READY)), None)
-        if ready is not None:
-            self.window_open.labels(inst, profile, start).observe(max(0.0, ready["started_at"] - record["opened_at"]))
-        close = next((t for t in timings if t["stage"] == "close"), None)
-        if close is not None and record.get("closed_at") is not None:
-            self.window_close.labels(inst).observe(max(0.0, record["closed_at"] - close["started_at"]))
-        self.windows.labels(inst, str(record.get("outcome"))).inc()
+            if t.took_s is not None:
+                self.phase_duration.labels(inst, str(t.phase), t.stage, profile).observe(t.took_s)
+        ready = next((t for t in timings if t.phase == str(Phase.READY)), None)
+        if ready is not None and ready.started_at is not None and record.opened_at is not None:
+            self.window_open.labels(inst, profile, start).observe(max(0.0, ready.started_at - record.opened_at))
+        close = next((t for t in timings if t.stage == "close"), None)
+        if close is not None and record.closed_at is not None and close.started_at is not None:
+            self.window_close.labels(inst).observe(max(0.0, record.closed_at - close.started_at))
+        self.windows.labels(inst, str(record.outcome)).inc()
 
     def hook_event_dropped(self) -> None:
         """Count an event no hook could run for."""

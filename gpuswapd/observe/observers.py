@@ -19,6 +19,7 @@ from gpuswapd.observe.metrics import Metrics, window_now
 from gpuswapd.observe.scrape import ScrapeServer
 from gpuswapd.observe.textfile import Textfile
 from gpuswapd.phases import Phase
+from gpuswapd.record import Finished
 from gpuswapd.server.server import Server
 from gpuswapd.server.watch import Watchers
 from gpuswapd.tasks import reap, spawn
@@ -83,11 +84,11 @@ class Observers:
         if self.hooks is not None:
             self.hooks.on_event(event)
 
-    def _window_finished(self, record: dict[str, Any]) -> None:
+    def _window_finished(self, record: Finished) -> None:
         try:
             self.metrics.window_finished(record)
         except Exception as err:  # the metrics' bug must not keep the window from finishing
-            log.exception("metrics_window_not_observed", window=record.get("id"), error=repr(err))
+            log.exception("metrics_window_not_observed", window=record.id, error=repr(err))
 
     async def _tick(self) -> None:
         """Refresh STATUS= (and the textfile) once a second while a window is open; sleep while IDLE."""

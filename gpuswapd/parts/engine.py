@@ -35,6 +35,7 @@ from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.parts import engineview
 from gpuswapd.parts.engineview import EngineView
+from gpuswapd.record import ContainerHandle
 from gpuswapd.tasks import in_daemon_thread, reap, sleep_unless, spawn
 
 R = TypeVar("R")
@@ -57,7 +58,7 @@ class Engine(Protocol):
     async def preflight(self, check_port: bool = True) -> None:
         """Check, changing nothing, that the engine could come up now (its port too, unless told not to)."""
 
-    async def bring_up(self, window_id: str) -> dict[str, Any]:
+    async def bring_up(self, window_id: str) -> ContainerHandle:
         """Start the engine; return what must be recorded to take it down later."""
 
     async def wait_serving(self, timeout: float) -> float:
@@ -72,13 +73,13 @@ class Engine(Protocol):
     def exit_reason(self) -> str | None:
         """Say why the engine stopped, if it has."""
 
-    async def adopt(self, record: dict[str, Any]) -> bool:
+    async def adopt(self, record: ContainerHandle) -> bool:
         """Take over an engine an earlier gpuswapd started; tell whether it still serves."""
 
     async def watch(self, interval: float) -> str:
         """Return why the engine failed, as soon as it does."""
 
-    async def take_down(self, record: dict[str, Any] | None) -> None:
+    async def take_down(self, record: ContainerHandle | None) -> None:
         """Stop the engine and free the GPU (removing what bring_up created)."""
 
     async def pids(self) -> list[int]:
@@ -102,7 +103,7 @@ class Engine(Protocol):
     async def canary(self) -> str:
         """Send the canary completion; return its raw text (reasoning and answer together)."""
 
-    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+    async def why_not_parked(self, record: ContainerHandle) -> str | None:
         """Say why a parked engine cannot be used (gone, awake, another spec); None if it can."""
 
     def spec(self) -> str:
@@ -171,7 +172,7 @@ class ContainerEngine:
             return None
         return parts.port or (443 if parts.scheme == "https" else 80)
 
-    async def bring_up(self, window_id: str) -> dict[str, Any]:
+    async def bring_up(self, window_id: str) -> ContainerHandle:
         """Create (or find) and start the container; watch it for an early exit."""
         c = self.config.container
         self._exit = None
@@ -185,7 +186,7 @@ class ContainerEngine:
         await self._docker("start", self.docker.start, c.name)
         self._watch_exits()
         log.info("engine_started", container=c.name, image=c.image, created=c.create)
-        return {"name": c.name, "created": c.create, "image": c.image, "window": window_id, "spec": self.spec()}
+        return ContainerHandle(name=c.name, created=c.create, image=c.image, window=window_id, spec=self.spec())
 
     async def settings(self, ask_docker: bool = True) -> EngineView:
         """Say what the container runs with: as Docker has it where it answers, else as configured."""
@@ -280,9 +281,9 @@ class ContainerEngine:
             raise EngineFailed(f"the engine did not answer the canary: {err.message}") from err
         return reply.reasoning + reply.text
 
-    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+    async def why_not_parked(self, record: ContainerHandle) -> str | None:
         """Say why a parked engine cannot be used: gone, not ours, another spec, awake; None if usable."""
-        if record.get("spec") != self.spec():
+        if record.spec != self.spec():
             return "the container's configuration changed since it was parked"
         try:
             state = await self._docker("state", self.docker.state, self.name)
@@ -294,7 +295,7 @@ class ContainerEngine:
             if state is None or not state.running:
                 return f"container {self.name} is {'gone' if state is None else state.status}"
         if state is not None and (not self._ours(state.labels)
-                                  or state.labels.get(WINDOW_LABEL) != record.get("window")):
+                                  or state.labels.get(WINDOW_LABEL) != record.window):
             return f"container {self.name} is not the engine that was parked"
         http = self.outside.http
         try:
@@ -344,7 +345,7 @@ class ContainerEngine:
         """Say why the container stopped, if it has."""
         return self._exit
 
-    async def adopt(self, record: dict[str, Any]) -> bool:
+    async def adopt(self, record: ContainerHandle) -> bool:
         """Watch a container an earlier gpuswapd started, if it runs and answers health.
 
         Docker may be unreachable or hung meanwhile: then health alone decides, and the exit
@@ -444,12 +445,12 @@ class ContainerEngine:
                         consequence="its memory on the card counts as another process's until it is free")
             return []
 
-    async def take_down(self, record: dict[str, Any] | None) -> None:
+    async def take_down(self, record: ContainerHandle | None) -> None:
         """Stop the container (SIGTERM, then SIGKILL after stop_timeout) and remove it if created."""
         await reap(self._watch)
         self._watch = None
         c = self.config.container
-        if record is None or record.get("created", c.create):
+        if record is None or (c.create if record.created is None else record.created):
             await self._remove(c.name)
         else:
             await self._docker("stop", self.docker.stop, c.name, c.stop_timeout,
@@ -473,7 +474,7 @@ class BareEngine:
     async def preflight(self, check_port: bool = True) -> None:
         """Nothing to check: no container, no port."""
 
-    async def bring_up(self, window_id: str) -> dict[str, Any]:
+    async def bring_up(self, window_id: str) -> ContainerHandle:
         """Never called: a bare window brings no engine up."""
         raise AssertionError("a bare window brings no engine up")
 
@@ -493,7 +494,7 @@ class BareEngine:
         """Say nothing: there is no engine to stop."""
         return None
 
-    async def adopt(self, record: dict[str, Any]) -> bool:
+    async def adopt(self, record: ContainerHandle) -> bool:
         """Take over a bare window: its holders still hold the card."""
         return True
 
@@ -502,7 +503,7 @@ class BareEngine:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    async def take_down(self, record: dict[str, Any] | None) -> None:
+    async def take_down(self, record: ContainerHandle | None) -> None:
         """Nothing to take down."""
 
     async def pids(self) -> list[int]:
@@ -533,7 +534,7 @@ class BareEngine:
         """Never called: there is no engine to ask."""
         raise AssertionError("a bare window has no engine to ask")
 
-    async def why_not_parked(self, record: dict[str, Any]) -> str | None:
+    async def why_not_parked(self, record: ContainerHandle) -> str | None:
         """Say why nothing of a bare window is ever parked."""
         return "a bare window has no engine"
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from gpuswapd import clock
 from gpuswapd.errors import GpuswapError, StateError
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
+from gpuswapd.record import Finished
 from gpuswapd.state.store import Document, StateStore, encode
 from gpuswapd.tasks import reap, sleep_unless, spawn, uncancel
 
@@ -39,7 +39,7 @@ class StateWriter:
         self._wanted = 0    # the newest change asked for
         self._written = 0   # the newest change on disk
         self._failed = 0    # the newest change a failed attempt covered
-        self._history: list[dict[str, Any]] = []
+        self._history: list[Finished] = []
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()  # someone waits for a write: a failed one is retried at once
         self._progress = asyncio.Condition()
@@ -82,7 +82,7 @@ class StateWriter:
         self._dirty.set()
         return self._wanted
 
-    def add_history(self, record: dict[str, Any]) -> int:
+    def add_history(self, record: Finished) -> int:
         """Queue a finished window for the history; it is written before the next document."""
         self._history.append(record)
         return self.request()
@@ -117,7 +117,7 @@ class StateWriter:
             data = encode(document)  # serialized as late as possible: one write covers every change so far
             try:
                 if history:
-                    await self.lane.call("append_history", self.store.append_history, [*history])
+                    await self.lane.call("append_history", self.store.append_history, [r.to_dict() for r in history])
                     del self._history[:len(history)]
                 await self.lane.call("write", self.store.write, data)
             except (GpuswapError, OSError, asyncio.CancelledError) as err:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -38,7 +39,7 @@ class Interrupted(Exception):
 
 def engine_left(rec: WindowRecord) -> bool:
     """Tell whether the window's engine has not been taken down (or parked) yet."""
-    return rec.container is not None and not rec.container.get("removed") and not rec.container.get("parked")
+    return rec.container is not None and not rec.container.removed and not rec.container.parked
 
 
 def switch_target(w: Window, rec: WindowRecord) -> str | None:
@@ -67,7 +68,7 @@ async def _take_down(w: Window, rec: WindowRecord) -> None:
         return
     # The card goes on listing the engine's processes until their memory is free: they are this
     # window's, and whatever opens next waits for them instead of taking them for a stranger's.
-    going = [*((rec.container or {}).get("pids") or []), *await w.engine.pids()]
+    going = [*(rec.container.pid_list if rec.container is not None else []), *await w.engine.pids()]
     if not await parking.try_park(w, rec, need):
         rec.freeing = sorted({*rec.freeing, *going})
         rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == "engine")
@@ -95,7 +96,7 @@ async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) ->
             delay = min(delay * 2, cap)
             continue
         assert rec.container is not None
-        rec.container = {**rec.container, "removed": True}
+        rec.container = replace(rec.container, removed=True)
         await w.persist(required=False)
         return True
 
@@ -170,7 +171,7 @@ async def _parked_leaves_room(w: Window) -> None:
     why = (f"the resident needs {format_size(need)} and only {free} is free beside it "
            f"(residual {format_size(parked.residual_bytes)})")
     if not await parking.remove(w, why):
-        raise Degraded(f"the parked engine {parked.container.get('name')} leaves the resident too little memory "
+        raise Degraded(f"the parked engine {parked.container.name} leaves the resident too little memory "
                        f"({why}) and could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd "
                        "keeps trying")
 
@@ -230,8 +231,8 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             # An engine still holding its memory would only make the resident fail (out of memory):
             # wait until it is gone, or until the resident fits beside it.
             if engine_left(rec) and not await _resident_fits(w):
-                raise Degraded(f"the engine {(rec.container or {}).get('name')} still holds the GPU and could "
-                               f"not be taken down yet: {(rec.error or {}).get('message', 'see the log')}")
+                raise Degraded(f"the engine {_name(rec)} still holds the GPU and could "
+                               f"not be taken down yet: {_said(rec)}")
             # A process that just exited (a holder's, a start that failed) is still freeing its memory.
             await _let_exited_go(w)
             await _parked_leaves_room(w)
@@ -343,9 +344,9 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
                 w.switch(rec, nxt, outcome)
                 return
         if remover is not None and not remover.done():
-            rec.degraded = (f"the resident is back, but the engine {(rec.container or {}).get('name')} could not be "
-                            f"removed yet: {(rec.error or {}).get('message', 'see the log')}; gpuswapd keeps trying")
-            log.warning("engine_take_down_pending", container=(rec.container or {}).get("name"))
+            rec.degraded = (f"the resident is back, but the engine {_name(rec)} could not be "
+                            f"removed yet: {_said(rec)}; gpuswapd keeps trying")
+            log.warning("engine_take_down_pending", container=_name(rec))
             w.notify_status()
             if not await asyncio.shield(remover):
                 raise Interrupted
@@ -385,7 +386,7 @@ async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
         w.hung_mark = hung_mark(w)
-        if rec.container is not None and not rec.container.get("parked"):
+        if rec.container is not None and not rec.container.parked:
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         await w.enter(rec, Phase.RESTORING, required=False)
@@ -431,3 +432,13 @@ async def _sweep(w: Window) -> None:
             delay = min(cap, first * 2 ** (attempt - 1))
             log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay)
             await sleep_unless(w.stopping, delay)
+
+
+def _name(rec: WindowRecord) -> str | None:
+    """Name the window's engine container (None: it has none)."""
+    return rec.container.name if rec.container is not None else None
+
+
+def _said(rec: WindowRecord) -> str:
+    """Say what went wrong in the window, as its error has it."""
+    return rec.error.message if rec.error is not None else "see the log"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -26,7 +27,7 @@ async def hold_then_close(w: Window, rec: WindowRecord) -> None:
         await closing.close(w, rec, "closed")
         return
     assert rec.error is not None
-    w.fail_waiters(GpuswapError.from_dict(rec.error), rec.id)
+    w.fail_waiters(rec.error.error(), rec.id)
     await closing.close(w, rec, "engine_failed")
 
 
@@ -99,7 +100,8 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             free = w.vram.last.free_bytes if w.vram.last is not None else None
             rec.container = await w.engine.bring_up(rec.id)
             if free is not None:
-                rec.container["free_before_boot"] = free  # what a sleeping engine keeps is measured against it
+                # What a sleeping engine keeps is measured against it.
+                rec.container = replace(rec.container, free_before_boot=free)
             await opening.learn_pids(w, rec)
             log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)

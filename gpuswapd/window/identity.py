@@ -302,7 +302,7 @@ def _size(nbytes: int | None) -> str:
 async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
     """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
     if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
-        raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.get('name')}, "
+        raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.name}, "
                        "which could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd keeps trying")
     await w.resident.stop(rec.units)
     was = w.known.baseline

@@ -14,7 +14,7 @@ touches a unit or a timer.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -25,7 +25,7 @@ from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import ContainerHandle, WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
 from gpuswapd.window import identity, parking
@@ -114,7 +114,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     if why is None:
         return parked
     if not await parking.remove(w, f"it cannot be woken: {why}"):
-        raise DockerError(f"the parked engine {parked.container.get('name')} cannot be woken ({why}) and could not "
+        raise DockerError(f"the parked engine {parked.container.name} cannot be woken ({why}) and could not "
                           "be removed: see the log (journalctl -u gpuswapd)")
     rec.freeing = sorted({*rec.freeing, *parked.pids})  # its memory is coming free now, like any engine's
     return None
@@ -181,12 +181,13 @@ async def _wait_vram(op: Opening) -> None:
 async def _boot(op: Opening) -> None:
     w, rec = op.window, op.rec
     c = w.profile.engine.container
-    rec.container = {"name": c.name, "created": c.create}
+    rec.container = ContainerHandle(name=c.name, created=c.create)
     await w.persist(required=True)
     free = w.vram.last.free_bytes if w.vram.last is not None else None
     rec.container = await w.engine.bring_up(rec.id)
     if free is not None:
-        rec.container["free_before_boot"] = free  # what the sleeping engine keeps is measured against it
+        # What the sleeping engine keeps is measured against it.
+        rec.container = replace(rec.container, free_before_boot=free)
     await learn_pids(w, rec)
     await w.persist(required=True)
     await w.engine.wait_serving(w.profile.engine.boot_timeout)
@@ -201,8 +202,8 @@ async def _warm(op: Opening) -> None:
 async def learn_pids(w: Window, rec: WindowRecord) -> None:
     """Record the engine's processes (all it ever had): the card lists their memory under these pids."""
     if rec.container is not None:
-        known = rec.container.get("pids") or []
-        rec.container = {**rec.container, "pids": sorted({*known, *await w.engine.pids()})}
+        known = rec.container.pid_list
+        rec.container = replace(rec.container, pids=tuple(sorted({*known, *await w.engine.pids()})))
 
 
 async def learn_canary(w: Window, rec: WindowRecord) -> None:
@@ -217,7 +218,7 @@ async def learn_canary(w: Window, rec: WindowRecord) -> None:
         except GpuswapError as err:
             log.warning("engine_canary_failed", error=err.message, consequence="this engine will not be parked")
             sleeps = False
-    rec.container = {**rec.container, "sleep": sleeps, "canary": canary}
+    rec.container = replace(rec.container, sleep=sleeps, canary=canary)
 
 
 async def _wake(op: Opening) -> bool:
@@ -225,8 +226,8 @@ async def _wake(op: Opening) -> bool:
     w, rec, parked = op.window, op.rec, op.parked
     assert parked is not None
     # The window takes the engine over in the same write that enters WAKING.
-    rec.container = {**parked.container, "sleep": True, "canary": parked.canary,
-                     "residual_bytes": parked.residual_bytes}
+    rec.container = replace(parked.container, sleep=True, canary=parked.canary,
+                            residual_bytes=parked.residual_bytes)
     rec.start = "warm"
     w.parked = None
     await w.enter(rec, Phase.WAKING, required=True)
@@ -244,10 +245,10 @@ async def _wake(op: Opening) -> bool:
             raise EngineFailed(f"{err.message}; no restart left for a cold boot (window.max_restarts = "
                                f"{max_restarts})", phase=str(Phase.WAKING)) from err
         await w.engine.take_down(rec.container)
-        rec.container = {**rec.container, "removed": True}
+        rec.container = replace(rec.container, removed=True)
         rec.start = "cold"
         return False
-    log.info("engine_woken", container=rec.container.get("name"), sleep_level=parked.level,
+    log.info("engine_woken", container=rec.container.name, sleep_level=parked.level,
              parked_s=round(clock.wall() - parked.since, 3))
     return True
 

@@ -15,14 +15,14 @@ While parked it is watched: an engine that dies, stops saying it sleeps, or stay
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
-from gpuswapd.record import WindowRecord, _Fields
+from gpuswapd.record import ContainerHandle, WindowRecord, _Fields
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
@@ -30,15 +30,13 @@ if TYPE_CHECKING:
     from gpuswapd.window.window import Window
 
 RETRY_S = (1.0, 60.0)
-# What the window's container record says that a parked engine's does not need.
-_WINDOW_ONLY = ("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
 
 
 @dataclass
 class Parked:
     """The engine left asleep by the last window."""
 
-    container: dict[str, Any]  # the window's container record: name, created, image, window, spec
+    container: ContainerHandle  # the window's container record: name, created, image, window, spec, pids
     since: float
     level: int
     residual_bytes: int
@@ -47,7 +45,7 @@ class Parked:
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize for the state document."""
-        return {"container": self.container, "since": self.since, "level": self.level,
+        return {"container": self.container.to_dict(), "since": self.since, "level": self.level,
                 "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
 
     @classmethod
@@ -60,18 +58,18 @@ class Parked:
         level = int(d.number("level"))
         if level not in (1, 2):
             raise ValueError("parked.level: expected 1 or 2")
-        return cls(container=container, since=d.number("since"), level=level,
+        return cls(container=ContainerHandle.from_dict(container), since=d.number("since"), level=level,
                    residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
                    profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
 
     @property
     def pids(self) -> list[int]:
         """Return the host pids of the parked engine's processes, as recorded when it served."""
-        return [pid for pid in self.container.get("pids") or [] if isinstance(pid, int) and not isinstance(pid, bool)]
+        return self.container.pid_list
 
     def status(self, keep: float) -> dict[str, Any]:
         """Describe it for ``status``."""
-        return {"container": self.container.get("name"), "profile": self.profile, "since": self.since,
+        return {"container": self.container.name, "profile": self.profile, "since": self.since,
                 "level": self.level,
                 "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
                 "expires_at": self.since + keep, "next_open": "warm"}
@@ -108,7 +106,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     ``need`` is what comes next: the resident (``Window.resident_needs``), or the next window of a
     direct switch. False means it was not parked (the caller removes it); the log says why.
     """
-    c = rec.container or {}
+    c = rec.container or ContainerHandle()
     if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
         return False
     if w.parked is not None:
@@ -116,7 +114,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
         return False
     if rec.error is not None or rec.baseline is not None:
         return False  # only a window that served to the end parks its engine
-    if not c.get("sleep") or not c.get("canary"):
+    if not c.sleep or not c.canary:
         log.info("engine_not_parked", reason="the engine did not offer sleep mode at its boot")
         return False
     level = _level(w)
@@ -144,22 +142,23 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
                     free=free, need=format_size(need), sleep_level=level, waited_s=round(clock.monotonic() - waited, 3),
                     settle_s=settle)
         return False
-    before = c.get("free_before_boot")
-    pids = set(c.get("pids") or [])
+    before = c.free_before_boot
+    pids = set(c.pid_list)
     listed = await w.vram.read(processes=True) if pids else None
     held = [p.used_bytes for p in listed.processes if p.pid in pids] if listed is not None else []
     if held:  # what the card lists under the engine's own processes
         residual = sum(held)
-    elif isinstance(before, (int, float)):  # booted cold in this window: measured against the card then
+    elif before is not None:  # booted cold in this window: measured against the card then
         residual = max(0, int(before) - reading.free_bytes)
     else:  # woken from park: it holds what it held before
-        residual = int(c.get("residual_bytes") or 0)
-    record = {k: v for k, v in c.items() if k not in _WINDOW_ONLY}
+        residual = int(c.residual_bytes or 0)
+    # What the window's container record says that a parked engine's does not need goes.
+    record = c.without("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
     w.parked = Parked(container=record, since=clock.wall(), level=level, residual_bytes=residual,
-                      canary=str(c["canary"]), profile=rec.profile)
-    rec.container = {**c, "parked": True}
+                      canary=str(c.canary), profile=rec.profile)
+    rec.container = replace(c, parked=True)
     await w.persist(required=False)  # one document: the window lets go of it, parked takes it
-    log.info("engine_parked", container=record.get("name"), sleep_level=level, residual=format_size(residual),
+    log.info("engine_parked", container=record.name, sleep_level=level, residual=format_size(residual),
              free=format_size(reading.free_bytes), need=format_size(need))
     return True
 
@@ -177,7 +176,7 @@ async def remove(w: Window, why: str) -> bool:
     if w.parked is parked:
         w.parked = None
         await w.persist(required=False)
-    log.info("parked_engine_removed", container=parked.container.get("name"), reason=why)
+    log.info("parked_engine_removed", container=parked.container.name, reason=why)
     return True
 
 
@@ -239,7 +238,7 @@ async def check_at_start(w: Window) -> None:
     elif why is None and clock.wall() >= parked.since + settings[0].keep:
         why = f"unused for park.keep = {settings[0].keep:g}s"
     if why is None:
-        log.info("parked_engine_adopted", container=parked.container.get("name"), since=parked.since)
+        log.info("parked_engine_adopted", container=parked.container.name, since=parked.since)
         watch(w)
         return
     log.warning("parked_engine_dropped", reason=why)

@@ -29,15 +29,15 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     problems: list[str] = []
     start, need, parked_note = "cold", profile.needs, None
     if parked is not None and parked.profile != profile.name:
-        parked_note = (f"{parked.container.get('name')} of profile {parked.profile!r} asleep: it stays parked if "
+        parked_note = (f"{parked.container.name} of profile {parked.profile!r} asleep: it stays parked if "
                        "this window fits beside it, else the window removes it first")
     elif parked is not None:
         why = await engine.why_not_parked(parked.container)
         if why is None:
             start, need = "warm", max(0, need - parked.residual_bytes)
-            parked_note = f"{parked.container.get('name')} asleep (level {parked.level}): the next window wakes it"
+            parked_note = f"{parked.container.name} asleep (level {parked.level}): the next window wakes it"
         else:
-            parked_note = f"{parked.container.get('name')} cannot be woken ({why}): the next window removes it"
+            parked_note = f"{parked.container.name} cannot be woken ({why}): the next window removes it"
 
     async def attempt(what: str, coro: Any) -> Any:
         try:

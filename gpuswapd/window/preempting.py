@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import PreemptedHolder, Preemption, WindowRecord
 from gpuswapd.tasks import spawn
 from gpuswapd.window import opening
 from gpuswapd.window.queueing import Waiter
@@ -40,14 +41,14 @@ STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next wind
 def deadline(rec: WindowRecord) -> float | None:
     """Return when a pending preemption revokes the leases (None: none is pending)."""
     p = rec.preempted
-    if p is None or any(p.get(k) is not None for k in ("revoked_at", "abandoned_at", "yielded_at")):
+    if p is None or p.ended:
         return None
-    return float(p["deadline"])
+    return p.deadline
 
 
 def under_way(rec: WindowRecord) -> bool:
     """Tell whether the window is being preempted: noticed and not abandoned (it then takes no joins)."""
-    return rec.preempted is not None and rec.preempted.get("abandoned_at") is None
+    return rec.preempted is not None and rec.preempted.abandoned_at is None
 
 
 async def check(w: Window, rec: WindowRecord) -> None:
@@ -56,7 +57,7 @@ async def check(w: Window, rec: WindowRecord) -> None:
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
     pending = deadline(rec)
     if pending is None:
-        if by is not None and (rec.preempted is None or rec.preempted.get("abandoned_at") is not None) \
+        if by is not None and (rec.preempted is None or rec.preempted.abandoned_at is not None) \
                 and await _can_open(w, rec, by):
             await _notice(w, rec, by.holder, by.profile, by.priority, now)
         return
@@ -77,7 +78,7 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
     window's engine is gone: revoking work for a window that then fails helps nobody.
     """
     live = await w.engine.pids() if rec.kind == "engine" else []
-    going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
+    going = {*rec.freeing, *(rec.container.pid_list if rec.container is not None else []), *live}
     # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
     unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
     need = w.config.profile(by.profile).needs
@@ -101,10 +102,9 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
 async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
     grace = w.config.daemon.preempt_grace
     leases = rec.leases.all()
-    rec.preempted = {"by": holder, "profile": profile, "priority": priority, "at": now, "grace_s": grace,
-                     "deadline": now + grace, "revoked_at": None, "abandoned_at": None,
-                     "holders": [{"lease": x.id, "holder": x.holder, "priority": x.priority, "unit": x.unit}
-                                 for x in leases]}
+    rec.preempted = Preemption(by=holder, profile=profile, priority=priority, at=now, grace_s=grace,
+                               deadline=now + grace,
+                               holders=tuple(PreemptedHolder(x.id, x.holder, x.priority, x.unit) for x in leases))
     await w.persist(required=False)  # in the record before anyone is told
     log.warning("preempting", by=holder, profile=profile, priority=priority, grace_s=grace,
                 holders=[x.holder for x in leases], window=rec.id)
@@ -115,18 +115,18 @@ async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, prior
 
 async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
-    rec.preempted = {**rec.preempted, "yielded_at": now}
+    rec.preempted = replace(rec.preempted, yielded_at=now)
     await w.persist(required=False)
-    log.info("preemption_yielded", by=rec.preempted.get("by"), window=rec.id,
+    log.info("preemption_yielded", by=rec.preempted.by, window=rec.id,
              reason="the preempted holders released their leases before the grace ended")
     w.notify_status()
 
 
 async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
     assert rec.preempted is not None
-    rec.preempted = {**rec.preempted, "abandoned_at": now, "abandoned": why}
+    rec.preempted = replace(rec.preempted, abandoned_at=now, abandoned=why)
     await w.persist(required=False)
-    log.warning("preemption_abandoned", by=rec.preempted.get("by"), reason=why, window=rec.id)
+    log.warning("preemption_abandoned", by=rec.preempted.by, reason=why, window=rec.id)
     w.tell_holders({"event": "preemption_abandoned", "window": rec.id, "reason": why})
     w.notify_status()
 
@@ -136,14 +136,14 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
     leases = rec.leases.clear()
     units = sorted({x.unit for x in leases if x.unit is not None and not never_stop(w, x.unit)})
     # stops_pending: the stops not yet confirmed; a gpuswapd that restarts before they are redoes them.
-    rec.preempted = {**rec.preempted, "revoked_at": now, "stopped_units": units, "stops_pending": units}
+    rec.preempted = p = replace(rec.preempted, revoked_at=now, stopped_units=tuple(units), stops_pending=tuple(units))
     for lease in leases:
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="preempted")
     await w.persist(required=False)
-    log.warning("preempted", window=rec.id, by=rec.preempted["by"], profile=rec.preempted["profile"],
-                priority=rec.preempted["priority"], holders=[x.holder for x in leases], stopped_units=units)
-    w.tell_holders({"event": "preempted", "window": rec.id, "by": rec.preempted["by"],
-                    "profile": rec.preempted["profile"], "priority": rec.preempted["priority"],
+    log.warning("preempted", window=rec.id, by=p.by, profile=p.profile,
+                priority=p.priority, holders=[x.holder for x in leases], stopped_units=units)
+    w.tell_holders({"event": "preempted", "window": rec.id, "by": p.by,
+                    "profile": p.profile, "priority": p.priority,
                     "leases": [_described(x) for x in leases]}, leases)
     w.end_watchers("preempted")
     for unit in units:  # the window goes on at once: the next one waits for the VRAM anyway
@@ -154,9 +154,9 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
 def resume_stops(w: Window, rec: WindowRecord) -> None:
     """Stop again the units of a revoked preemption whose stop was not confirmed (gpuswapd restarted)."""
     p = rec.preempted
-    if p is None or p.get("revoked_at") is None:
+    if p is None or p.revoked_at is None:
         return
-    for unit in [u for u in p.get("stops_pending") or [] if isinstance(u, str) and not never_stop(w, u)]:
+    for unit in [u for u in p.stops_pending or () if not never_stop(w, u)]:
         log.warning("preempted_unit_stopping_again", unit=unit, window=rec.id,
                     reason="gpuswapd restarted before its stop was confirmed")
         spawn(_stop_unit(w, rec, unit), "preempt-stop")
@@ -185,7 +185,7 @@ async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
             await asyncio.sleep(delay)
     p = rec.preempted
     if p is not None:
-        rec.preempted = {**p, "stops_pending": [u for u in p.get("stops_pending") or [] if u != unit]}
+        rec.preempted = replace(p, stops_pending=tuple(u for u in p.stops_pending or () if u != unit))
         if rec is w.record:
             w.writer.request()
 

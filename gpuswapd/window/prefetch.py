@@ -33,7 +33,7 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.parts.modelfiles import model_files
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import ContainerHandle, WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import spawn
 
@@ -188,9 +188,9 @@ def parked_in_host_ram(w: Window, rec: WindowRecord, available: int | None) -> i
     ``window.park.host_ram_needs`` when set (with less available, parking goes to level 2, which
     keeps nothing there); else the window's VRAM, of which the weights are most.
     """
-    c = rec.container or {}
+    c = rec.container or ContainerHandle()
     if (rec.kind != "engine" or rec.error is not None or rec.baseline is not None or w.parked is not None
-            or not c.get("sleep") or c.get("removed") or c.get("parked")):
+            or not c.sleep or c.removed or c.parked):
         return 0
     try:
         profile = w.config.profile(rec.profile)

@@ -26,6 +26,7 @@ from typing import Any
 from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.phases import Phase
+from gpuswapd.record import Finished
 
 Listener = Callable[[dict[str, Any]], None]
 TIMES_KEPT = 20  # windows per profile whose open times estimate the next
@@ -62,25 +63,23 @@ class Times:
         self._close: deque[float] = deque(maxlen=TIMES_KEPT)
         self._boots: dict[str, Boots] = {}
 
-    def learn(self, record: dict[str, Any]) -> None:
+    def learn(self, record: Finished) -> None:
         """Take the timings of one finished window (a history record)."""
-        timings = [t for t in record.get("timings") or [] if isinstance(t, dict)]
-        ready = next((t for t in timings if t.get("phase") == str(Phase.READY)), None)
-        opened = record.get("opened_at")
-        if ready is not None and isinstance(opened, (int, float)) and isinstance(ready.get("started_at"), (int, float)):
-            profile = str(record.get("profile") or DEFAULT_PROFILE)
-            self._open.setdefault(profile, deque(maxlen=TIMES_KEPT)).append(ready["started_at"] - opened)
-        restored = [float(t["took_s"]) for t in timings if t.get("phase") == str(Phase.RESTORING)
-                    and t.get("stage") == "close" and isinstance(t.get("took_s"), (int, float))]
-        if restored and record.get("outcome") == "closed" and not record.get("degraded"):
+        timings = record.timings
+        ready = next((t for t in timings if t.phase == str(Phase.READY)), None)
+        opened = record.opened_at
+        if ready is not None and opened is not None and ready.started_at is not None:
+            self._open.setdefault(record.profile, deque(maxlen=TIMES_KEPT)).append(ready.started_at - opened)
+        restored = [t.took_s for t in timings if t.phase == str(Phase.RESTORING)
+                    and t.stage == "close" and t.took_s is not None]
+        if restored and record.outcome == "closed" and not record.degraded:
             self._restore.append(sum(restored))
-        closed = [float(t["took_s"]) for t in timings if t.get("stage") == "close"
-                  and isinstance(t.get("took_s"), (int, float))]
-        if closed and restored and record.get("outcome") == "closed" and not record.get("switched_to"):
+        closed = [t.took_s for t in timings if t.stage == "close" and t.took_s is not None]
+        if closed and restored and record.outcome == "closed" and not record.switched_to:
             self._close.append(sum(closed))
         booted = boot_took(record)
         if booted is not None:
-            self._boots.setdefault(str(record.get("profile") or DEFAULT_PROFILE), Boots()).add(booted)
+            self._boots.setdefault(record.profile, Boots()).add(booted)
 
     def close_time(self) -> float | None:
         """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
@@ -123,18 +122,16 @@ class Boots:
                 "count": self.count}
 
 
-def boot_took(record: dict[str, Any]) -> float | None:
+def boot_took(record: Finished) -> float | None:
     """Return how long a finished window's engine booted to healthy (BOOTING); None if it did not boot.
 
     A window that woke a parked engine did not boot; one whose boot failed never became healthy.
     """
-    timings = [t for t in record.get("timings") or [] if isinstance(t, dict) and t.get("stage", "open") == "open"]
-    phases = [t.get("phase") for t in timings]
+    timings = [t for t in record.timings if t.stage == "open"]
+    phases = [t.phase for t in timings]
     if str(Phase.BOOTING) not in phases or str(Phase.WARMING) not in phases:
         return None
-    booting = timings[phases.index(str(Phase.BOOTING))]
-    took = booting.get("took_s")
-    return float(took) if isinstance(took, (int, float)) and not isinstance(took, bool) else None
+    return timings[phases.index(str(Phase.BOOTING))].took_s
 
 
 class Queue:

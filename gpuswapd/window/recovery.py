@@ -13,7 +13,7 @@ from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
-from gpuswapd.record import PhaseTiming, WindowRecord
+from gpuswapd.record import BaselineRestore, ContainerHandle, Finished, PhaseTiming, WindowRecord
 from gpuswapd.state.store import Loaded
 from gpuswapd.tasks import uncancel
 from gpuswapd.window import closing, holding, identity, opening, parking, preempting
@@ -144,10 +144,11 @@ async def _lost_window(w: Window) -> str | None:
 async def _learn_history(w: Window) -> None:
     """Learn open and restore times from the history (queue ETAs, what a switch saves), and which windows closed."""
     try:
-        for record in await w.outside.state.call("read_history", w.store.history, 200):
+        for line in await w.outside.state.call("read_history", w.store.history, 200):
+            record = Finished.from_dict(line)
             w.times.learn(record)
-            if isinstance(record.get("id"), str):
-                w.closed_windows.add(record["id"])
+            if record.id is not None:
+                w.closed_windows.add(record.id)
     except (GpuswapError, OSError, asyncio.CancelledError) as err:  # an interruption at start: noted only
         log.warning("history_unreadable", error=_why(err, w),
                     consequence="queue ETAs are unknown until windows have opened")
@@ -164,8 +165,8 @@ def baseline_record(w: Window) -> WindowRecord:
     rec.phase = Phase.CLOSING
     rec.timings.append(PhaseTiming(Phase.CLOSING, clock.wall(), stage="close"))
     # Whatever was running is unknown: the configured engine goes down like any window's.
-    rec.container = {"name": c.name, "created": c.create, "image": c.image}
-    rec.baseline = dict(w.baseline_restore or {})
+    rec.container = ContainerHandle(name=c.name, created=c.create, image=c.image)
+    rec.baseline = w.baseline_restore or BaselineRestore()
     return rec
 
 
@@ -195,7 +196,7 @@ async def _other_engines_down(w: Window) -> None:
         attempt = 0
         while True:
             try:
-                await w.engine_of(profile.name).take_down({"name": c.name, "created": c.create})
+                await w.engine_of(profile.name).take_down(ContainerHandle(name=c.name, created=c.create))
                 break
             except GpuswapError as err:
                 attempt += 1

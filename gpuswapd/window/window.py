@@ -44,7 +44,7 @@ from gpuswapd.parts.engine import BareEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import BaselineRestore, Finished, WindowRecord
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
 from gpuswapd.tasks import spawn, uncancel
@@ -95,13 +95,14 @@ class Window:
         self.writer.on_change = self.notify_status
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
-        self.baseline_restore: dict[str, Any] | None = None
+        self.baseline_restore: BaselineRestore | None = None
         self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
         self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
         self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
         self.closed_windows: set[str] = set()  # ids history shows closed (an orphan of another is a lost record)
         self._listeners: set[Listener] = set()
-        self.finished: list[Listener] = []  # told of every finished window, as history keeps it (metrics)
+        # Told of every finished window, as history keeps it (metrics).
+        self.finished: list[Callable[[Finished], None]] = []
         self._driver: asyncio.Task[None] | None = None
         self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
@@ -152,9 +153,9 @@ class Window:
         keep = set()
         rec = self.record
         if rec is not None and rec.container is not None:
-            keep.add(str(rec.container.get("window", rec.id)))
+            keep.add(str(rec.container.window if rec.container.window is not None else rec.id))
         if self.parked is not None:
-            keep.add(str(self.parked.container.get("window")))
+            keep.add(str(self.parked.container.window))
         return keep
 
     # -- what clients ask ------------------------------------------------------------------
@@ -346,7 +347,7 @@ class Window:
             "last": self.last.to_dict() if self.last else None,
             "state_writable": self.writer.writable,
             "state_error": self.writer.error,
-            "baseline_restore": self.baseline_restore,
+            "baseline_restore": None if self.baseline_restore is None else self.baseline_restore.to_dict(),
             "hung": self.outside.status(),
             "parked": self.parked.status(self._keep(self.parked)) if self.parked is not None else None,
             "next_open": "warm" if self.parked is not None else "cold",
@@ -393,7 +394,7 @@ class Window:
         await parking.stop_watching(self)
         try:
             if not await parking.remove(self, "removed on request (gpuswapctl park --remove)"):
-                raise DockerError(f"the parked engine {parked.container.get('name')} could not be removed: see the "
+                raise DockerError(f"the parked engine {parked.container.name} could not be removed: see the "
                                   "log (journalctl -u gpuswapd); gpuswapd keeps trying")
         finally:
             parking.watch(self)
@@ -405,7 +406,7 @@ class Window:
     def closed_because(self) -> str:
         """Say why no window is open, when the last one ended badly (for lease errors)."""
         if self.record is None and self.last is not None and self.last.error is not None:
-            return f": the window closed: {self.last.error['message']}"
+            return f": the window closed: {self.last.error.message}"
         return ""
 
     def _open_record(self) -> WindowRecord:
@@ -509,7 +510,7 @@ class Window:
         if rec is not None and rec.degraded:
             line += f": {rec.degraded}"
         if self.baseline_restore is not None and rec is not None and rec.baseline is not None:
-            line += f"; restoring the baseline: {self.baseline_restore['reason']}"
+            line += f"; restoring the baseline: {self.baseline_restore.reason}"
         if not self.writer.writable:
             line += f"; state not writable: {self.writer.error}"
         self.notifier.send(status=line)
@@ -594,7 +595,7 @@ class Window:
         rec.enter(Phase.IDLE)
         self.last, self.record = rec, switch_to
         self.end_watchers(f"its window {rec.id} ended ({outcome})")
-        record = rec.to_dict()
+        record = rec.finished()
         self.closed_windows.add(rec.id)
         self.writer.add_history(record)
         self.times.learn(record)
@@ -671,7 +672,7 @@ class Window:
 
     def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
         """Restore what the configuration describes: no state could be read, or it was found broken."""
-        self.baseline_restore = {"reason": reason, "at": clock.wall(), "cause": cause}
+        self.baseline_restore = BaselineRestore(reason=reason, at=clock.wall(), cause=cause)
         log.error("baseline_restore", reason=reason, cause=cause)
         rec = recovery.baseline_record(self)
         self.record, self.unknown_baseline = rec, rec

@@ -312,7 +312,7 @@ class Host:
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]
-        daemon.window.finished.append(run.window_finished)
+        daemon.window.finished.append(lambda finished: run.window_finished(finished.to_dict()))
         try:
             await daemon.connect()
         except (ConfigError, GpuswapError) as err:
@@ -995,7 +995,7 @@ class Run:
         daemon = self.host.daemon
         if any(t >= c.granted_at for t in self.baseline_restores) or (
                 daemon is not None and daemon.window.baseline_restore is not None
-                and daemon.window.baseline_restore["at"] - EPOCH >= c.granted_at):
+                and (daemon.window.baseline_restore.at or 0.0) - EPOCH >= c.granted_at):
             return "no state could be read: the baseline was restored"
         record = self.finished.get(str(c.window)) or self._window_in_memory(c.window)
         if record is None:
@@ -1077,7 +1077,7 @@ class Run:
         if e["for"] == "infinity" and e["as"] != "root":
             return
         preempted = rec.preempted
-        if preempted is not None and preempted.get("revoked_at") is None and preempted.get("abandoned_at") is None:
+        if preempted is not None and preempted.revoked_at is None and preempted.abandoned_at is None:
             return
         if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.wall()) is not None:
             return
@@ -1132,7 +1132,7 @@ class Run:
         parked = daemon.window.parked
         for name, c in world.docker.containers.items():
             held = world.card.holdings.get(c.key)
-            ok = (parked is not None and parked.container.get("name") == name and c.status == "running"
+            ok = (parked is not None and parked.container.name == name and c.status == "running"
                   and c.sleeping is not None and document is not None and document.parked is not None
                   and held is not None and held.bytes + self.config.gpu.resident_needs <= TOTAL_BYTES)
             if not ok:

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 from gpuswapd import clock
+from gpuswapd.record import Preemption
 from tests.fakes import FakeUnit, running, settle
 from tests.unit.test_profiles import resident_back, run, until, world
 
@@ -82,10 +83,10 @@ def test_a_preemption_never_stops_a_shared_service_and_stops_an_own_unit_despite
             await w.acquire("train.service", 60, unit="train.service", uid=1000, priority=-5)
             urgent = await w.acquire("urgent", 60, profile="bare", priority=0)
             assert w.last is not None and w.last.preempted is not None
-            assert w.last.preempted["stopped_units"] == ["train.service"]
+            assert w.last.preempted.stopped_units == ("train.service",)
             await until(lambda: fw.systemd.units["train.service"].active_state == "inactive")
             await until(lambda: w.last is not None and w.last.preempted is not None
-                        and w.last.preempted["stops_pending"] == [])
+                        and w.last.preempted.stops_pending == ())
             assert fw.systemd.units["cron.service"].active_state == "active"
             assert fw.systemd.fail_stops["train.service"] == 0  # it took three stops
             await w.release(urgent.id)
@@ -107,9 +108,9 @@ def test_a_stop_a_restart_interrupted_is_redone_at_recovery() -> None:
             assert rec is not None
             # Revoked, its stop not confirmed yet, and then gpuswapd is killed.
             rec.leases.release(lease.id)
-            rec.preempted = {"by": "urgent", "profile": "bare", "priority": 5, "at": clock.wall(), "grace_s": 0,
-                             "deadline": clock.wall(), "revoked_at": clock.wall(), "abandoned_at": None,
-                             "holders": [], "stopped_units": ["train.service"], "stops_pending": ["train.service"]}
+            rec.preempted = Preemption(by="urgent", profile="bare", priority=5, at=clock.wall(), grace_s=0,
+                                       deadline=clock.wall(), revoked_at=clock.wall(),
+                                       stopped_units=("train.service",), stops_pending=("train.service",))
             await w.persist(required=True)
             w.stopping.set()
         document = fw.store.document

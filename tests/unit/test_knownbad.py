@@ -18,6 +18,7 @@ from gpuswapd.config import Config, parse_config
 from gpuswapd.ctl.render import print_plan, print_status
 from gpuswapd.errors import ConfigError
 from gpuswapd.parts.engineview import EngineView, Mount, from_config, from_container, under_image
+from gpuswapd.record import Finished
 from gpuswapd.window.queueing import Times, boot_took
 from tests.unit.test_config import MINIMAL
 
@@ -369,11 +370,11 @@ def test_history_keeps_each_boot_to_healthy_per_profile_the_last_two_and_the_lon
     for record in (_window("default", 181.0), _window("default", 62.5), _window("eval", 30.0),
                    _window("default", None, start="warm"), _window("default", 500.0, warmed=False),
                    _window("default", 58.25)):
-        times.learn(record)
+        times.learn(Finished.from_dict(record))
     assert times.boots() == {"default": {"last_s": [58.25, 62.5], "longest_s": 181.0, "count": 3},
                              "eval": {"last_s": [30.0], "longest_s": 30.0, "count": 1}}
-    assert boot_took(_window("default", None)) is None  # woken from park: no boot
-    assert boot_took(_window("default", 500.0, warmed=False)) is None  # never healthy
+    assert boot_took(Finished.from_dict(_window("default", None))) is None  # woken from park: no boot
+    assert boot_took(Finished.from_dict(_window("default", 500.0, warmed=False))) is None  # never healthy
 
 
 def test_status_and_plan_print_boots_caches_and_warnings() -> None:

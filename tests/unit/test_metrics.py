@@ -15,6 +15,7 @@ from gpuswapd import __version__
 from gpuswapd.events import EventBus, to_event
 from gpuswapd.observe.metrics import Metrics, Now, window_now
 from gpuswapd.phases import Phase
+from gpuswapd.record import Finished
 from tests.fakes import FakeWorld, running, settle
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "packaging" / "grafana" / "gpuswapd.json"
@@ -42,13 +43,14 @@ def families(metrics: Metrics) -> dict[str, Any]:
 
 def test_the_exposition_has_every_name_of_the_table_with_its_type_and_instance() -> None:
     m = Metrics(lambda: IDLE, __version__)
-    m.window_finished({"id": "w", "opened_at": 0.0, "closed_at": 9.0, "outcome": "closed", "start": "cold",
+    m.window_finished(Finished.from_dict({
+                       "id": "w", "opened_at": 0.0, "closed_at": 9.0, "outcome": "closed", "start": "cold",
                        "timings": [{"phase": "DRAINING", "stage": "open", "started_at": 0.0, "ended_at": 1.0,
                                     "took_s": 1.0},
                                    {"phase": "READY", "stage": "open", "started_at": 1.0, "ended_at": 2.0,
                                     "took_s": 1.0},
                                    {"phase": "CLOSING", "stage": "close", "started_at": 2.0, "ended_at": 9.0,
-                                    "took_s": 7.0}]})
+                                    "took_s": 7.0}]}))
     m.on_event(to_event("lease_granted", "info", {"waited_s": 1.5}, {}))
     found = families(m)
     assert set(TABLE) <= set(found), set(TABLE) - set(found)

@@ -129,7 +129,7 @@ def test_an_engine_without_sleep_mode_is_removed_as_before() -> None:
     async def main() -> None:
         async with running(world.window()) as w:
             rec = await cycle(w)
-            assert rec.container.get("sleep") is False
+            assert rec.container is not None and rec.container.sleep is False
             assert w.parked is None
 
     run(main())

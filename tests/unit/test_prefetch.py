@@ -17,7 +17,7 @@ from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_plan
 from gpuswapd.errors import ConfigError
 from gpuswapd.observe.metrics import Metrics, window_now
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import ContainerHandle, WindowRecord
 from gpuswapd.window.plan import make_plan
 from gpuswapd.window.prefetch import parked_in_host_ram, unreadable
 from tests.fakes import (
@@ -111,10 +111,10 @@ def test_a_level_one_park_keeps_its_weights_in_host_ram_and_leaves_less_for_the_
 def test_what_a_park_keeps_in_host_ram() -> None:
     w = FakeWorld(config=parse_config(CONFIG + '[window.park]\nmode = "sleep"\nhost_ram_needs = "30GiB"\n')).window()
     rec = WindowRecord.new()
-    rec.container = {"name": "hyperqwen", "sleep": True}
+    rec.container = ContainerHandle(name="hyperqwen", sleep=True)
     assert parked_in_host_ram(w, rec, 64 * GiB) == 30 * GiB
     assert parked_in_host_ram(w, rec, 20 * GiB) == 0  # parking lowers itself to level 2 then
-    rec.container = {"name": "hyperqwen", "sleep": False}  # it cannot sleep: removed, nothing kept
+    rec.container = ContainerHandle(name="hyperqwen", sleep=False)  # it cannot sleep: removed, nothing kept
     assert parked_in_host_ram(w, rec, 64 * GiB) == 0
     assert parked_in_host_ram(FakeWorld().window(), WindowRecord.new(), 64 * GiB) == 0  # park.mode = "stop"
 

@@ -338,7 +338,7 @@ def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directl
             assert [e["event"] for e in told] == ["preempting", "preempted", "lease_ended"]
             assert w.record is not None and w.record.kind == "bare" and w.record.switched_from
             assert len(fw.systemd.started) == starts  # the resident was not started in between
-            assert w.last is not None and w.last.preempted is not None and w.last.preempted["revoked_at"]
+            assert w.last is not None and w.last.preempted is not None and w.last.preempted.revoked_at
             await w.release(lease.id)
             await w.release((await equal).id)
             await settle(w)
@@ -358,7 +358,7 @@ def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
             await until(lambda: w.record is not None and w.record.preempted is not None)
             urgent.cancel()
             await until(lambda: w.record is not None and w.record.preempted is not None
-                        and w.record.preempted.get("abandoned_at") is not None, timeout=20)
+                        and w.record.preempted.abandoned_at is not None, timeout=20)
             assert [lease.id for lease in w.leases()] == [held.id]  # it runs on
             await w.release(held.id)
             await settle(w)

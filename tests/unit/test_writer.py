@@ -12,6 +12,7 @@ import pytest
 
 from gpuswapd.errors import StateError
 from gpuswapd.outside import Deadlines, Outside
+from gpuswapd.record import Finished
 from gpuswapd.state.store import Document
 from gpuswapd.state.writer import StateWriter
 from tests.fakes import FakeStore
@@ -120,7 +121,7 @@ def test_history_lands_before_the_document_that_clears_the_window() -> None:
 
     async def main() -> None:
         writer.start()
-        await writer.wait(writer.add_history({"id": "w1"}))
+        await writer.wait(writer.add_history(Finished.from_dict({"id": "w1"})))
         await writer.stop(1)
 
     run(main())
