@@ -28,8 +28,9 @@ from typing import Any
 
 from gpuswapd import clock
 from gpuswapd.logs import log
+from gpuswapd.protocol import JsonObject
 
-Event = dict[str, Any]
+Event = JsonObject
 Subscriber = Callable[[Event], None]
 
 LEASE_END_REASONS = ("released", "expired", "unit_gone", "closed", "preempted")

@@ -37,6 +37,7 @@ from gpuswapd.errors import (
     StateError,
 )
 from gpuswapd.logs import log
+from gpuswapd.protocol import JsonObject
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -230,7 +231,7 @@ class Lane:
         """Let the idle workers end."""
         self._pool.close()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JsonObject:
         """Describe the calls that outlived their deadline and have not returned."""
         now = clock.monotonic()
         return {"hung": [{"call": s.call, "for_s": round(now - s.since, 1)} for s in self._stuck.values()]}
@@ -265,7 +266,7 @@ class Outside:
         for lane in self.lanes():
             lane.injector = injector
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JsonObject:
         """Describe each lane's hung calls, for status."""
         return {lane.system: lane.status() for lane in self.lanes() if lane.system != "http"}
 

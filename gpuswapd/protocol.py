@@ -11,11 +11,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from gpuswapd.errors import GpuswapError, RequestError
 from gpuswapd.timespan import SpanError, parse_span
+
+# A JSON value, as the socket, the status document, the events and the hooks carry it: what is
+# built to be sent, and only sent, is typed so (a value read by other modules is a dataclass).
+Json: TypeAlias = "bool | int | float | str | Sequence[Json] | Mapping[str, Json] | None"
+JsonObject: TypeAlias = "dict[str, Json]"
 
 MAX_LINE = 64 * 1024
 MAX_SPAN_S = 10 * 365 * 86400.0

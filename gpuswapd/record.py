@@ -11,6 +11,7 @@ from gpuswapd import clock, ids
 from gpuswapd.errors import ErrorRecord, GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
+from gpuswapd.protocol import JsonObject
 
 
 @dataclass
@@ -310,7 +311,7 @@ class WindowRecord:
     # resident's restore (start and verify) that the switch saved, as last measured.
     switched_from: str | None = None
     switched_to: str | None = None
-    saved: dict[str, Any] | None = None
+    saved: JsonObject | None = None
     # A preemption: who asked, at what priority, when the leases are revoked (at ``deadline``).
     preempted: Preemption | None = None
     # Host pids of engines gpuswapd took down for this window (its own, or the one it switched
@@ -322,10 +323,10 @@ class WindowRecord:
     # How the resident came back (gpuswapd.window.identity): "as_it_was", "smaller" (even after a restart
     # with the room it had), "unchecked" (it could not be read); None: this window did not restore it.
     restored: str | None = None
-    resident_changed: dict[str, Any] | None = None  # it came back smaller: was, now, repaired
+    resident_changed: JsonObject | None = None  # it came back smaller: was, now, repaired
     # The close's read of the resident's model files into the page cache (prefetch.py), and the
     # resident's time from its start to its verifying completion.
-    prefetch: dict[str, Any] | None = None
+    prefetch: JsonObject | None = None
     resident_s: float | None = None
     # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
     sealed: bool = field(default=False, compare=False)
@@ -495,7 +496,7 @@ class _Fields:
             raise ValueError(f"{self.where}.{key}: expected true or false")
         return value
 
-    def table(self, key: str) -> dict[str, Any] | None:
+    def table(self, key: str) -> JsonObject | None:
         value = self._get(key, True)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{self.where}.{key}: expected an object")

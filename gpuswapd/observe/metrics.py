@@ -137,9 +137,9 @@ class Metrics:
 
     def on_event(self, event: Event) -> None:
         """Count what an event says (a bus subscriber)."""
-        name = event["event"]
-        if name == "lease_granted" and isinstance(event.get("waited_s"), (int, float)):
-            self.lease_wait.labels(self.instance).observe(float(event["waited_s"]))
+        name, waited = str(event["event"]), event.get("waited_s")
+        if name == "lease_granted" and isinstance(waited, (int, float)):
+            self.lease_wait.labels(self.instance).observe(float(waited))
         elif name == "baseline_restore":
             self.baseline_restores.labels(self.instance, str(event.get("cause") or "state_unreadable")).inc()
         elif name == "engine_restarted":

@@ -28,7 +28,7 @@ from gpuswapd.errors import (
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
+from gpuswapd.protocol import MAX_LINE, JsonObject, Request, encode, error_reply, parse_request
 from gpuswapd.server.admission import Admission
 from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.server.watch import MAX_BUFFERED, Watchers
@@ -36,6 +36,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.state.store import StateStore
 from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.timespan import format_span
+from gpuswapd.window.plan import Plan
 from gpuswapd.window.window import Window
 
 FIRST_REQUEST_S = 10.0   # a client that connects and says nothing is dropped after this
@@ -57,7 +58,7 @@ class Server:
     """Serves the socket protocol for one window."""
 
     def __init__(self, config: Config, window: Window, store: StateStore, units: Systemd, outside: Outside,
-                 planner: Callable[[str], Awaitable[dict[str, Any]]], instance: str = "default",
+                 planner: Callable[[str], Awaitable[Plan]], instance: str = "default",
                  host: Host | None = None) -> None:
         self.config = config
         # Everything learnt of a caller from the OS: its credentials, its process, its unit's owner.
@@ -222,12 +223,12 @@ class Server:
         raise PermissionDenied(f"{who} may not {request.op}: only root and members of group "
                                f"{d.socket_group!r} may (add the user to it: usermod -aG {d.socket_group} {peer.user})")
 
-    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, message: JsonObject) -> None:
         writer.write(encode(message))
         await asyncio.wait_for(writer.drain(), WRITE_S)
 
     async def _dispatch(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+                        writer: asyncio.StreamWriter) -> JsonObject | None:
         d = self.config.daemon
         if (req.op in ("release", "renew") and peer.uid != 0) or (req.op == "acquire" and req.holder is None):
             peer = await self._identify(peer)
@@ -243,8 +244,9 @@ class Server:
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease, peer)
             lease, claim = await self.window.renew(lease_id, duration, allowed=peer.owns)
-            reply = {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped or claim is not None,
-                     "capped_by": "fair_after" if claim is not None else "max_lease" if capped else None}
+            reply: JsonObject = {"ok": True, "lease": lease.to_dict(clock.wall()),
+                                 "capped": capped or claim is not None,
+                                 "capped_by": "fair_after" if claim is not None else "max_lease" if capped else None}
             if claim is not None:
                 reply["waiting"] = {"holder": claim.holder, "profile": claim.profile,
                                     "waited_s": round(clock.wall() - claim.since, 3)}
@@ -268,7 +270,7 @@ class Server:
             history = await self.outside.state.call("read_history", self.store.history, req.limit)
             return {"ok": True, "windows": history}
         self._profile(req.profile)
-        return {"ok": True, "plan": await self.planner(req.profile)}
+        return {"ok": True, "plan": (await self.planner(req.profile)).to_dict()}
 
     def _profile(self, name: str) -> Profile:
         try:
@@ -278,11 +280,11 @@ class Server:
             raise UnknownProfile(f"no profile {name!r}: this gpuswapd has {known} ([window] is \"default\", "
                                  "the others are [profiles.NAME] in its configuration)") from None
 
-    def _profiles(self) -> dict[str, Any]:
+    def _profiles(self) -> JsonObject:
         """Describe each profile for ``status``: its kind, what it needs, where its engine answers."""
-        out = {}
+        out: JsonObject = {}
         for p in self.config.all_profiles():
-            endpoint = None
+            endpoint: JsonObject | None = None
             if p.window is not None:
                 endpoint = {"url": p.window.verify.url, "model": p.window.verify.model,
                             "health_url": p.window.health_url, "container": p.window.container.name}
@@ -322,7 +324,7 @@ class Server:
         return min(duration, cap), duration > cap
 
     async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+                       writer: asyncio.StreamWriter) -> JsonObject | None:
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease, peer)
         profile = self._profile(req.profile)
         most, least = self.config.daemon.priority_max_nonroot, self.config.daemon.priority_min_nonroot
@@ -335,7 +337,7 @@ class Server:
                                    "or more")
         started = clock.monotonic()
 
-        def progress(event: dict[str, Any]) -> None:
+        def progress(event: JsonObject) -> None:
             if writer.is_closing():
                 return
             if writer.transport.get_write_buffer_size() > self.max_buffered:
@@ -386,7 +388,7 @@ class Server:
             await self._hold(lease, reader, progress)
         return None
 
-    async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[dict[str, Any]], None]) -> None:
+    async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[JsonObject], None]) -> None:
         """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
 
         Renew and release come on connections of their own. A lease bound to this connection

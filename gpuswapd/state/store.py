@@ -27,9 +27,9 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from gpuswapd.errors import ConfigError
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import WindowRecord
 
 VERSION = 2
@@ -44,12 +44,12 @@ class Document:
 
     seq: int = 0
     window: WindowRecord | None = None
-    parked: dict[str, Any] | None = None
-    queue: list[dict[str, Any]] = field(default_factory=list)
+    parked: JsonObject | None = None
+    queue: list[JsonObject] = field(default_factory=list)
     # Resident units an operator stopped while no window was open: left down until started again.
     held_down: dict[str, float] = field(default_factory=dict)
     # What the resident is (gpuswapd.window.identity.Known): its baseline, its footprint, a change left.
-    resident: dict[str, Any] | None = None
+    resident: JsonObject | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Loaded:
 
 def encode(document: Document) -> bytes:
     """Serialize a document with its checksum (one line of JSON)."""
-    body: dict[str, Any] = {"version": VERSION, "seq": document.seq,
+    body: JsonObject = {"version": VERSION, "seq": document.seq,
             "window": document.window.to_dict() if document.window else None,
             "parked": document.parked, "queue": document.queue}
     if document.held_down:
@@ -212,12 +212,12 @@ class StateStore:
 
     # -- history -----------------------------------------------------------------------------
 
-    def append_history(self, records: list[dict[str, Any]]) -> None:
+    def append_history(self, records: list[JsonObject]) -> None:
         """Add finished windows to the history, keeping the last ``HISTORY_KEEP``."""
         lines = [*self._history_lines(), *(json.dumps(r, separators=(",", ":")) for r in records)]
         self._replace(self.history_file, ("\n".join(lines[-HISTORY_KEEP:]) + "\n").encode())
 
-    def history(self, limit: int = 20) -> list[dict[str, Any]]:
+    def history(self, limit: int = 20) -> list[JsonObject]:
         """Return the last ``limit`` finished windows, newest last."""
         out = []
         for line in self._history_lines()[-limit:]:

@@ -33,6 +33,7 @@ from gpuswapd import clock
 from gpuswapd.errors import BadResponse, Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import Holder
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import WindowRecord, _Fields
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import sleep_unless
@@ -110,7 +111,7 @@ class Known:
 
     baseline: Identity | None = None
     footprint: int | None = None  # what its processes held the last time a window stopped it
-    changed: dict[str, Any] | None = None  # the last close left it smaller: was, now, why, holders
+    changed: JsonObject | None = None  # the last close left it smaller: was, now, why, holders
     warned: int = 0  # the largest footprint warned of: each is warned of once
 
     def needs(self, configured: int) -> int:
@@ -137,7 +138,7 @@ class Known:
                    None if footprint is None else int(footprint), d.table("changed"),
                    int(d.number("footprint_warned", default=0)))
 
-    def status(self, configured: int) -> dict[str, Any]:
+    def status(self, configured: int) -> JsonObject:
         """Describe it for ``status``: the baseline, what the last close found, what the checks use."""
         needs = self.needs(configured)
         return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
@@ -262,7 +263,7 @@ async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Paus
         _record(w, now, "a restore found it as it was")
         rec.restored = "as_it_was"
         return True
-    change = {"was": was.to_dict(), "now": now.to_dict(), "smaller": short, "repaired": False, "at": now.at}
+    change: JsonObject = {"was": was.to_dict(), "now": now.to_dict(), "smaller": short, "repaired": False, "at": now.at}
     if not repaired:
         log.warning("resident_changed", was=was.describe(), now=now.describe(), smaller="; ".join(short),
                     next="the resident is started again with the room it had at its baseline")

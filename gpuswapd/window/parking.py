@@ -22,6 +22,7 @@ from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import ContainerHandle, WindowRecord, _Fields
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
@@ -67,7 +68,7 @@ class Parked:
         """Return the host pids of the parked engine's processes, as recorded when it served."""
         return self.container.pid_list
 
-    def status(self, keep: float) -> dict[str, Any]:
+    def status(self, keep: float) -> JsonObject:
         """Describe it for ``status``."""
         return {"container": self.container.name, "profile": self.profile, "since": self.since,
                 "level": self.level,

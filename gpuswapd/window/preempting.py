@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import PreemptedHolder, Preemption, WindowRecord
 from gpuswapd.tasks import spawn
 from gpuswapd.window import opening
@@ -190,5 +191,5 @@ async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
             w.writer.request()
 
 
-def _described(lease: Lease) -> dict[str, Any]:
+def _described(lease: Lease) -> JsonObject:
     return {"id": lease.id, "holder": lease.holder, "unit": lease.unit, "priority": lease.priority}

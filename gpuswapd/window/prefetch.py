@@ -33,6 +33,7 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.parts.modelfiles import model_files
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import ContainerHandle, WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import spawn
@@ -90,7 +91,7 @@ class ResidentFiles:
             self.ratio = _ratio(sum(f.cached for f in readable), sum(f.size for f in readable))
         return measured
 
-    async def describe(self, units: Sequence[str]) -> dict[str, Any]:
+    async def describe(self, units: Sequence[str]) -> JsonObject:
         """Say for ``plan`` which files the resident loads, each with its size and cached fraction."""
         if self.files is None:
             return {"files": [], "cached": None, "prefetch": False}
@@ -113,15 +114,16 @@ class ResidentFiles:
         # The task took the driver's logging context when it was made: its phase moves on without it.
         structlog.contextvars.unbind_contextvars("phase")
         started = clock.monotonic()
-        report: dict[str, Any] = {"outcome": "finding"}
+        report: JsonObject = {"outcome": "finding"}
         rec.prefetch = report
         stop, progress, total = threading.Event(), Progress(), 0
         try:
             measured = await self.measure(await self.find(rec.units))
             files = [f for f in measured.files if f.error is None]
             total, cached = sum(f.size for f in files), sum(f.cached for f in files)
-            report.update(files=[{"path": f.path, "bytes": f.size, "cached_before": round(f.ratio, 4)} for f in files],
-                          bytes=total, cached_before=_ratio(cached, total), read_bytes=0)
+            rows: list[JsonObject] = [{"path": f.path, "bytes": f.size, "cached_before": round(f.ratio, 4)}
+                                      for f in files]
+            report.update(files=rows, bytes=total, cached_before=_ratio(cached, total), read_bytes=0)
             if not files or cached >= total:
                 report.update(outcome="no_files" if not files else "cached", cached_after=report["cached_before"])
                 return
@@ -140,8 +142,9 @@ class ResidentFiles:
                                                  [f.path for f in files], stop, progress)
             after = await self.measure([f.path for f in files])
             done = {f.path: f for f in after.files if f.error is None}
-            for row in report["files"]:
-                row["cached_after"] = round(done[row["path"]].ratio, 4) if row["path"] in done else None
+            for row in rows:
+                path = str(row["path"])
+                row["cached_after"] = round(done[path].ratio, 4) if path in done else None
             report.update(outcome="done", cached_after=_ratio(sum(f.cached for f in done.values()), total),
                           read_bytes=progress.read)
             log.info("resident_prefetched", read=format_size(progress.read), cached_before=report["cached_before"],

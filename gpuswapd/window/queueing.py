@@ -26,9 +26,10 @@ from typing import Any
 from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.phases import Phase
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import Finished
 
-Listener = Callable[[dict[str, Any]], None]
+Listener = Callable[[JsonObject], None]
 TIMES_KEPT = 20  # windows per profile whose open times estimate the next
 
 
@@ -85,7 +86,7 @@ class Times:
         """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
         return float(statistics.median(self._close)) if self._close else None
 
-    def boots(self) -> dict[str, dict[str, Any]]:
+    def boots(self) -> dict[str, JsonObject]:
         """Describe each profile's boots to healthy (BOOTING): the last two, the longest, how many."""
         return {profile: boots.to_dict() for profile, boots in sorted(self._boots.items())}
 
@@ -94,7 +95,7 @@ class Times:
         seen = self._open.get(profile)
         return float(statistics.median(seen)) if seen else None
 
-    def saved(self) -> dict[str, Any] | None:
+    def saved(self) -> JsonObject | None:
         """Say what a direct switch saves: the resident's start and verify, as last measured."""
         if not self._restore:
             return None
@@ -208,14 +209,14 @@ class Queue:
         if waiter in self.waiters:
             self.waiters.remove(waiter)
 
-    def describe(self, times: Times, ahead_s: float, now: float) -> list[dict[str, Any]]:
+    def describe(self, times: Times, ahead_s: float, now: float) -> list[JsonObject]:
         """Describe the queue for ``status``: holder, profile, position, waited and an ETA.
 
         The ETA is ``ahead_s`` (the open window's remaining lease time plus linger) plus the
         median open time of each window to open before and with this request's; null when history
         has no open time for one of them yet.
         """
-        out: list[dict[str, Any]] = []
+        out: list[JsonObject] = []
         windows: list[str] = []
         for position, w in enumerate(self.queued(now), start=1):
             if not windows or windows[-1] != w.profile:

@@ -44,6 +44,7 @@ from gpuswapd.parts.engine import BareEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
+from gpuswapd.protocol import JsonObject
 from gpuswapd.record import BaselineRestore, Finished, WindowRecord
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
@@ -246,7 +247,7 @@ class Window:
             log.info("window_abandoned", reason="the last waiting client went away")
             self._opening.cancel()
 
-    def queue_status(self, now: float | None = None) -> list[dict[str, Any]]:
+    def queue_status(self, now: float | None = None) -> list[JsonObject]:
         """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
         now = clock.wall() if now is None else now
         rec, ahead = self.record, 0.0
@@ -336,7 +337,7 @@ class Window:
         """List the leases of the open window."""
         return self.record.leases.all() if self.record else []
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JsonObject:
         """Describe the window now: phase, leases, waiters, the last window, what is amiss."""
         now = clock.wall()
         return {
@@ -356,7 +357,7 @@ class Window:
             "resident": self.known.status(self.config.gpu.resident_needs),
         }
 
-    def resident_back(self, now: float) -> dict[str, Any] | None:
+    def resident_back(self, now: float) -> JsonObject | None:
         """Estimate when the resident serves again: the last lease's expiry, the linger, the measured close.
 
         None while no window is open (it serves now) and when there is no estimate: a lease for
@@ -382,7 +383,7 @@ class Window:
         return {"at": round(at, 3), "in_s": round(at - now, 3),
                 "close_s": None if close_s is None else round(close_s, 3)}
 
-    async def remove_parked(self) -> dict[str, Any]:
+    async def remove_parked(self) -> JsonObject:
         """Remove the parked engine now (``gpuswapctl park --remove``); say what was removed."""
         parked = self.parked
         if parked is None:
@@ -481,7 +482,7 @@ class Window:
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
         await failpoint(f"{phase}:closing" if rec.closing and phase is not Phase.CLOSING else str(phase))
 
-    def tell_holders(self, event: dict[str, Any], leases: list[Lease] | None = None) -> None:
+    def tell_holders(self, event: JsonObject, leases: list[Lease] | None = None) -> None:
         """Send an event to the held connections of these leases (by default, every lease of the open window)."""
         if leases is None:
             self.end_watchers("ended")
@@ -498,7 +499,7 @@ class Window:
             listener = self.lease_watchers.pop(lease_id)
             listener({"event": "lease_ended", "lease": lease_id, "reason": reason})
 
-    def tell(self, event: dict[str, Any]) -> None:
+    def tell(self, event: JsonObject) -> None:
         """Send an event to every client waiting for the window."""
         for listener in list(self._listeners):
             listener(event)

@@ -26,6 +26,7 @@ from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.peers import LinuxHost, Peer, PeerChanged, identify
 from gpuswapd.server.server import Server
+from gpuswapd.window.plan import Plan
 from tests.fakes import FakeHost, FakeProcess, FakeUnit, FakeWorld, running, settle
 
 ALICE, BOB, EVE = 1000, 1001, 1002
@@ -55,7 +56,7 @@ def serve(world: FakeWorld, host: FakeHost, tmp_path: Path, **daemon: Any) -> tu
         world.config.daemon, socket_group="gpuswap-test", **daemon))
     window = world.window(Outside(Deadlines(systemd=5, docker=5, gpu=5, state=5, http=5, workers=4)))
     server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
-                    planner=lambda profile: asyncio.sleep(0, {}), host=host)
+                    planner=lambda profile: asyncio.sleep(0, Plan.from_dict({})), host=host)
     return server, tmp_path / "gpuswapd.sock"
 
 

@@ -182,7 +182,7 @@ def test_plan_lists_each_file_with_its_size_and_cached_fraction_and_the_metric_f
         plan = await make_plan(fw.config, w.resident, w.engine, w.vram, files=w.files)
         assert b'gpuswapd_resident_cached_ratio{instance="default"} 0.25' in metrics.exposition()
         w.outside.close()
-        return plan
+        return plan.to_dict()
 
     plan = run(main())
     assert plan["resident_files"] == {
@@ -275,7 +275,7 @@ def test_a_name_where_a_path_would_be_is_no_file_of_the_resident() -> None:
         first = await make_plan(fw.config, w.resident, w.engine, w.vram, files=w.files)
         again = await make_plan(fw.config, w.resident, w.engine, w.vram, files=w.files)
         w.outside.close()
-        return [first, again]
+        return [first.to_dict(), again.to_dict()]
 
     with structlog.testing.capture_logs() as logs:
         plans = run(main())

@@ -23,6 +23,7 @@ from gpuswapd.server.listen import own_socket
 from gpuswapd.server.peers import Peer
 from gpuswapd.server.server import Server
 from gpuswapd.server.watch import MAX_BUFFERED
+from gpuswapd.window.plan import Plan
 from tests.fakes import PROFILE_CONFIG, FakeWorld, running, settle
 
 FLOOD = """
@@ -73,7 +74,7 @@ def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Se
         socket_group=grp.getgrgid(os.getgid()).gr_name))
     window = world.window(Outside(FLOOD_DEADLINES))
     server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
-                    planner=lambda profile: asyncio.sleep(0, {}))
+                    planner=lambda profile: asyncio.sleep(0, Plan.from_dict({})))
     return server, path
 
 

@@ -1,0 +1,77 @@
+"""How the package is laid out: what may hold what."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[2] / "gpuswapd"
+# Where dict[str, Any] stays: what speaks JSON to the outside (the socket protocol, the CLI, the
+# gateway's HTTP), the configuration's TOML input, and the adapters' JSON from outside.
+WIRE_MODULES = ("protocol.py", "ctl/", "config.py", "adapters/", "gateway/")
+WIRE_METHODS = frozenset({"to_dict", "from_dict"})
+DICT_ANY_BOUND = 20
+
+
+def _is_dict_any(node: ast.AST) -> bool:
+    """Tell whether ``node`` is ``dict[str, Any]`` (or ``Dict[str, Any]``)."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+            and node.value.id in ("dict", "Dict") and isinstance(node.slice, ast.Tuple)
+            and len(node.slice.elts) == 2):
+        return False
+    key, value = node.slice.elts
+    return isinstance(key, ast.Name) and key.id == "str" and isinstance(value, ast.Name) and value.id == "Any"
+
+
+def _aliases(trees: dict[str, ast.Module]) -> set[str]:
+    """Name the module-level aliases of dict[str, Any], anywhere in the package."""
+    names = set()
+    for tree in trees.values():
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign) and _is_dict_any(stmt.value):
+                names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+            elif (isinstance(stmt, ast.AnnAssign) and stmt.value is not None and _is_dict_any(stmt.value)
+                  and isinstance(stmt.target, ast.Name)):
+                names.add(stmt.target.id)
+    return names
+
+
+def _annotations(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg]
+        return [a.annotation for a in args if a is not None and a.annotation is not None] + \
+            ([node.returns] if node.returns is not None else [])
+    if isinstance(node, ast.AnnAssign):
+        return [node.annotation]
+    return []
+
+
+def dict_any_outside_wire_modules() -> list[str]:
+    """List where dict[str, Any] or an alias of it is written outside the wire modules (path:line)."""
+    trees = {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+    aliases = _aliases(trees)
+    found: list[str] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in WIRE_METHODS:
+            return
+        if _is_dict_any(node):  # anywhere: an annotation, an alias, a cast
+            found.append(f"gpuswapd/{where}:{getattr(node, 'lineno', 0)}")
+            return
+        for annotation in _annotations(node):  # an alias's uses
+            found.extend(f"gpuswapd/{where}:{n.lineno} ({n.id})" for n in ast.walk(annotation)
+                         if isinstance(n, ast.Name) and n.id in aliases)
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    for where, tree in trees.items():
+        if not where.startswith(WIRE_MODULES):
+            visit(tree, where)
+    return found
+
+
+def test_dict_any_outside_wire_modules_is_bounded() -> None:
+    found = dict_any_outside_wire_modules()
+    assert len(found) <= DICT_ANY_BOUND, (
+        f"{len(found)} dict[str, Any] outside the wire modules (at most {DICT_ANY_BOUND}): a value that "
+        "crosses modules is a dataclass with to_dict/from_dict:\n" + "\n".join(found))
