@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuswapd import clock, ids
+from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
+from gpuswapd.sizes import format_size
 
 
 @dataclass
@@ -264,3 +266,50 @@ def _lease(data: Any, where: str) -> Lease:
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
                  int(d.number("priority", default=0)), bind == "connection")
+
+
+# What the window's container record says that a parked engine's does not need.
+_WINDOW_ONLY = ("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
+
+
+@dataclass
+class Parked:
+    """The engine left asleep by the last window."""
+
+    container: dict[str, Any]  # the window's container record: name, created, image, window, spec
+    since: float
+    level: int
+    residual_bytes: int
+    canary: str
+    profile: str = DEFAULT_PROFILE
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the state document."""
+        return {"container": self.container, "since": self.since, "level": self.level,
+                "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Parked:
+        """Rebuild from the state document; ValueError names what is wrong."""
+        d = _Fields(data, "parked")
+        container = d.table("container")
+        if container is None or not isinstance(container.get("name"), str):
+            raise ValueError("parked.container: expected the parked container's record")
+        level = int(d.number("level"))
+        if level not in (1, 2):
+            raise ValueError("parked.level: expected 1 or 2")
+        return cls(container=container, since=d.number("since"), level=level,
+                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
+                   profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
+
+    @property
+    def pids(self) -> list[int]:
+        """Return the host pids of the parked engine's processes, as recorded when it served."""
+        return [pid for pid in self.container.get("pids") or [] if isinstance(pid, int) and not isinstance(pid, bool)]
+
+    def status(self, keep: float) -> dict[str, Any]:
+        """Describe it for ``status``."""
+        return {"container": self.container.get("name"), "profile": self.profile, "since": self.since,
+                "level": self.level,
+                "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
+                "expires_at": self.since + keep, "next_open": "warm"}

@@ -48,7 +48,7 @@ class Document:
     queue: list[dict[str, Any]] = field(default_factory=list)
     # Resident units an operator stopped while no window was open: left down until started again.
     held_down: dict[str, float] = field(default_factory=dict)
-    # What the resident is (gpuswapd.window.identity.Known): its baseline, its footprint, a change left.
+    # What the resident is (gpuswapd.window.baseline.Known): its baseline, its footprint, a change left.
     resident: dict[str, Any] | None = None
 
 

@@ -25,7 +25,7 @@ from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import Parked, WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
 from gpuswapd.window import identity, parking
@@ -41,7 +41,7 @@ class Opening:
     window: Window
     rec: WindowRecord
     timers: list[TimerState] = field(default_factory=list)
-    parked: parking.Parked | None = None
+    parked: Parked | None = None
     running: list[str] = field(default_factory=list)  # the resident's active units, as the timers were paused
 
     @property
@@ -94,7 +94,7 @@ async def preflight(w: Window, profile: str) -> None:
     await w.engine_of(profile).preflight(check_port=False)
 
 
-async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
+async def _usable_parked(w: Window, rec: WindowRecord) -> Parked | None:
     """Return the parked engine if this window can wake it; remove it (resident untouched) if not.
 
     An engine of another profile stays parked only if this window fits beside it.

@@ -15,14 +15,13 @@ While parked it is watched: an engine that dies, stops saying it sleeps, or stay
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
+from gpuswapd.config import ParkConfig
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
-from gpuswapd.record import WindowRecord, _Fields
+from gpuswapd.record import _WINDOW_ONLY, Parked, WindowRecord
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
@@ -30,53 +29,6 @@ if TYPE_CHECKING:
     from gpuswapd.window.window import Window
 
 RETRY_S = (1.0, 60.0)
-# What the window's container record says that a parked engine's does not need.
-_WINDOW_ONLY = ("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
-
-
-@dataclass
-class Parked:
-    """The engine left asleep by the last window."""
-
-    container: dict[str, Any]  # the window's container record: name, created, image, window, spec
-    since: float
-    level: int
-    residual_bytes: int
-    canary: str
-    profile: str = DEFAULT_PROFILE
-
-    def to_dict(self) -> dict[str, Any]:
-        """Serialize for the state document."""
-        return {"container": self.container, "since": self.since, "level": self.level,
-                "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Parked:
-        """Rebuild from the state document; ValueError names what is wrong."""
-        d = _Fields(data, "parked")
-        container = d.table("container")
-        if container is None or not isinstance(container.get("name"), str):
-            raise ValueError("parked.container: expected the parked container's record")
-        level = int(d.number("level"))
-        if level not in (1, 2):
-            raise ValueError("parked.level: expected 1 or 2")
-        return cls(container=container, since=d.number("since"), level=level,
-                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
-                   profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
-
-    @property
-    def pids(self) -> list[int]:
-        """Return the host pids of the parked engine's processes, as recorded when it served."""
-        return [pid for pid in self.container.get("pids") or [] if isinstance(pid, int) and not isinstance(pid, bool)]
-
-    def status(self, keep: float) -> dict[str, Any]:
-        """Describe it for ``status``."""
-        return {"container": self.container.get("name"), "profile": self.profile, "since": self.since,
-                "level": self.level,
-                "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
-                "expires_at": self.since + keep, "next_open": "warm"}
-
-
 def host_ram_available() -> int | None:
     """Read MemAvailable from /proc/meminfo (None where it cannot be read)."""
     try:

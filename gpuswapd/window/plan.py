@@ -11,8 +11,8 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.parts.engine import Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram, predict_fit
+from gpuswapd.record import Parked
 from gpuswapd.sizes import format_size
-from gpuswapd.window.parking import Parked
 from gpuswapd.window.prefetch import ResidentFiles
 
 

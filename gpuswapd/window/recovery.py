@@ -13,10 +13,11 @@ from gpuswapd.config import DEFAULT_PROFILE
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
-from gpuswapd.record import PhaseTiming, WindowRecord
+from gpuswapd.record import Parked, PhaseTiming, WindowRecord
 from gpuswapd.state.store import Loaded
 from gpuswapd.tasks import uncancel
-from gpuswapd.window import closing, holding, identity, opening, parking, preempting
+from gpuswapd.window import closing, holding, opening, parking, preempting
+from gpuswapd.window.baseline import Known
 
 if TYPE_CHECKING:
     from gpuswapd.window.window import Window
@@ -58,12 +59,12 @@ async def recover_at_start(window: Window) -> None:
     if document is not None:
         window.held_down = dict(document.held_down)
         try:
-            window.known = identity.Known.from_dict(document.resident)
+            window.known = Known.from_dict(document.resident)
         except ValueError as err:  # what the resident was is learned again
             log.error("resident_state_unreadable", error=str(err))
     if document is not None and document.parked is not None:
         try:
-            window.parked = parking.Parked.from_dict(document.parked)
+            window.parked = Parked.from_dict(document.parked)
         except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
             log.error("parked_state_unreadable", error=str(err))
     if document is not None and document.queue:

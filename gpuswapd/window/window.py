@@ -44,11 +44,12 @@ from gpuswapd.parts.engine import BareEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import Parked, WindowRecord
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
 from gpuswapd.tasks import spawn, uncancel
 from gpuswapd.window import closing, holding, identity, opening, parking, preempting, recovery
+from gpuswapd.window.baseline import Known
 from gpuswapd.window.prefetch import ResidentFiles
 from gpuswapd.window.progress import progress
 from gpuswapd.window.queueing import Listener, Queue, Times, Waiter
@@ -107,9 +108,9 @@ class Window:
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
-        self.parked: parking.Parked | None = None  # the engine asleep between windows
+        self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
-        self.known = identity.Known()  # what the resident is: its baseline, its footprint, a change left
+        self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
@@ -399,7 +400,7 @@ class Window:
             parking.watch(self)
         return parked.status(self._keep(parked))
 
-    def _keep(self, parked: parking.Parked) -> float:
+    def _keep(self, parked: Parked) -> float:
         return self.config.profile(parked.profile).engine.park.keep
 
     def closed_because(self) -> str:
