@@ -49,7 +49,7 @@ from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.server.peers import Peer, PeerChanged
 from gpuswapd.state.store import Document, Loaded, decode
-from gpuswapd.window.window import Backoffs, Window
+from gpuswapd.window import Backoffs, Window
 
 GiB = 1 << 30
 RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"

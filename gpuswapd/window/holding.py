@@ -17,10 +17,10 @@ from gpuswapd.window import closing, opening, preempting
 WATCH_BARE_S = 10.0  # a bare window has no engine to watch; leases and the queue still wake it
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
-async def hold_then_close(w: Window, rec: WindowRecord) -> None:
+async def hold_then_close(w: Context, rec: WindowRecord) -> None:
     """Hold the window while it is wanted and the engine serves, then close it."""
     if await hold(w, rec):
         await closing.close(w, rec, "closed")
@@ -30,7 +30,7 @@ async def hold_then_close(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "engine_failed")
 
 
-async def hold(w: Window, rec: WindowRecord) -> bool:
+async def hold(w: Context, rec: WindowRecord) -> bool:
     """Keep the window READY while leases last, plus ``linger``; False if the engine was lost.
 
     A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
@@ -83,7 +83,7 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
         await reap(watch)
 
 
-async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
+async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
     """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
     cfg = w.profile.engine
     log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.max_restarts)

@@ -39,7 +39,7 @@ from gpuswapd.window import parking
 from gpuswapd.window.baseline import Identity, smaller
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 Pause = Callable[[float], Awaitable[None]]
 POLL_S = 0.25
@@ -50,7 +50,7 @@ WARN_AFTER = 5  # tries at start before an unanswered /props is warned of (it ma
 # -- reading it -----------------------------------------------------------------------------------
 
 
-async def read(w: Window, units: list[str]) -> Identity:
+async def read(w: Context, units: list[str]) -> Identity:
     """Read what the resident is now, and what the processes of ``units`` hold on the card."""
     props, models = await w.resident.what_it_is()
     held = await _held(w, units)
@@ -59,7 +59,7 @@ async def read(w: Window, units: list[str]) -> Identity:
                     None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall())
 
 
-async def _held(w: Window, units: list[str]) -> list[Holder] | None:
+async def _held(w: Context, units: list[str]) -> list[Holder] | None:
     """List the card's processes that belong to ``units`` (None: the card cannot be read)."""
     try:
         reading = await w.vram.read(processes=True)
@@ -75,7 +75,7 @@ async def _held(w: Window, units: list[str]) -> list[Holder] | None:
     return held
 
 
-async def _others(w: Window, units: list[str]) -> list[Holder]:
+async def _others(w: Context, units: list[str]) -> list[Holder]:
     """List what processes outside ``units`` hold on the card now, largest first."""
     try:
         reading = await w.vram.read(processes=True)
@@ -91,7 +91,7 @@ async def _others(w: Window, units: list[str]) -> list[Holder]:
     return out
 
 
-async def learn_footprint(w: Window, running: list[str]) -> None:
+async def learn_footprint(w: Context, running: list[str]) -> None:
     """Before a window stops the resident, learn what its processes hold; warn once if more than it is said to need."""
     held = await _held(w, running)
     if not held:
@@ -110,7 +110,7 @@ async def learn_footprint(w: Window, running: list[str]) -> None:
 # -- after a restore's verify -----------------------------------------------------------------------
 
 
-async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | None:
+async def _read_within(w: Context, units: list[str], pause: Pause) -> Identity | None:
     """Read it, retrying a server that does not answer yet, a while; None: unread.
 
     The resident has just answered a completion: a /props that does not answer within
@@ -134,7 +134,7 @@ async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | 
             await pause(delay)
 
 
-def _record(w: Window, now: Identity, why: str) -> None:
+def _record(w: Context, now: Identity, why: str) -> None:
     """Make ``now`` the baseline (and clear a change it makes good)."""
     known, was = w.known, w.known.baseline
     known.baseline = now
@@ -146,7 +146,7 @@ def _record(w: Window, now: Identity, why: str) -> None:
     w.writer.request()
 
 
-async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Pause) -> bool:
+async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pause) -> bool:
     """Compare the resident just verified with its baseline; False: it is smaller and a repair comes first."""
     now = await _read_within(w, rec.units, pause)
     if now is None:
@@ -182,7 +182,7 @@ async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Paus
     return True
 
 
-def _restored_smaller(w: Window, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:
+def _restored_smaller(w: Context, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:
     """Say for a person what came back, what holds the memory, and the next step."""
     held = "; ".join(h.describe() for h in others) or "no other process"
     text = (f"the resident came back smaller than its baseline, even after a restart with the room it had: "
@@ -201,7 +201,7 @@ def _size(nbytes: int | None) -> str:
     return "unknown" if nbytes is None else format_size(nbytes)
 
 
-async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
+async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
     """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
     if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
         raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.get('name')}, "
@@ -233,7 +233,7 @@ async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
 # -- while no window is open ---------------------------------------------------------------------------
 
 
-async def record_at_start(w: Window) -> None:
+async def record_at_start(w: Context) -> None:
     """Record the baseline at start once the resident serves while no window is open."""
     attempt, first, cap = 0, *w.backoffs.restore
     units = w.config.resident.units
@@ -256,7 +256,7 @@ async def record_at_start(w: Window) -> None:
         await sleep_unless(w.stopping, min(cap, first * 2 ** (attempt - 1)))
 
 
-def _at_start(w: Window, now: Identity) -> None:
+def _at_start(w: Context, now: Identity) -> None:
     """Take what runs at start as the baseline, unless the last close left it smaller and it still is.
 
     Another model file or alias is its operator's change, never llama.cpp's fitting: it is taken.
@@ -270,7 +270,7 @@ def _at_start(w: Window, now: Identity) -> None:
     _record(w, now, "gpuswapd started with the resident serving")
 
 
-async def recheck(w: Window) -> None:
+async def recheck(w: Context) -> None:
     """While idle, see whether a resident left smaller is back as it was (its operator restarted it, say)."""
     was = w.known.baseline
     if w.known.changed is None or was is None or w.record is not None:

@@ -31,14 +31,14 @@ from gpuswapd.tasks import together
 from gpuswapd.window import identity, parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
 @dataclass
 class Opening:
     """One window on its way to READY, and what its steps learn for the next ones."""
 
-    window: Window
+    window: Context
     rec: WindowRecord
     timers: list[TimerState] = field(default_factory=list)
     parked: Parked | None = None
@@ -85,7 +85,7 @@ async def _nothing() -> None:
     return None
 
 
-async def preflight(w: Window, profile: str) -> None:
+async def preflight(w: Context, profile: str) -> None:
     """Check, changing nothing, that a window of ``profile`` could bring its engine up (a parked one is woken)."""
     parked = w.parked
     if parked is not None and parked.profile == profile:
@@ -94,7 +94,7 @@ async def preflight(w: Window, profile: str) -> None:
     await w.engine_of(profile).preflight(check_port=False)
 
 
-async def _usable_parked(w: Window, rec: WindowRecord) -> Parked | None:
+async def _usable_parked(w: Context, rec: WindowRecord) -> Parked | None:
     """Return the parked engine if this window can wake it; remove it (resident untouched) if not.
 
     An engine of another profile stays parked only if this window fits beside it.
@@ -120,7 +120,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> Parked | None:
     return None
 
 
-async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = frozenset(),
+async def check_fit(w: Context, need: int | None = None, going: frozenset[int] = frozenset(),
                     unsure: bool = False, reading: VramReading | None = None, running: list[str] | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free.
 
@@ -198,14 +198,14 @@ async def _warm(op: Opening) -> None:
     await learn_pids(op.window, op.rec)
 
 
-async def learn_pids(w: Window, rec: WindowRecord) -> None:
+async def learn_pids(w: Context, rec: WindowRecord) -> None:
     """Record the engine's processes (all it ever had): the card lists their memory under these pids."""
     if rec.container is not None:
         known = rec.container.get("pids") or []
         rec.container = {**rec.container, "pids": sorted({*known, *await w.engine.pids()})}
 
 
-async def learn_canary(w: Window, rec: WindowRecord) -> None:
+async def learn_canary(w: Context, rec: WindowRecord) -> None:
     """With park mode "sleep", learn whether the cold engine can sleep, and its canary's answer."""
     if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or rec.container is None:
         return
@@ -265,7 +265,7 @@ COLD: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
 )
 
 
-async def open_window(window: Window, rec: WindowRecord) -> None:
+async def open_window(window: Context, rec: WindowRecord) -> None:
     """Take a new window from DRAINING to the edge of READY; raise on any failure."""
     op = Opening(window, rec)
     for phase, step in BEFORE_ENGINE:

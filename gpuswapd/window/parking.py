@@ -26,7 +26,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 RETRY_S = (1.0, 60.0)
 def host_ram_available() -> int | None:
@@ -41,7 +41,7 @@ def host_ram_available() -> int | None:
     return None
 
 
-def _level(w: Window) -> int:
+def _level(w: Context) -> int:
     """Pick the sleep level: level 1 holds the weights in host RAM, so it needs room there."""
     park = w.profile.engine.park
     if park.level == 1 and park.host_ram_needs:
@@ -54,10 +54,10 @@ def _level(w: Window) -> int:
     return park.level
 
 
-async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> bool:
+async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bool:
     """Put the window's engine to sleep and park it, if it may be and ``need`` is then free.
 
-    ``need`` is what comes next: the resident (``Window.resident_needs``), or the next window of a
+    ``need`` is what comes next: the resident (``Context.resident_needs``), or the next window of a
     direct switch. False means it was not parked (the caller removes it); the log says why.
     """
     c = rec.container or {}
@@ -116,7 +116,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     return True
 
 
-async def remove(w: Window, why: str) -> bool:
+async def remove(w: Context, why: str) -> bool:
     """Remove the parked engine (the resident is left alone); False if Docker would not."""
     parked = w.parked
     if parked is None:
@@ -133,20 +133,20 @@ async def remove(w: Window, why: str) -> bool:
     return True
 
 
-def watch(w: Window) -> None:
+def watch(w: Context) -> None:
     """Watch the parked engine while no window is open (replacing any earlier watch)."""
     if w.parked is not None and (w.park_watch is None or w.park_watch.done()):
         w.park_watch = spawn(_watch(w), "park-watch")
 
 
-async def stop_watching(w: Window) -> None:
+async def stop_watching(w: Context) -> None:
     """Stop watching the parked engine (a window is about to use it or gpuswapd stops)."""
     task, w.park_watch = w.park_watch, None
     if task is not None and task is not asyncio.current_task():
         await reap(task)
 
 
-def _park_config(w: Window, parked: Parked) -> tuple[ParkConfig, float] | None:
+def _park_config(w: Context, parked: Parked) -> tuple[ParkConfig, float] | None:
     """Return the parked engine's park settings and watch interval (None: its profile is gone)."""
     try:
         window = w.config.profile(parked.profile).window
@@ -155,7 +155,7 @@ def _park_config(w: Window, parked: Parked) -> tuple[ParkConfig, float] | None:
     return (window.park, window.watch_interval) if window is not None else None
 
 
-async def _watch(w: Window) -> None:
+async def _watch(w: Context) -> None:
     failures = 0
     while w.parked is not None and not w.stopping.is_set():
         parked = w.parked
@@ -179,7 +179,7 @@ async def _watch(w: Window) -> None:
             await sleep_unless(w.stopping, min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
 
 
-async def check_at_start(w: Window) -> None:
+async def check_at_start(w: Context) -> None:
     """Keep a parked engine an earlier gpuswapd left only if it still sleeps and matches; else remove it."""
     parked = w.parked
     if parked is None:

@@ -32,7 +32,7 @@ from gpuswapd.window import opening
 from gpuswapd.window.queueing import Waiter
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next window's wait for VRAM
 
@@ -50,7 +50,7 @@ def under_way(rec: WindowRecord) -> bool:
     return rec.preempted is not None and rec.preempted.get("abandoned_at") is None
 
 
-async def check(w: Window, rec: WindowRecord) -> None:
+async def check(w: Context, rec: WindowRecord) -> None:
     """Start, abandon or complete a preemption of the READY window ``rec``."""
     now = clock.wall()
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
@@ -70,7 +70,7 @@ async def check(w: Window, rec: WindowRecord) -> None:
         await _revoke(w, rec, now)
 
 
-async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
+async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
     """Check, before anyone is told, that the preemptor's window could open; refuse it at once if not.
 
     Its image and env file must be there, and it must fit on the card beside what stays once this
@@ -98,7 +98,7 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
     return True
 
 
-async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
+async def _notice(w: Context, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
     grace = w.config.daemon.preempt_grace
     leases = rec.leases.all()
     rec.preempted = {"by": holder, "profile": profile, "priority": priority, "at": now, "grace_s": grace,
@@ -113,7 +113,7 @@ async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, prior
     w.notify_status()
 
 
-async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
+async def _yielded(w: Context, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
     rec.preempted = {**rec.preempted, "yielded_at": now}
     await w.persist(required=False)
@@ -122,7 +122,7 @@ async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
     w.notify_status()
 
 
-async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
+async def _abandon(w: Context, rec: WindowRecord, why: str, now: float) -> None:
     assert rec.preempted is not None
     rec.preempted = {**rec.preempted, "abandoned_at": now, "abandoned": why}
     await w.persist(required=False)
@@ -131,7 +131,7 @@ async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
     w.notify_status()
 
 
-async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
+async def _revoke(w: Context, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
     leases = rec.leases.clear()
     units = sorted({x.unit for x in leases if x.unit is not None and not never_stop(w, x.unit)})
@@ -151,7 +151,7 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
     w.wake.set()
 
 
-def resume_stops(w: Window, rec: WindowRecord) -> None:
+def resume_stops(w: Context, rec: WindowRecord) -> None:
     """Stop again the units of a revoked preemption whose stop was not confirmed (gpuswapd restarted)."""
     p = rec.preempted
     if p is None or p.get("revoked_at") is None:
@@ -162,12 +162,12 @@ def resume_stops(w: Window, rec: WindowRecord) -> None:
         spawn(_stop_unit(w, rec, unit), "preempt-stop")
 
 
-def never_stop(w: Window, unit: str) -> bool:
+def never_stop(w: Context, unit: str) -> bool:
     """Tell whether ``unit`` is one gpuswapd never stops for a preemption."""
     return any(fnmatch.fnmatchcase(unit, pattern) for pattern in w.config.daemon.never_stop)
 
 
-async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
+async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
     """Stop a preempted lease's unit, retrying with a backoff; note in the record once it is stopped."""
     first, cap = w.backoffs.preempt_stop
     for attempt in range(1, STOP_ATTEMPTS + 1):

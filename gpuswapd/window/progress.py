@@ -9,13 +9,13 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 GiB = 1024**3
 TICK_S = 1.0  # how often the line is refreshed while a window is open
 
 
-def progress(window: Window, rec: WindowRecord) -> str:
+def progress(window: Context, rec: WindowRecord) -> str:
     """Say how far ``rec``'s phase has come, as a suffix of its name ("" when there is nothing to say)."""
     if rec.phase is Phase.WAITING_VRAM:
         reading = window.vram.last
@@ -32,7 +32,7 @@ def progress(window: Window, rec: WindowRecord) -> str:
     return ""
 
 
-def _vram_needed(window: Window, rec: WindowRecord) -> int:
+def _vram_needed(window: Context, rec: WindowRecord) -> int:
     """Return what this WAITING_VRAM waits for: the profile's needs less its parked residual, or the resident's."""
     if rec.closing:
         return window.resident_needs

@@ -20,12 +20,12 @@ from gpuswapd.window import closing, holding, opening, parking, preempting
 from gpuswapd.window.baseline import Known
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
 
 
-async def recover_at_start(window: Window) -> None:
+async def recover_at_start(window: Context) -> None:
     """Pick up the state an earlier gpuswapd left, or restore the baseline if none can be read."""
     loaded: Loaded | None = None
     problem = ""
@@ -91,7 +91,7 @@ async def recover_at_start(window: Window) -> None:
     await parking.check_at_start(window)
 
 
-async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
+async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     preempting.resume_stops(w, rec)  # a preemption's stops that were not confirmed before the restart
@@ -132,7 +132,7 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "recovered")
 
 
-async def _lost_window(w: Window) -> str | None:
+async def _lost_window(w: Context) -> str | None:
     """Name a window whose engine runs orphaned though history never saw it close (a lost record)."""
     try:
         orphans = await w.engine_of(DEFAULT_PROFILE).orphaned(w.engines_kept())
@@ -142,7 +142,7 @@ async def _lost_window(w: Window) -> str | None:
     return next((win for win in orphans if win not in w.closed_windows), None)
 
 
-async def _learn_history(w: Window) -> None:
+async def _learn_history(w: Context) -> None:
     """Learn open and restore times from the history (queue ETAs, what a switch saves), and which windows closed."""
     try:
         for record in await w.outside.state.call("read_history", w.store.history, 200):
@@ -154,7 +154,7 @@ async def _learn_history(w: Window) -> None:
                     consequence="queue ETAs are unknown until windows have opened")
 
 
-def baseline_record(w: Window) -> WindowRecord:
+def baseline_record(w: Context) -> WindowRecord:
     """Make the record of a baseline restore; its units and timers come from systemd next.
 
     The record exists at once (status shows the close), but it is written only once systemd has
@@ -170,7 +170,7 @@ def baseline_record(w: Window) -> WindowRecord:
     return rec
 
 
-async def restore_baseline(w: Window, rec: WindowRecord) -> None:
+async def restore_baseline(w: Context, rec: WindowRecord) -> None:
     """Ask systemd what the baseline is, write it down, and close to it like any window."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     try:
@@ -187,7 +187,7 @@ async def restore_baseline(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "baseline_restored")
 
 
-async def _other_engines_down(w: Window) -> None:
+async def _other_engines_down(w: Context) -> None:
     """Take down every other engine profile's container too: which one held the card is unknown."""
     for profile in w.config.engine_profiles():
         if profile.name == DEFAULT_PROFILE:
@@ -205,7 +205,7 @@ async def _other_engines_down(w: Window) -> None:
                 await asyncio.sleep(delay)
 
 
-async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:
+async def _baseline_targets(w: Context) -> tuple[list[str], list[str]]:
     """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
     attempt = 0
     while True:
@@ -219,7 +219,7 @@ async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:
             await asyncio.sleep(delay)
 
 
-def _why(err: BaseException, window: Window) -> str:
+def _why(err: BaseException, window: Context) -> str:
     """Say what went wrong; an interruption at start is nobody's request, so it is only noted."""
     if isinstance(err, asyncio.CancelledError):
         uncancel()  # nothing stops gpuswapd while it starts: carry on

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -50,6 +49,7 @@ from gpuswapd.state.writer import StateWriter
 from gpuswapd.tasks import spawn, uncancel
 from gpuswapd.window import closing, holding, identity, opening, parking, preempting, recovery
 from gpuswapd.window.baseline import Known
+from gpuswapd.window.context import Backoffs
 from gpuswapd.window.prefetch import ResidentFiles
 from gpuswapd.window.progress import progress
 from gpuswapd.window.queueing import Listener, Queue, Times, Waiter
@@ -59,18 +59,6 @@ Owner = Callable[[Lease], bool]
 
 # Once the shutdown's bound has run out, how long the window may take to stop where it is.
 SHUTDOWN_ABORT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Backoffs:
-    """How the window waits between retries (first, cap), in seconds; tests shorten them."""
-
-    restore: tuple[float, float] = (1.0, 60.0)      # starting the resident again, in DEGRADED
-    take_down: tuple[float, float] = (0.5, 10.0)    # removing the engine at close
-    take_down_for: float = 30.0                     # ... before the restore goes on without it
-    driver: tuple[float, float] = (1.0, 60.0)       # after the driver itself failed
-    writer: tuple[float, float] = (0.2, 30.0)       # writing the state document
-    preempt_stop: tuple[float, float] = (1.0, 30.0)  # stopping a preempted lease's unit again
 
 
 class Window:
