@@ -35,6 +35,7 @@ from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.parts import engineview
 from gpuswapd.parts.engineview import EngineView
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import in_daemon_thread, reap, sleep_unless, spawn
 
 R = TypeVar("R")
@@ -313,7 +314,7 @@ class ContainerEngine:
 
     async def _watch_exit(self) -> None:
         """Wait for the container to exit; Docker being away is no exit (health still watches)."""
-        delay = WATCH_RETRY_S[0]
+        failures = 0
         while True:
             try:
                 state = await in_daemon_thread(self.docker.wait_exit, self.name, WATCH_WAIT_S, name="engine-watch")
@@ -321,9 +322,10 @@ class ContainerEngine:
                 self._exited_because(f"container {self.name} was removed behind gpuswapd's back")
                 return
             except DockerError as err:
+                failures += 1
+                delay = backoff(WATCH_RETRY_S, failures)
                 log.warning("engine_watch_lost", container=self.name, error=err.message, retry_in_s=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, WATCH_RETRY_S[1])
                 continue
             if state is not None:
                 try:
@@ -333,7 +335,7 @@ class ContainerEngine:
                 last = f": {tail[-1].strip()}" if tail else ""
                 self._exited_because(f"container {self.name} exited with code {state.exit_code}{last}")
                 return
-            delay = WATCH_RETRY_S[0]
+            failures = 0
 
     def _exited_because(self, reason: str) -> None:
         self._exit = reason

@@ -29,6 +29,7 @@ from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
+from gpuswapd.retry import backoff
 from gpuswapd.server.admission import Admission
 from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.server.watch import MAX_BUFFERED, Watchers
@@ -100,18 +101,19 @@ class Server:
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        delay = ACCEPT_BACKOFF_S[0]
+        failures = 0
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as err:
                 if err.errno not in _OUT_OF_RESOURCES:
                     raise
+                failures += 1
+                delay = backoff(ACCEPT_BACKOFF_S, failures)
                 log.error("accept_out_of_resources", error=err.strerror, open=self.admission.open, retry_in_s=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, ACCEPT_BACKOFF_S[1])
                 continue
-            delay = ACCEPT_BACKOFF_S[0]
+            failures = 0
             for accepted in [conn, *_pending(sock, ACCEPT_BATCH - 1)]:
                 self._admit(accepted)
             # sock_accept does not yield while connections are pending: let the clients already

@@ -24,6 +24,7 @@ from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
+from gpuswapd.retry import backoff, until_done
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.window import identity, parking
@@ -81,18 +82,18 @@ async def _retry_take_down(w: Context, rec: WindowRecord, until: float | None) -
     With a deadline, it also stops early once the resident would fit beside the engine: the
     restore can go on while the take-down is retried alongside it.
     """
-    first, cap = w.backoffs.take_down
-    delay = first
+    attempt = 0
     while True:
         try:
             await w.engine.take_down(rec.container)
         except GpuswapError as err:
+            attempt += 1
+            delay = backoff(w.backoffs.take_down, attempt)
             rec.fail(err)
             log.error("engine_take_down_failed", error=err.message, retry_in_s=delay)
             if until is not None and (clock.monotonic() + delay > until or await _resident_fits(w)):
                 return False
             await _pause(w, delay)
-            delay = min(delay * 2, cap)
             continue
         assert rec.container is not None
         rec.container = {**rec.container, "removed": True}
@@ -254,12 +255,6 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             await _degraded(w, rec, err, attempt)
 
 
-def backoff(bounds: tuple[float, float], attempt: int) -> float:
-    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap."""
-    first, cap = bounds
-    return float(min(cap, first * 2 ** max(0, attempt - 1)))
-
-
 async def _degraded(w: Context, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
     """Wait in DEGRADED before the next try; nobody gets a window meanwhile."""
     delay = backoff(w.backoffs.restore, attempt)
@@ -275,18 +270,11 @@ async def _degraded(w: Context, rec: WindowRecord, err: GpuswapError, attempt: i
 
 async def _resume(w: Context, rec: WindowRecord) -> None:
     """Start exactly the paused timers again; retry until they run (the record stays till then)."""
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            await w.resident.resume(rec.timers)
-            return
-        except GpuswapError as err:
-            rec.fail(err)
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.error("timers_resume_retry", error=err.message, retry_in_s=delay)
-            await _pause(w, delay)
+    def failed(err: GpuswapError, delay: float) -> None:
+        rec.fail(err)
+        log.error("timers_resume_retry", error=err.message, retry_in_s=delay)
+
+    await until_done(lambda: w.resident.resume(rec.timers), w.backoffs.restore, failed, lambda s: _pause(w, s))
 
 
 async def _pause(w: Context, seconds: float) -> None:
@@ -419,15 +407,18 @@ def sweep_orphans(w: Context) -> None:
         w.sweeper = spawn(_sweep(w), "orphan-sweep")
 
 
+class _SweepStopped(Exception):
+    """gpuswapd stops: the orphan sweep is left to its next start."""
+
+
 async def _sweep(w: Context) -> None:
-    attempt = 0
-    while not w.stopping.is_set():
-        attempt += 1
-        try:
-            await w.engine_of(DEFAULT_PROFILE).remove_orphans(w.engines_kept())
-            return
-        except GpuswapError as err:
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay)
-            await sleep_unless(w.stopping, delay)
+    async def pause(seconds: float) -> None:
+        if await sleep_unless(w.stopping, seconds):
+            raise _SweepStopped
+
+    if w.stopping.is_set():
+        return
+    with contextlib.suppress(_SweepStopped):
+        await until_done(lambda: w.engine_of(DEFAULT_PROFILE).remove_orphans(w.engines_kept()), w.backoffs.restore,
+                         lambda err, delay: log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay),
+                         pause)

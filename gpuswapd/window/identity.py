@@ -33,6 +33,7 @@ from gpuswapd.errors import BadResponse, Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import Holder
 from gpuswapd.record import WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import sleep_unless
 from gpuswapd.window import parking
@@ -117,14 +118,13 @@ async def _read_within(w: Context, units: list[str], pause: Pause) -> Identity |
     ``READ_FOR_S`` (or ``resident.verify.timeout``, if shorter) is a wrong URL, not a slow server.
     """
     deadline = clock.monotonic() + min(READ_FOR_S, w.config.resident.verify.timeout)
-    first, cap = w.backoffs.restore
     attempt = 0
     while True:
         try:
             return await read(w, units)
         except GpuswapError as err:
             attempt += 1
-            delay = min(cap, first * 2 ** (attempt - 1))
+            delay = backoff(w.backoffs.restore, attempt)
             # A wrong answer (a wrong URL, not llama-server) will not heal by asking again.
             if isinstance(err, BadResponse) or clock.monotonic() + delay > deadline:
                 log.warning("resident_identity_unread", error=err.message,
@@ -235,7 +235,7 @@ async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
 
 async def record_at_start(w: Context) -> None:
     """Record the baseline at start once the resident serves while no window is open."""
-    attempt, first, cap = 0, *w.backoffs.restore
+    attempt = 0
     units = w.config.resident.units
     while not w.stopping.is_set():
         if w.record is not None or len(w.queue):
@@ -253,7 +253,7 @@ async def record_at_start(w: Context) -> None:
                             consequence="no baseline of the resident yet (asked again until it answers): check "
                                         "resident.props_url and resident.verify.url")
         attempt += 1
-        await sleep_unless(w.stopping, min(cap, first * 2 ** (attempt - 1)))
+        await sleep_unless(w.stopping, backoff(w.backoffs.restore, attempt))
 
 
 def _at_start(w: Context, now: Identity) -> None:

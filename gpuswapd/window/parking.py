@@ -22,6 +22,7 @@ from gpuswapd.config import ParkConfig
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.record import _WINDOW_ONLY, Parked, WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
@@ -176,7 +177,7 @@ async def _watch(w: Context) -> None:
             continue
         if not await remove(w, why):
             failures += 1
-            await sleep_unless(w.stopping, min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
+            await sleep_unless(w.stopping, backoff(RETRY_S, failures))
 
 
 async def check_at_start(w: Context) -> None:

@@ -27,6 +27,7 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.record import WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import spawn
 from gpuswapd.window import opening
 from gpuswapd.window.queueing import Waiter
@@ -169,7 +170,6 @@ def never_stop(w: Context, unit: str) -> bool:
 
 async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
     """Stop a preempted lease's unit, retrying with a backoff; note in the record once it is stopped."""
-    first, cap = w.backoffs.preempt_stop
     for attempt in range(1, STOP_ATTEMPTS + 1):
         try:
             await w.resident.stop([unit])
@@ -179,7 +179,7 @@ async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
                 log.error("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
                           consequence="its lease is revoked; the next window waits for the VRAM it holds")
                 return  # still pending in the record: a restart of gpuswapd tries again
-            delay = min(cap, first * 2 ** (attempt - 1))
+            delay = backoff(w.backoffs.preempt_stop, attempt)
             log.warning("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
                         retry_in_s=delay)
             await asyncio.sleep(delay)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 import structlog
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.config import DEFAULT_PROFILE, Profile
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import Parked, PhaseTiming, WindowRecord
+from gpuswapd.retry import backoff, until_done
 from gpuswapd.state.store import Loaded
 from gpuswapd.tasks import uncancel
 from gpuswapd.window import closing, holding, opening, parking, preempting
@@ -42,7 +44,7 @@ async def recover_at_start(window: Context) -> None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(lane.deadline):
                     await lane.drained()
-            await asyncio.sleep(window.backoffs.driver[0] * 2**attempt)
+            await asyncio.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
     if loaded is not None and loaded.problems:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
     if loaded is not None and loaded.migrated:
@@ -190,33 +192,22 @@ async def restore_baseline(w: Context, rec: WindowRecord) -> None:
 async def _other_engines_down(w: Context) -> None:
     """Take down every other engine profile's container too: which one held the card is unknown."""
     for profile in w.config.engine_profiles():
-        if profile.name == DEFAULT_PROFILE:
-            continue  # the record's own: the close takes it down
-        c = profile.engine.container
-        attempt = 0
-        while True:
-            try:
-                await w.engine_of(profile.name).take_down({"name": c.name, "created": c.create})
-                break
-            except GpuswapError as err:
-                attempt += 1
-                delay = closing.backoff(w.backoffs.take_down, attempt)
-                log.error("engine_take_down_failed", container=c.name, error=err.message, retry_in_s=delay)
-                await asyncio.sleep(delay)
+        if profile.name != DEFAULT_PROFILE:  # the record's own: the close takes it down
+            await _take_down_other(w, profile)
+
+
+async def _take_down_other(w: Context, profile: Profile) -> None:
+    c = profile.engine.container
+    await until_done(lambda: w.engine_of(profile.name).take_down({"name": c.name, "created": c.create}),
+                     w.backoffs.take_down,
+                     lambda err, delay: log.error("engine_take_down_failed", container=c.name, error=err.message,
+                                                  retry_in_s=delay))
 
 
 async def _baseline_targets(w: Context) -> tuple[list[str], list[str]]:
     """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
-    attempt = 0
-    while True:
-        try:
-            return await w.resident.baseline()
-        except GpuswapError as err:
-            attempt += 1
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.error("baseline_unknown", error=err.message, retry_in_s=delay)
-            await asyncio.sleep(delay)
+    return await until_done(w.resident.baseline, w.backoffs.restore,
+                            lambda err, delay: log.error("baseline_unknown", error=err.message, retry_in_s=delay))
 
 
 def _why(err: BaseException, window: Context) -> str:

@@ -44,6 +44,7 @@ from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
 from gpuswapd.record import Parked, WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
 from gpuswapd.tasks import spawn, uncancel
@@ -710,7 +711,7 @@ class Window:
                 if rec is not None:
                     rec.fail(failure)
                 failures += 1
-                await asyncio.sleep(_backoff(self.backoffs.driver, failures))
+                await asyncio.sleep(backoff(self.backoffs.driver, failures))
                 if rec is not None and rec is self.unknown_baseline:
                     # It failed before systemd said what to restore: ask again.
                     step = recovery.restore_baseline(self, rec)
@@ -834,8 +835,3 @@ class Window:
         if self.record is not None:
             return False  # the close was left part-way (it said so in the log)
         return await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
-
-
-def _backoff(bounds: tuple[float, float], attempt: int) -> float:
-    first, cap = bounds
-    return float(min(cap, first * 2 ** max(0, attempt - 1)))
