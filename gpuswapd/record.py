@@ -313,3 +313,12 @@ class Parked:
                 "level": self.level,
                 "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
                 "expires_at": self.since + keep, "next_open": "warm"}
+
+
+def needs_less_residual(needs: int, profile: str, parked: Parked | None) -> int:
+    """Return the VRAM a window of ``profile`` that needs ``needs`` waits for.
+
+    A parked engine of the same profile is woken, not booted: the residual it holds is the window's already.
+    """
+    held = parked.residual_bytes if parked is not None and parked.profile == profile else 0
+    return max(0, needs - held)

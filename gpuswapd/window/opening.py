@@ -25,7 +25,7 @@ from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
-from gpuswapd.record import Parked, WindowRecord
+from gpuswapd.record import Parked, WindowRecord, needs_less_residual
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
 from gpuswapd.window import identity, parking
@@ -47,8 +47,7 @@ class Opening:
     @property
     def needs(self) -> int:
         """The VRAM to wait for: a parked engine already holds its residual."""
-        held = self.parked.residual_bytes if self.parked is not None else 0
-        return max(0, self.window.profile.needs - held)
+        return needs_less_residual(self.window.profile.needs, self.rec.profile, self.parked)
 
 
 async def _check_and_drain(op: Opening) -> None:

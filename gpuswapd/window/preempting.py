@@ -26,7 +26,7 @@ from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import WindowRecord, needs_less_residual
 from gpuswapd.retry import backoff
 from gpuswapd.tasks import spawn
 from gpuswapd.window import opening
@@ -81,11 +81,9 @@ async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
     going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
     # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
     unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
-    need = w.config.profile(by.profile).needs
     parked = w.parked
-    if parked is not None and parked.profile == by.profile:
-        need = max(0, need - parked.residual_bytes)  # woken: it holds that much already
-    elif parked is not None:
+    need = needs_less_residual(w.config.profile(by.profile).needs, by.profile, parked)
+    if parked is not None and parked.profile != by.profile:
         going |= set(parked.pids)  # removed if the window does not fit beside it
     try:
         await opening.preflight(w, by.profile)

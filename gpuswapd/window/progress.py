@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from gpuswapd import clock
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import WindowRecord, needs_less_residual
 
 if TYPE_CHECKING:
     from gpuswapd.window.context import Context
@@ -36,6 +36,4 @@ def _vram_needed(window: Context, rec: WindowRecord) -> int:
     """Return what this WAITING_VRAM waits for: the profile's needs less its parked residual, or the resident's."""
     if rec.closing:
         return window.resident_needs
-    parked = window.parked
-    held = parked.residual_bytes if parked is not None and parked.profile == rec.profile else 0
-    return max(0, window.profile.needs - held)
+    return needs_less_residual(window.profile.needs, rec.profile, window.parked)
