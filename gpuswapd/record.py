@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuswapd import clock, ids
-from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
@@ -54,7 +54,7 @@ class WindowRecord:
     baseline: dict[str, Any] | None = None
     start: str = "cold"  # "warm": the engine was woken from park
     profile: str = "default"
-    kind: str = "engine"  # "bare": no engine, the card is handed to the lease holders
+    kind: ProfileKind = ProfileKind.ENGINE  # BARE: no engine, the card is handed to the lease holders
     # A direct switch: the window this one took the card from (the resident stayed down), and the
     # resident's restore (start and verify) that the switch saved, as last measured.
     switched_from: str | None = None
@@ -238,10 +238,10 @@ def _restored(value: str | None) -> str | None:
     return value
 
 
-def _kind(value: str | None) -> str:
+def _kind(value: str | None) -> ProfileKind:
     if value not in (None, "engine", "bare"):
         raise ValueError(f"window.kind: expected 'engine' or 'bare', got {value!r}")
-    return value or "engine"
+    return ProfileKind(value or "engine")
 
 
 def _timing(data: Any, where: str) -> PhaseTiming:

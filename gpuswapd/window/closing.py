@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
@@ -71,7 +71,7 @@ async def _take_down(w: Context, rec: WindowRecord) -> None:
     going = [*((rec.container or {}).get("pids") or []), *await w.engine.pids()]
     if not await parking.try_park(w, rec, need):
         rec.freeing = sorted({*rec.freeing, *going})
-        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == "engine")
+        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == ProfileKind.ENGINE)
         await w.persist(required=False)
         await _retry_take_down(w, rec, clock.monotonic() + w.backoffs.take_down_for)
 
@@ -131,7 +131,7 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
             await w.vram.wait_free(w.resident_needs, max(0.1, deadline - clock.monotonic()))
             return
         except VramTimeout as err:
-            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
+            if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
                 log.error("vram_held_after_bare_window", error=err.message)
                 return
             # Starting the resident is still the best move: llama.cpp fits itself to what is
@@ -236,7 +236,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             # A process that just exited (a holder's, a start that failed) is still freeing its memory.
             await _let_exited_go(w)
             await _parked_leaves_room(w)
-            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
+            if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
             started = clock.monotonic()

@@ -26,7 +26,7 @@ from gpuswapd.config import Config, Profile
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.outside import Outside
-from gpuswapd.parts.engine import Engine
+from gpuswapd.parts.engine import ContainerEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
@@ -138,6 +138,11 @@ class Services(Protocol):
     @property
     def engine(self) -> Engine:
         """The engine of the window open now."""
+        ...
+
+    @property
+    def container_engine(self) -> ContainerEngine:
+        """The container of the engine window open now (a bare window has none: its steps check the kind first)."""
         ...
 
     @property

@@ -97,15 +97,15 @@ async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
             # fail with out of memory.
             await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
             free = w.vram.last.free_bytes if w.vram.last is not None else None
-            rec.container = await w.engine.bring_up(rec.id)
+            rec.container = await w.container_engine.bring_up(rec.id)
             if free is not None:
                 rec.container["free_before_boot"] = free  # what a sleeping engine keeps is measured against it
             await opening.learn_pids(w, rec)
             log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)
-            await w.engine.wait_serving(cfg.boot_timeout)
+            await w.container_engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)
-            await w.engine.warm()
+            await w.container_engine.warm()
             await opening.learn_canary(w, rec)
             await opening.learn_pids(w, rec)
         except GpuswapError as err:

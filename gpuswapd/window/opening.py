@@ -21,6 +21,7 @@ from gpuswapd import clock
 from gpuswapd.adapters.gpu import VramReading
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
+from gpuswapd.config import ProfileKind
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
@@ -183,16 +184,16 @@ async def _boot(op: Opening) -> None:
     rec.container = {"name": c.name, "created": c.create}
     await w.persist(required=True)
     free = w.vram.last.free_bytes if w.vram.last is not None else None
-    rec.container = await w.engine.bring_up(rec.id)
+    rec.container = await w.container_engine.bring_up(rec.id)
     if free is not None:
         rec.container["free_before_boot"] = free  # what the sleeping engine keeps is measured against it
     await learn_pids(w, rec)
     await w.persist(required=True)
-    await w.engine.wait_serving(w.profile.engine.boot_timeout)
+    await w.container_engine.wait_serving(w.profile.engine.boot_timeout)
 
 
 async def _warm(op: Opening) -> None:
-    await op.window.engine.warm()
+    await op.window.container_engine.warm()
     await learn_canary(op.window, op.rec)
     await learn_pids(op.window, op.rec)
 
@@ -206,13 +207,13 @@ async def learn_pids(w: Context, rec: WindowRecord) -> None:
 
 async def learn_canary(w: Context, rec: WindowRecord) -> None:
     """With park mode "sleep", learn whether the cold engine can sleep, and its canary's answer."""
-    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or rec.container is None:
+    if rec.kind != ProfileKind.ENGINE or w.profile.engine.park.mode != "sleep" or rec.container is None:
         return
-    sleeps = await w.engine.offers_sleep()
+    sleeps = await w.container_engine.offers_sleep()
     canary = None
     if sleeps:
         try:
-            canary = await w.engine.canary()
+            canary = await w.container_engine.canary()
         except GpuswapError as err:
             log.warning("engine_canary_failed", error=err.message, consequence="this engine will not be parked")
             sleeps = False
@@ -230,8 +231,8 @@ async def _wake(op: Opening) -> bool:
     w.parked = None
     await w.enter(rec, Phase.WAKING, required=True)
     try:
-        await w.engine.wake()
-        said = await w.engine.canary()
+        await w.container_engine.wake()
+        said = await w.container_engine.canary()
         if said != parked.canary:
             raise EngineFailed(f"the woken engine answers the canary differently: {snip(said)!r}, before it slept: "
                                f"{snip(parked.canary)!r}")
@@ -273,7 +274,7 @@ async def open_window(window: Context, rec: WindowRecord) -> None:
         # DRAINING and WAITING_VRAM only look: their write goes on meanwhile, and the next one covers it.
         await window.enter(rec, phase, required=True, overlap=phase in _LOOKING)
         await step(op)
-    if rec.kind == "bare":
+    if rec.kind == ProfileKind.BARE:
         return  # the card is clear: the holders bring their own processes
     if op.parked is not None:
         if await _wake(op):

@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
-from gpuswapd.config import ParkConfig
+from gpuswapd.config import ParkConfig, ProfileKind
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.record import _WINDOW_ONLY, Parked, WindowRecord
@@ -62,7 +62,7 @@ async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bo
     direct switch. False means it was not parked (the caller removes it); the log says why.
     """
     c = rec.container or {}
-    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
+    if rec.kind != ProfileKind.ENGINE or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
         return False
     if w.parked is not None:
         log.info("engine_not_parked", reason=f"the engine of profile {w.parked.profile!r} is parked already")
@@ -74,7 +74,7 @@ async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bo
         return False
     level = _level(w)
     try:
-        await w.engine.sleep(level)
+        await w.container_engine.sleep(level)
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False

@@ -23,6 +23,7 @@ import fnmatch
 from typing import TYPE_CHECKING, Any
 
 from gpuswapd import clock
+from gpuswapd.config import ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
@@ -77,10 +78,10 @@ async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
     Its image and env file must be there, and it must fit on the card beside what stays once this
     window's engine is gone: revoking work for a window that then fails helps nobody.
     """
-    live = await w.engine.pids() if rec.kind == "engine" else []
+    live = await w.engine.pids() if rec.kind == ProfileKind.ENGINE else []
     going = {*rec.freeing, *((rec.container or {}).get("pids") or []), *live}
     # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
-    unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
+    unsure = rec.freeing_unknown or (rec.kind == ProfileKind.ENGINE and not live)
     parked = w.parked
     need = needs_less_residual(w.config.profile(by.profile).needs, by.profile, parked)
     if parked is not None and parked.profile != by.profile:

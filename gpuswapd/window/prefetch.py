@@ -28,7 +28,7 @@ import structlog
 
 from gpuswapd import clock
 from gpuswapd.adapters.pagecache import FileCache, Files, Measured, Progress
-from gpuswapd.config import Config
+from gpuswapd.config import Config, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
@@ -189,7 +189,7 @@ def parked_in_host_ram(w: Context, rec: WindowRecord, available: int | None) -> 
     keeps nothing there); else the window's VRAM, of which the weights are most.
     """
     c = rec.container or {}
-    if (rec.kind != "engine" or rec.error is not None or rec.baseline is not None or w.parked is not None
+    if (rec.kind != ProfileKind.ENGINE or rec.error is not None or rec.baseline is not None or w.parked is not None
             or not c.get("sleep") or c.get("removed") or c.get("parked")):
         return 0
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE, Profile
+from gpuswapd.config import DEFAULT_PROFILE, Profile, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -124,9 +124,9 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
-            rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
+            rec.kind == ProfileKind.BARE or (rec.container and await w.engine.adopt(rec.container))):
         log.info("window_adopted", leases=len(rec.leases))
-        if rec.kind == "engine":
+        if rec.kind == ProfileKind.ENGINE:
             await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
         w.notify_status()
         await holding.hold_then_close(w, rec)

@@ -19,7 +19,7 @@ import structlog
 
 from gpuswapd import clock
 from gpuswapd.adapters.pagecache import Files
-from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
+from gpuswapd.config import DEFAULT_PROFILE, Config, Profile, ProfileKind
 from gpuswapd.errors import (
     Degraded,
     DockerError,
@@ -39,7 +39,7 @@ from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
-from gpuswapd.parts.engine import BareEngine, Engine
+from gpuswapd.parts.engine import BareEngine, ContainerEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
@@ -73,7 +73,7 @@ class Window:
         # One engine per profile: "default" is [window]'s; a bare profile has none to speak of.
         self.engines: dict[str, Engine] = {DEFAULT_PROFILE: engine, **(engines or {})}
         for name, profile in config.profiles.items():
-            if profile.kind == "bare":
+            if profile.kind == ProfileKind.BARE:
                 self.engines.setdefault(name, BareEngine())
         self.vram = vram
         self.files = ResidentFiles(config, resident, files, outside)  # the resident's model files, read in at close
@@ -132,6 +132,16 @@ class Window:
     def engine(self) -> Engine:
         """Return the engine of the window open now (the default engine when none is)."""
         return self.engine_of(self.profile.name)
+
+    @property
+    def container_engine(self) -> ContainerEngine:
+        """Return the container of the engine window open now: what boots, warms, sleeps and wakes.
+
+        Only an engine window's steps ask for it (a bare window boots nothing: they check its kind first).
+        """
+        engine = self.engine
+        assert isinstance(engine, ContainerEngine), f"profile {self.profile.name} is bare: it has no container"
+        return engine
 
     def engine_of(self, profile: str) -> Engine:
         """Return the engine of a profile (a parked engine's, say)."""
@@ -607,7 +617,7 @@ class Window:
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
         # The engine it took down is still being freed: the next window waits for it, never blames it.
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
-        nxt.after_bare = rec.kind == "bare" or rec.after_bare
+        nxt.after_bare = rec.kind == ProfileKind.BARE or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, outcome, switch_to=nxt)
 
