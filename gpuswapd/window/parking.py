@@ -18,6 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
+from gpuswapd.adapters.pagecache import mem_available
 from gpuswapd.config import ParkConfig, ProfileKind
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
@@ -30,23 +31,13 @@ if TYPE_CHECKING:
     from gpuswapd.window.context import Context
 
 RETRY_S = (1.0, 60.0)
-def host_ram_available() -> int | None:
-    """Read MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _level(w: Context) -> int:
     """Pick the sleep level: level 1 holds the weights in host RAM, so it needs room there."""
     park = w.profile.engine.park
     if park.level == 1 and park.host_ram_needs:
-        available = host_ram_available()
+        available = mem_available()
         if available is None or available < park.host_ram_needs:
             shown = "unknown" if available is None else format_size(available)
             log.warning("park_level_lowered", sleep_level=2, host_ram_available=shown,

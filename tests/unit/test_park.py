@@ -238,7 +238,7 @@ def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
     from gpuswapd.window import parking
 
     world = park_world(host_ram_needs="64GiB")
-    monkeypatch.setattr(parking, "host_ram_available", lambda: 8 << 30)
+    monkeypatch.setattr(parking, "mem_available", lambda: 8 << 30)
 
     async def main() -> None:
         async with running(world.window()) as w:
@@ -247,7 +247,7 @@ def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
             assert world.docker.containers["hyperqwen"].sleeping == 2
 
     run(main())
-    monkeypatch.setattr(parking, "host_ram_available", lambda: 128 << 30)
+    monkeypatch.setattr(parking, "mem_available", lambda: 128 << 30)
     roomy = park_world(host_ram_needs="64GiB")
 
     async def again() -> None:
