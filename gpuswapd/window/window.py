@@ -172,19 +172,33 @@ class Window:
         A request for the open window's profile joins it, unless a queued request for another
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
+        self._check_serves(profile)
+        rec, now = self.record, clock.wall()
+        joins = self._joins(rec, profile, now)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
+        if joins and rec is not None and rec.phase is Phase.READY:
+            return await self._grant(rec, waiter)
+        await self._check_may_wait(rec, profile, wait=wait, joins=joins)
+        self._enqueue(waiter, rec, joins, now)
+        return await self._wait_for_lease(waiter)
+
+    def _check_serves(self, profile: str) -> None:
+        """Refuse every request while gpuswapd stops, and one for a profile it does not have."""
         if self.stopping.is_set() or self.refusing:
             raise Stopping("gpuswapd is stopping")
         if profile not in self.engines:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
-        rec, now = self.record, clock.wall()
+
+    def _joins(self, rec: WindowRecord | None, profile: str, now: float) -> bool:
+        """Tell whether a request for ``profile`` joins the open window rather than queue for a later one."""
         # A window being preempted takes no new leases: they would only be revoked. Once the
         # preemption is abandoned (its request went away), it takes them again.
-        joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
-        if joins and rec is not None and rec.phase is Phase.READY:
-            return await self._grant(rec, waiter)
+        return (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
+                and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
+
+    async def _check_may_wait(self, rec: WindowRecord | None, profile: str, *, wait: bool, joins: bool) -> None:
+        """Refuse a request that cannot be granted now and may not, or could never, wait for a window."""
         if rec is not None and rec.degraded:
             raise Degraded(f"the last window could not be closed yet, so no window opens: {rec.degraded}; "
                            "gpuswapd keeps retrying (gpuswapctl status)", phase=str(rec.phase))
@@ -199,21 +213,28 @@ class Window:
             # It would wait behind another window: say now if it could never open (an image pruned
             # while gpuswapd runs, an env file gone), not after that window has closed for it.
             await opening.preflight(self, profile)
+
+    def _enqueue(self, waiter: Waiter, rec: WindowRecord | None, joins: bool, now: float) -> None:
+        """Add a waiter to the opening window (``joins``) or to the queue, and start the driver if idle."""
         waiter.window = rec.id if joins and rec is not None else None
         self.queue.waiters.append(waiter)
-        if listener is not None:
-            self._listeners.add(listener)
+        if waiter.listener is not None:
+            self._listeners.add(waiter.listener)
             if rec is not None and rec.closing:
-                listener({"event": "waiting", "reason": "restoring the previous window", "phase": str(rec.phase),
-                          "window": rec.id})
+                waiter.listener({"event": "waiting", "reason": "restoring the previous window",
+                                 "phase": str(rec.phase), "window": rec.id})
         if waiter.window is None and rec is not None:
             position = self.queue.queued(now).index(waiter) + 1
-            log.info("request_queued", holder=holder, profile=profile, priority=priority, position=position)
+            log.info("request_queued", holder=waiter.holder, profile=waiter.profile, priority=waiter.priority,
+                     position=position)
             self.writer.request()
             self.wake.set()  # the open window must not linger for nobody
             self.tell_queue()
         if self._driver is None:
             self._drive()
+
+    async def _wait_for_lease(self, waiter: Waiter) -> Lease:
+        """Wait for a waiter's lease; withdraw the waiter however the wait ends."""
         try:
             lease: Lease = await asyncio.shield(waiter.future)
             return lease
@@ -224,8 +245,8 @@ class Window:
                 self._drop_lease(fut.result())
             raise
         finally:
-            if listener is not None:
-                self._listeners.discard(listener)
+            if waiter.listener is not None:
+                self._listeners.discard(waiter.listener)
             self._withdraw(waiter)
 
     def _withdraw(self, waiter: Waiter) -> None:
