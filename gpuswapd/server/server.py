@@ -325,17 +325,37 @@ class Server:
 
     async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+        """Check an acquire, wait for its lease, hand it over, and keep the connection if asked to."""
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease, peer)
         profile = self._profile(req.profile)
+        self._check_priority(peer, req.priority)
+        started = clock.monotonic()
+        progress = self._progress_to(writer, req.holder or peer.holder)
+        acquire = asyncio.create_task(self.window.acquire(
+            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
+        retrieve(acquire)
+        lease = await self._until_granted(acquire, peer, req, reader)
+        if lease is None:
+            return None
+        await self._hand_over(lease, writer, profile, capped=capped, started=started)
+        if req.hold or req.bind:
+            await self._hold(lease, reader, progress)
+        return None
+
+    def _check_priority(self, peer: Peer, priority: int) -> None:
+        """Refuse a non-root caller a priority outside the daemon's bounds for non-root."""
         most, least = self.config.daemon.priority_max_nonroot, self.config.daemon.priority_min_nonroot
-        if req.priority > most and peer.uid != 0:
-            raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
+        if priority > most and peer.uid != 0:
+            raise PermissionDenied(f"priority {priority} is above daemon.priority_max_nonroot = {most}: only "
                                    f"root may ask for more (user {peer.user}, uid {peer.uid})")
-        if req.priority < least and peer.uid != 0:
-            raise PermissionDenied(f"priority {req.priority} is below daemon.priority_min_nonroot = {least}: only "
+        if priority < least and peer.uid != 0:
+            raise PermissionDenied(f"priority {priority} is below daemon.priority_min_nonroot = {least}: only "
                                    f"root may ask for less (user {peer.user}, uid {peer.uid}); ask for {least} "
                                    "or more")
-        started = clock.monotonic()
+
+    def _progress_to(self, writer: asyncio.StreamWriter, holder: str) -> Callable[[dict[str, Any]], None]:
+        """Make the listener that writes a waiting client's progress events, cutting one that does not read."""
 
         def progress(event: dict[str, Any]) -> None:
             if writer.is_closing():
@@ -343,16 +363,17 @@ class Server:
             if writer.transport.get_write_buffer_size() > self.max_buffered:
                 # A client that does not read its progress would make gpuswapd buffer without end:
                 # cut it, which withdraws its request (as a hang-up does).
-                log.warning("client_dropped_unread", holder=req.holder or peer.holder,
+                log.warning("client_dropped_unread", holder=holder,
                             reason=f"it left more than {self.max_buffered} bytes of progress unread")
                 writer.transport.abort()
                 return
             writer.write(encode(event))
 
-        acquire = asyncio.create_task(self.window.acquire(
-            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
-        retrieve(acquire)
+        return progress
+
+    async def _until_granted(self, acquire: asyncio.Task[Lease], peer: Peer, req: Request,
+                             reader: asyncio.StreamReader) -> Lease | None:
+        """Wait for the acquire, the client's hang-up or the request's timeout; None if the client went away."""
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
         retrieve(gone)
@@ -361,16 +382,20 @@ class Server:
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if acquire not in done:
-            acquire.cancel()
-            with contextlib.suppress(asyncio.CancelledError, GpuswapError):
-                await acquire
-            if gone in done:
-                log.info("acquire_withdrawn", holder=req.holder or peer.holder, reason="client went away")
-                return None
-            raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
-                                 f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
-        lease = acquire.result()
+        if acquire in done:
+            return acquire.result()
+        acquire.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GpuswapError):
+            await acquire
+        if gone in done:
+            log.info("acquire_withdrawn", holder=req.holder or peer.holder, reason="client went away")
+            return None
+        raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
+                             f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
+
+    async def _hand_over(self, lease: Lease, writer: asyncio.StreamWriter, profile: Profile, *, capped: bool,
+                         started: float) -> None:
+        """Send a granted lease to its client, or release it if the client cannot have it."""
         try:
             if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
                                                                               lease.unit)).active:
@@ -384,9 +409,6 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
-        if req.hold or req.bind:
-            await self._hold(lease, reader, progress)
-        return None
 
     async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[dict[str, Any]], None]) -> None:
         """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.
