@@ -16,7 +16,7 @@ from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import Parked, PhaseTiming, WindowRecord
 from gpuswapd.retry import backoff, until_done
-from gpuswapd.state.store import Loaded
+from gpuswapd.state.store import Document, Loaded
 from gpuswapd.tasks import uncancel
 from gpuswapd.window import closing, holding, opening, parking, preempting
 from gpuswapd.window.baseline import Known
@@ -29,6 +29,19 @@ READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fai
 
 async def recover_at_start(window: Context) -> None:
     """Pick up the state an earlier gpuswapd left, or restore the baseline if none can be read."""
+    loaded, problem = await _read_state(window)
+    document = loaded.document if loaded is not None else None
+    window.writer.start(document.seq if document else 0)
+    if loaded is None or loaded.unreadable:
+        window.restore_baseline(f"no copy of the state could be read ({problem})")
+        return  # the baseline takes the configured engine down itself
+    record = _take_in(window, document)
+    await _learn_history(window)
+    await _carry_on(window, record)
+
+
+async def _read_state(window: Context) -> tuple[Loaded | None, str]:
+    """Read the state document, a few times if reading fails; say what was wrong with it, if anything."""
     loaded: Loaded | None = None
     problem = ""
     for attempt in range(READ_ATTEMPTS):
@@ -49,33 +62,40 @@ async def recover_at_start(window: Context) -> None:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
     if loaded is not None and loaded.migrated:
         log.info("state_migrated", to="state.json", version=2)
-    document = loaded.document if loaded is not None else None
-    window.writer.start(document.seq if document else 0)
-    if loaded is None or loaded.unreadable:
-        window.restore_baseline(f"no copy of the state could be read ({problem})")
-        return  # the baseline takes the configured engine down itself
+    return loaded, problem
+
+
+def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
+    """Put what the document holds in memory (the window, what is held down, the resident, the parked engine).
+
+    This comes before anything is written again: every write from here on (the one that drops
+    the queue, say) keeps the window and the parked engine. Return the window record it held.
+    """
     record = document.window if document is not None else None
-    # What the document holds is in memory before anything is written again: every write from
-    # here on (the one that drops the queue, say) keeps the window and the parked engine.
     window.record = record
-    if document is not None:
-        window.held_down = dict(document.held_down)
-        try:
-            window.known = Known.from_dict(document.resident)
-        except ValueError as err:  # what the resident was is learned again
-            log.error("resident_state_unreadable", error=str(err))
-    if document is not None and document.parked is not None:
+    if document is None:
+        return None
+    window.held_down = dict(document.held_down)
+    try:
+        window.known = Known.from_dict(document.resident)
+    except ValueError as err:  # what the resident was is learned again
+        log.error("resident_state_unreadable", error=str(err))
+    if document.parked is not None:
         try:
             window.parked = Parked.from_dict(document.parked)
         except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
             log.error("parked_state_unreadable", error=str(err))
-    if document is not None and document.queue:
+    if document.queue:
         # Waiting requests are not kept across a restart: their clients saw the connection drop.
         log.warning("queue_dropped", waiting=len(document.queue),
                     holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20],
                     reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
         window.writer.request()
-    await _learn_history(window)
+    return record
+
+
+async def _carry_on(window: Context, record: WindowRecord | None) -> None:
+    """Resume the window the document held, or restore the baseline over a lost one; then reconcile the engines."""
     if record is not None:
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
