@@ -31,6 +31,7 @@ from gpuswapd.outside import Outside
 from gpuswapd.protocol import MAX_LINE, Request, encode, error_reply, parse_request
 from gpuswapd.retry import backoff
 from gpuswapd.server.admission import Admission
+from gpuswapd.server.clients import Clients
 from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.server.watch import MAX_BUFFERED, Watchers
 from gpuswapd.sizes import format_size
@@ -74,7 +75,7 @@ class Server:
         self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._clients: set[asyncio.Task[Any]] = set()
+        self._clients = Clients(self.admission)
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
         self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
 
@@ -94,10 +95,7 @@ class Server:
     async def close(self) -> None:
         """Stop accepting and drop the connected clients."""
         await reap(self._accepting)
-        for task in list(self._clients):
-            task.cancel()
-        if self._clients:
-            await asyncio.wait(self._clients, timeout=2)
+        await self._clients.drop()
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -131,7 +129,7 @@ class Server:
         if refusal is not None:
             _refuse(conn, refusal)
             return
-        self._track(spawn(self._handle(conn, peer), "client"))
+        self._clients.track(spawn(self._handle(conn, peer), "client"))
 
     def serve_streams(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
         """Serve a connection given as streams (the simulation's), unless the caps refuse it; say why if so."""
@@ -140,12 +138,8 @@ class Server:
             writer.write(encode(error_reply(TooManyClients(refusal))))
             writer.close()
             return refusal
-        self._track(spawn(self.serve_connection(peer, reader, writer), "client"))
+        self._clients.track(spawn(self.serve_connection(peer, reader, writer), "client"))
         return None
-
-    def _track(self, task: asyncio.Task[None]) -> None:
-        self._clients.add(task)
-        task.add_done_callback(self._clients.discard)
 
     async def _handle(self, conn: socket.socket, peer: Peer) -> None:
         try:
@@ -161,19 +155,15 @@ class Server:
 
     async def serve_connection(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one admitted client's requests until it hangs up (the simulation's streams too)."""
-        try:
-            await self._serve(peer, reader, writer)
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
-            log.debug("client_dropped", error=repr(err))
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # a bug must not take the daemon down with one client
-            log.exception("client_handler_crashed")
-        finally:
-            self.admission.leave(peer)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1)
+        async with self._clients.serving(peer, writer):
+            try:
+                await self._serve(peer, reader, writer)
+            except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
+                log.debug("client_dropped", error=repr(err))
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a bug must not take the daemon down with one client
+                log.exception("client_handler_crashed")
 
     async def _identify(self, peer: Peer) -> Peer:
         """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
