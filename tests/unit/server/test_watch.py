@@ -16,7 +16,7 @@ from gpuswapd.server.admission import Admission
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.watch import Watchers
 from tests.fakes import FakeWorld, running
-from tests.unit.test_server import _connect, _serve
+from tests.unit.server.test_server import _connect, _serve
 
 
 def run(coro: Any) -> Any:
