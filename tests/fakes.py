@@ -926,12 +926,12 @@ BASELINE = FakeWorld().snapshot()
 async def settle(window: Window, timeout: float = 10.0) -> None:
     """Wait until the window's driver has nothing left to do (IDLE, no driver, state written)."""
     deadline = time.monotonic() + timeout
-    while window.record is not None or window._driver is not None or window.writer.pending:
+    while window.record is not None or window.driver.task is not None or window.writer.pending:
         if time.monotonic() > deadline:
             rec = window.record
             raise AssertionError(f"the window did not settle: phase {window.phase}, leases "
                                  f"{rec and [x.to_dict(time.time()) for x in rec.leases.all()]}, driver "
-                                 f"{window._driver and _awaiting(window._driver.get_coro())}")
+                                 f"{window.driver.task and _awaiting(window.driver.task.get_coro())}")
         await asyncio.sleep(0.005)
 
 

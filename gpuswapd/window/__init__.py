@@ -1,9 +1,11 @@
-"""The GPU window: its face for clients and its driver (``Window``), the steps it goes through.
+"""The GPU window: its face for clients, its driver, and the steps it goes through.
 
-Floors, top down: ``window`` (the Window: acquire, renew, release, status, and the driver that
-supervises the record); the steps it runs (``recovery``, ``holding``, ``opening``, ``closing``,
-``preempting``, ``parking``, ``identity``, ``prefetch``, ``progress``), which see only a
-``Context``; ``context`` (what a step may touch), ``queueing``, ``baseline`` and ``plan``.
+Floors, top down: ``window`` (the Window: acquire, renew, release, status for the clients, and
+the window's state); ``driver`` (the one task that takes the record through its phases); the
+steps it runs (``recovery``, ``holding``, ``preempting``, ``opening``, ``closing``,
+``identity``, ``plan``, ``parking``, ``prefetch``, ``progress``), which see only a
+``Context``; ``context`` (what a step may touch); ``queueing`` and ``baseline``. The import
+contracts in pyproject.toml keep each floor from importing those above it.
 """
 
 from gpuswapd.window.context import Backoffs, Context

@@ -146,6 +146,11 @@ class Services(Protocol):
         ...
 
     @property
+    def phase(self) -> Phase:
+        """The phase of the window open now (IDLE when none is)."""
+        ...
+
+    @property
     def resident_needs(self) -> int:
         """The VRAM the resident needs free."""
         ...
@@ -202,6 +207,10 @@ class Context(Services, Protocol):
 
     def fail_waiters(self, err: GpuswapError, window: str | None = None) -> None:
         """Fail the acquires that joined ``window`` (None: every waiting acquire)."""
+        ...
+
+    def tell_queue(self) -> None:
+        """Tell every queued request where it stands now."""
         ...
 
     # -- handing the record back to the driver ------------------------------------------------
