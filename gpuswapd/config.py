@@ -10,6 +10,7 @@ import typing
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -399,7 +400,16 @@ class WindowConfig:
         return self.api or _origin(self.verify.url)
 
 
-PROFILE_KINDS = ("engine", "bare")
+class ProfileKind(StrEnum):
+    """What a profile's window brings up: an engine in a container, or nothing (the card handed over bare).
+
+    The TOML, the status and the history say it as the plain string (``kind = "bare"``).
+    """
+
+    ENGINE = "engine"
+    BARE = "bare"
+
+
 DEFAULT_PROFILE = "default"
 _PROFILE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
@@ -413,7 +423,7 @@ class Profile:
     """
 
     name: str
-    kind: str
+    kind: ProfileKind
     needs: int
     window: WindowConfig | None  # None for a bare profile
 
@@ -510,7 +520,8 @@ class Config:
     def profile(self, name: str) -> Profile:
         """Return a profile by name ("default" is ``[window]``); KeyError if there is none."""
         if name == DEFAULT_PROFILE:
-            return Profile(name=DEFAULT_PROFILE, kind="engine", needs=self.gpu.window_needs, window=self.window)
+            return Profile(name=DEFAULT_PROFILE, kind=ProfileKind.ENGINE, needs=self.gpu.window_needs,
+                           window=self.window)
         return self.profiles[name]
 
     def all_profiles(self) -> list[Profile]:
@@ -519,7 +530,7 @@ class Config:
 
     def engine_profiles(self) -> list[Profile]:
         """List the profiles that bring up an engine, "default" first."""
-        return [p for p in self.all_profiles() if p.kind == "engine"]
+        return [p for p in self.all_profiles() if p.kind == ProfileKind.ENGINE]
 
     def idle_probe(self) -> IdleConfig:
         """Return ``[resident.idle]`` as the probe uses it: kind "gateway" asks the gateway's listen address."""
@@ -604,10 +615,10 @@ def _profiles(config: Config, tables: Any) -> dict[str, Profile]:
         rest = dict(table)
         if "kind" not in rest:
             raise _fail(f"{path}.kind", "missing: \"engine\" (a container, the same keys as [window]) or \"bare\"")
-        kind = _choice(*PROFILE_KINDS)(rest.pop("kind"), f"{path}.kind")
+        kind = ProfileKind(_choice(*(k.value for k in ProfileKind))(rest.pop("kind"), f"{path}.kind"))
         needs = _size(rest.pop("needs"), f"{path}.needs") if "needs" in rest else config.gpu.window_needs
         window = None
-        if kind == "engine":
+        if kind == ProfileKind.ENGINE:
             window = _build(WindowConfig, rest, path)
         elif rest:
             key = sorted(rest)[0]
@@ -638,7 +649,7 @@ def _check(config: Config, source: str) -> None:
     ports: dict[tuple[str, int | None], tuple[str, bool]] = {}
     for p in config.all_profiles():
         where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
-        if p.kind == "bare":
+        if p.kind == ProfileKind.BARE:
             if config.gpu.probe == "none":
                 raise ConfigError(f"{source}: {where}: a bare profile needs a GPU probe (gpu.probe): only a reading "
                                   "of free VRAM proves the card is clear before the lease is granted")

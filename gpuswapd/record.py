@@ -8,10 +8,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from gpuswapd import clock, ids
+from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import ErrorRecord, GpuswapError
 from gpuswapd.leases import Lease, LeaseBook
 from gpuswapd.phases import Phase, check_transition
 from gpuswapd.protocol import JsonObject
+from gpuswapd.sizes import format_size
 
 
 @dataclass
@@ -306,7 +308,7 @@ class WindowRecord:
     baseline: BaselineRestore | None = None
     start: str = "cold"  # "warm": the engine was woken from park
     profile: str = "default"
-    kind: str = "engine"  # "bare": no engine, the card is handed to the lease holders
+    kind: ProfileKind = ProfileKind.ENGINE  # BARE: no engine, the card is handed to the lease holders
     # A direct switch: the window this one took the card from (the resident stayed down), and the
     # resident's restore (start and verify) that the switch saved, as last measured.
     switched_from: str | None = None
@@ -515,10 +517,10 @@ def _restored(value: str | None) -> str | None:
     return value
 
 
-def _kind(value: str | None) -> str:
+def _kind(value: str | None) -> ProfileKind:
     if value not in (None, "engine", "bare"):
         raise ValueError(f"window.kind: expected 'engine' or 'bare', got {value!r}")
-    return value or "engine"
+    return ProfileKind(value or "engine")
 
 
 def _timing(data: Any, where: str) -> PhaseTiming:
@@ -543,3 +545,59 @@ def _lease(data: Any, where: str) -> Lease:
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
                  int(d.number("priority", default=0)), bind == "connection")
+
+
+# What the window's container record says that a parked engine's does not need.
+_WINDOW_ONLY = ("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
+
+
+@dataclass
+class Parked:
+    """The engine left asleep by the last window."""
+
+    container: ContainerHandle  # the window's container record: name, created, image, window, spec, pids
+    since: float
+    level: int
+    residual_bytes: int
+    canary: str
+    profile: str = DEFAULT_PROFILE
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialize for the state document."""
+        return {"container": self.container.to_dict(), "since": self.since, "level": self.level,
+                "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Parked:
+        """Rebuild from the state document; ValueError names what is wrong."""
+        d = _Fields(data, "parked")
+        container = d.table("container")
+        if container is None or not isinstance(container.get("name"), str):
+            raise ValueError("parked.container: expected the parked container's record")
+        level = int(d.number("level"))
+        if level not in (1, 2):
+            raise ValueError("parked.level: expected 1 or 2")
+        return cls(container=ContainerHandle.from_dict(container), since=d.number("since"), level=level,
+                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
+                   profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
+
+    @property
+    def pids(self) -> list[int]:
+        """Return the host pids of the parked engine's processes, as recorded when it served."""
+        return self.container.pid_list
+
+    def status(self, keep: float) -> JsonObject:
+        """Describe it for ``status``."""
+        return {"container": self.container.name, "profile": self.profile, "since": self.since,
+                "level": self.level,
+                "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
+                "expires_at": self.since + keep, "next_open": "warm"}
+
+
+def needs_less_residual(needs: int, profile: str, parked: Parked | None) -> int:
+    """Return the VRAM a window of ``profile`` that needs ``needs`` waits for.
+
+    A parked engine of the same profile is woken, not booted: the residual it holds is the window's already.
+    """
+    held = parked.residual_bytes if parked is not None and parked.profile == profile else 0
+    return max(0, needs - held)

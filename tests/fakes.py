@@ -49,7 +49,7 @@ from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.server.peers import Peer, PeerChanged
 from gpuswapd.state.store import Document, Loaded, decode
-from gpuswapd.window.window import Backoffs, Window
+from gpuswapd.window import Backoffs, Window
 
 GiB = 1 << 30
 RESIDENT_URL = "http://resident.test:8080/v1/chat/completions"
@@ -926,12 +926,12 @@ BASELINE = FakeWorld().snapshot()
 async def settle(window: Window, timeout: float = 10.0) -> None:
     """Wait until the window's driver has nothing left to do (IDLE, no driver, state written)."""
     deadline = time.monotonic() + timeout
-    while window.record is not None or window._driver is not None or window.writer.pending:
+    while window.record is not None or window.driver.task is not None or window.writer.pending:
         if time.monotonic() > deadline:
             rec = window.record
             raise AssertionError(f"the window did not settle: phase {window.phase}, leases "
                                  f"{rec and [x.to_dict(time.time()) for x in rec.leases.all()]}, driver "
-                                 f"{window._driver and _awaiting(window._driver.get_coro())}")
+                                 f"{window.driver.task and _awaiting(window.driver.task.get_coro())}")
         await asyncio.sleep(0.005)
 
 

@@ -1,1 +1,5 @@
-"""Checks of a configuration before anything runs: compile caches, the known-bad table, boot checks."""
+"""Checks of a configuration before anything runs.
+
+An engine's compile caches (``caches``), the table of known-bad settings (``knownbad``), and what
+is checked before an engine boots (``bootchecks``).
+"""

@@ -18,12 +18,14 @@ watch runs until interrupted (exit 0), or exits 3 when gpuswapd closes the conne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpuswapd.ctl.client import BadInstance, Client, Unreachable, socket_path
@@ -36,6 +38,7 @@ from gpuswapd.timespan import SpanError, format_span, parse_span
 
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_NOT_READY, EXIT_TIMEOUT = range(7)
+NewCommand = Callable[..., argparse.ArgumentParser]  # adds a subcommand that takes the common options
 
 
 def _span(text: str) -> float:
@@ -130,8 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _common_options(common, suppress=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    new = functools.partial(sub.add_parser, parents=[common])
+    for command in _COMMANDS:  # in this order in --help
+        command(new)
+    return parser
 
-    acquire = sub.add_parser("acquire", parents=[common], help="hold the GPU window (opening it if needed)")
+
+def _acquire_parser(new: NewCommand) -> None:
+    acquire = new("acquire", help="hold the GPU window (opening it if needed)")
     acquire.add_argument(
         "--for",
         dest="duration",
@@ -147,20 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(acquire, "the kind of window to hold")
     _add_priority(acquire)
 
-    renew = sub.add_parser("renew", parents=[common], help="extend a lease")
+
+def _renew_parser(new: NewCommand) -> None:
+    renew = new("renew", help="extend a lease")
     renew.add_argument("lease", nargs="?", help="lease id (default: the caller's only lease)")
     renew.add_argument(
         "--for", dest="duration", type=_span, metavar="SPAN", required=True, help="new duration from now"
     )
     renew.add_argument("--holder", metavar="NAME", help="whose lease (default: the caller)")
 
-    release = sub.add_parser("release", parents=[common], help="give a lease back")
+
+def _release_parser(new: NewCommand) -> None:
+    release = new("release", help="give a lease back")
     release.add_argument("lease", nargs="?", help="lease id (default: every lease of the caller)")
     release.add_argument("--holder", metavar="NAME", help="whose leases (default: the caller)")
 
-    run = sub.add_parser(
+
+def _run_parser(new: NewCommand) -> None:
+    run = new(
         "run",
-        parents=[common],
         help="hold a lease while a command runs",
         usage="gpuswapctl run [--for SPAN] [--holder NAME] [--timeout SPAN] [--profile NAME] [--priority N] "
               "-- COMMAND [ARG...]",
@@ -174,21 +188,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_priority(run)
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments")
 
-    status = sub.add_parser("status", parents=[common], help="the window's phase, leases and last timings")
+
+def _status_parser(new: NewCommand) -> None:
+    status = new("status", help="the window's phase, leases and last timings")
     status.add_argument("--all", action="store_true",
                         help="every instance with a socket in /run/gpuswapd: phase, leases, GPU (exit 3 if any "
                              "did not answer)")
-    plan = sub.add_parser("plan", parents=[common], help="what a window would do now (changes nothing)")
+
+
+def _plan_parser(new: NewCommand) -> None:
+    plan = new("plan", help="what a window would do now (changes nothing)")
     _add_profile(plan, "the kind of window to plan")
-    park = sub.add_parser("park", parents=[common], help="the engine parked asleep between windows")
+
+
+def _park_parser(new: NewCommand) -> None:
+    park = new("park", help="the engine parked asleep between windows")
     park.add_argument("--remove", action="store_true", help="remove the parked engine now (root and members)")
-    sub.add_parser("watch", parents=[common], help="follow the window's events as they happen (until Ctrl-C)")
-    history = sub.add_parser("history", parents=[common], help="past windows with their phase timings")
+
+
+def _watch_parser(new: NewCommand) -> None:
+    new("watch", help="follow the window's events as they happen (until Ctrl-C)")
+
+
+def _history_parser(new: NewCommand) -> None:
+    history = new("history", help="past windows with their phase timings")
     history.add_argument("--limit", type=_limit, default=10, help="how many windows, 1 to 1000 (default 10)")
 
-    bench = sub.add_parser(
+
+def _bench_parser(new: NewCommand) -> None:
+    bench = new(
         "bench",
-        parents=[common],
         help="measure the window's engine under a lease",
         description="Hold a lease and time streamed completions against the window's engine.",
     )
@@ -215,12 +244,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(bench, "the engine profile to measure (not a bare one)")
     _add_priority(bench)
 
-    # slurmd's Prolog= and Epilog=, and the clean-up of a lost Epilog: they find gpuswapd through the map.
-    sub.add_parser("slurm-prolog", parents=[common],
-                   help="Slurm node Prolog: hold the job's GPUs (SLURM_JOB_ID, SLURM_JOB_GPUS)")
-    sub.add_parser("slurm-epilog", parents=[common], help="Slurm node Epilog: release the job's GPUs")
-    sub.add_parser("slurm-reconcile", parents=[common], help="release the leases of Slurm jobs that no longer run")
-    return parser
+
+# slurmd's Prolog= and Epilog=, and the clean-up of a lost Epilog: they find gpuswapd through the map.
+def _slurm_prolog_parser(new: NewCommand) -> None:
+    new("slurm-prolog", help="Slurm node Prolog: hold the job's GPUs (SLURM_JOB_ID, SLURM_JOB_GPUS)")
+
+
+def _slurm_epilog_parser(new: NewCommand) -> None:
+    new("slurm-epilog", help="Slurm node Epilog: release the job's GPUs")
+
+
+def _slurm_reconcile_parser(new: NewCommand) -> None:
+    new("slurm-reconcile", help="release the leases of Slurm jobs that no longer run")
+
+
+_COMMANDS: tuple[Callable[[NewCommand], None], ...] = (
+    _acquire_parser, _renew_parser, _release_parser, _run_parser, _status_parser, _plan_parser, _park_parser,
+    _watch_parser, _history_parser, _bench_parser, _slurm_prolog_parser, _slurm_epilog_parser,
+    _slurm_reconcile_parser,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from gpuswapd import clock
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
+from gpuswapd.retry import backoff
 
 RESIDENT_SERVES = frozenset({"IDLE", "RESUMING_TIMERS"})
 RECONNECT_S = (0.2, 5.0)
@@ -97,21 +98,22 @@ class Follow:
 
     async def run(self) -> None:
         """Follow the events for as long as the gateway runs, reconnecting when gpuswapd goes away."""
-        delay = RECONNECT_S[0]
+        failures = 0
         while True:
             try:
                 async for event in self.daemon.watch():
                     if event.get("event") == "subscribed":
                         # Subscribed first, then read: nothing that happens between is missed.
                         self.take_status(await self.daemon.request({"op": "status"}))
-                        delay = RECONNECT_S[0]
+                        failures = 0
                         log.info("gateway_following", phase=self.phase)
                     else:
                         self.take(event)
             except GpuswapError as err:
                 if self.reachable:
-                    log.warning("gateway_lost_gpuswapd", error=err.message, retry_in_s=delay)
+                    log.warning("gateway_lost_gpuswapd", error=err.message,
+                                retry_in_s=backoff(RECONNECT_S, failures + 1))
                 self.reachable = False
                 self._pulse()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_S[1])
+            failures += 1
+            await asyncio.sleep(backoff(RECONNECT_S, failures))

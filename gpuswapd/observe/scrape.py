@@ -4,12 +4,19 @@ It serves nothing else: any other path is 404, any other method 405. Each connec
 request and is closed after the reply. Connections count against the same ``Admission`` as the
 Unix socket's, all of them as one non-root user: scrapers can never take the places kept for
 root and the group.
+
+Its accept loop is not the Unix socket's, on purpose. This one is asyncio's own
+(``start_server``), which takes up to its backlog of waiting connections a turn and pauses a
+second on EMFILE; the Unix socket's is written out because it asks the kernel who connected
+(SO_PEERCRED) and admits or refuses on the bare socket, before any stream is built for it, and
+takes at most ``ACCEPT_BATCH`` a turn so a flood cannot starve the clients already admitted.
+One loop for both would bend one into the other's shape. What they do share, each connection's
+task and its counting out and closing however it ends, is ``gpuswapd.server.clients``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Callable
 
@@ -18,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gpuswapd.errors import ConfigError
 from gpuswapd.logs import log
 from gpuswapd.server.admission import Admission
+from gpuswapd.server.clients import Clients
 from gpuswapd.server.peers import Peer
 from gpuswapd.server.server import BACKLOG, FIRST_REQUEST_S, WRITE_S
 
@@ -40,7 +48,7 @@ class ScrapeServer:
         self._render = render
         self._admission = admission
         self._server: asyncio.Server | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        self._clients = Clients(admission)
 
     @property
     def port(self) -> int:
@@ -62,10 +70,7 @@ class ScrapeServer:
         """Stop listening and drop the connections."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._clients):
-            task.cancel()
-        if self._clients:
-            await asyncio.wait(self._clients, timeout=2)
+        await self._clients.drop()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         refusal = self._admission.admit(NETWORK)
@@ -75,21 +80,17 @@ class ScrapeServer:
             return
         task = asyncio.current_task()
         assert task is not None
-        self._clients.add(task)
-        try:
-            await self._serve(reader, writer)
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # a bug must not take the daemon down with one scrape
-            log.exception("metrics_request_crashed")
-        finally:
-            self._clients.discard(task)
-            self._admission.leave(NETWORK)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1)
+        self._clients.track(task)
+        async with self._clients.serving(NETWORK, writer):
+            try:
+                await self._serve(reader, writer)
+            except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ValueError):
+                pass
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a bug must not take the daemon down with one scrape
+                log.exception("metrics_request_crashed")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async with asyncio.timeout(FIRST_REQUEST_S):

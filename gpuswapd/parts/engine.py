@@ -1,9 +1,12 @@
-"""The engine that owns the GPU during a window, behind one interface.
+"""The engine that owns the GPU during a window: a container, or none at all for a bare profile.
 
-The window only asks an engine to come up, to prove it serves, and to go down: a Docker
-container started and stopped. With ``window.park.mode = "sleep"`` it may also be put to sleep
-(vLLM's sleep mode: weights to host RAM or dropped, most of the GPU freed) and woken for the next
-window; a short greedy completion, the canary, proves a woken engine answers as it did.
+Every profile's engine is watched, taken down and asked for its processes (``Engine``). Only an
+engine profile's, a Docker container started and stopped (``ContainerEngine``), is asked to come
+up and to prove it serves; a bare profile's (``BareEngine``) has nothing to boot.
+
+With ``window.park.mode = "sleep"`` a container may also be put to sleep (vLLM's sleep mode:
+weights to host RAM or dropped, most of the GPU freed) and woken for the next window; a short
+greedy completion, the canary, proves a woken engine answers as it did.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from gpuswapd.outside import Outside
 from gpuswapd.parts import engineview
 from gpuswapd.parts.engineview import EngineView
 from gpuswapd.record import ContainerHandle
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import in_daemon_thread, reap, sleep_unless, spawn
 
 R = TypeVar("R")
@@ -53,25 +57,15 @@ CANARY_SAMPLING = {"temperature": 0, "seed": 0}
 
 
 class Engine(Protocol):
-    """What a window needs of its engine."""
+    """What a window asks of its profile's engine, whatever the profile's kind.
+
+    An engine profile's is a ``ContainerEngine``, which also boots, warms, sleeps and wakes
+    (the window asks that only of an engine window's: ``Window.container_engine``); a bare
+    profile's is a ``BareEngine``, which has nothing to start, watch or take down.
+    """
 
     async def preflight(self, check_port: bool = True) -> None:
         """Check, changing nothing, that the engine could come up now (its port too, unless told not to)."""
-
-    async def bring_up(self, window_id: str) -> ContainerHandle:
-        """Start the engine; return what must be recorded to take it down later."""
-
-    async def wait_serving(self, timeout: float) -> float:
-        """Wait until the engine answers health checks; fail early if it dies."""
-
-    async def warm(self) -> None:
-        """Warm a freshly booted engine and prove it answers a completion."""
-
-    async def healthy(self) -> bool:
-        """Tell whether the engine answers its health check now."""
-
-    def exit_reason(self) -> str | None:
-        """Say why the engine stopped, if it has."""
 
     async def adopt(self, record: ContainerHandle) -> bool:
         """Take over an engine an earlier gpuswapd started; tell whether it still serves."""
@@ -91,23 +85,8 @@ class Engine(Protocol):
     async def orphaned(self, keep: set[str]) -> list[str]:
         """Name the windows of this instance's running engines that belong to no window in ``keep``."""
 
-    async def offers_sleep(self) -> bool:
-        """Tell whether the engine serves sleep mode (asked once it serves)."""
-
-    async def sleep(self, level: int) -> None:
-        """Put the engine to sleep and wait until it says it sleeps; stop watching it meanwhile."""
-
-    async def wake(self) -> None:
-        """Wake a sleeping engine, wait until it says it is awake, and watch it again."""
-
-    async def canary(self) -> str:
-        """Send the canary completion; return its raw text (reasoning and answer together)."""
-
     async def why_not_parked(self, record: ContainerHandle) -> str | None:
         """Say why a parked engine cannot be used (gone, awake, another spec); None if it can."""
-
-    def spec(self) -> str:
-        """Return a hash of the container's configuration (a parked engine must match it)."""
 
     async def settings(self, ask_docker: bool = True) -> EngineView | None:
         """Say what the engine's container runs with (None: there is no container)."""
@@ -314,7 +293,7 @@ class ContainerEngine:
 
     async def _watch_exit(self) -> None:
         """Wait for the container to exit; Docker being away is no exit (health still watches)."""
-        delay = WATCH_RETRY_S[0]
+        failures = 0
         while True:
             try:
                 state = await in_daemon_thread(self.docker.wait_exit, self.name, WATCH_WAIT_S, name="engine-watch")
@@ -322,9 +301,10 @@ class ContainerEngine:
                 self._exited_because(f"container {self.name} was removed behind gpuswapd's back")
                 return
             except DockerError as err:
+                failures += 1
+                delay = backoff(WATCH_RETRY_S, failures)
                 log.warning("engine_watch_lost", container=self.name, error=err.message, retry_in_s=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, WATCH_RETRY_S[1])
                 continue
             if state is not None:
                 try:
@@ -334,7 +314,7 @@ class ContainerEngine:
                 last = f": {tail[-1].strip()}" if tail else ""
                 self._exited_because(f"container {self.name} exited with code {state.exit_code}{last}")
                 return
-            delay = WATCH_RETRY_S[0]
+            failures = 0
 
     def _exited_because(self, reason: str) -> None:
         self._exit = reason
@@ -467,32 +447,12 @@ class ContainerEngine:
 class BareEngine:
     """No engine at all: a bare window hands the cleared card to its lease holders.
 
-    The window never boots, wakes or parks it; watching it waits for ever (the holders' own
-    processes are theirs to watch), and there is nothing to take down.
+    Watching it waits for ever (the holders' own processes are theirs to watch), and there is
+    nothing to take down; it boots, wakes and parks nothing, so it has no such methods.
     """
 
     async def preflight(self, check_port: bool = True) -> None:
         """Nothing to check: no container, no port."""
-
-    async def bring_up(self, window_id: str) -> ContainerHandle:
-        """Never called: a bare window brings no engine up."""
-        raise AssertionError("a bare window brings no engine up")
-
-    async def wait_serving(self, timeout: float) -> float:
-        """Never called: there is no engine to wait for."""
-        raise AssertionError("a bare window has no engine to wait for")
-
-    async def warm(self) -> None:
-        """Never called: there is no engine to warm."""
-        raise AssertionError("a bare window has no engine to warm")
-
-    async def healthy(self) -> bool:
-        """Tell that nothing failed: there is nothing to fail."""
-        return True
-
-    def exit_reason(self) -> str | None:
-        """Say nothing: there is no engine to stop."""
-        return None
 
     async def adopt(self, record: ContainerHandle) -> bool:
         """Take over a bare window: its holders still hold the card."""
@@ -518,29 +478,9 @@ class BareEngine:
         """Name nothing: a bare window leaves nothing in Docker."""
         return []
 
-    async def offers_sleep(self) -> bool:
-        """Tell that nothing here sleeps."""
-        return False
-
-    async def sleep(self, level: int) -> None:
-        """Never called: a bare window parks nothing."""
-        raise AssertionError("a bare window has no engine to park")
-
-    async def wake(self) -> None:
-        """Never called: a bare window wakes nothing."""
-        raise AssertionError("a bare window has no engine to wake")
-
-    async def canary(self) -> str:
-        """Never called: there is no engine to ask."""
-        raise AssertionError("a bare window has no engine to ask")
-
     async def why_not_parked(self, record: ContainerHandle) -> str | None:
         """Say why nothing of a bare window is ever parked."""
         return "a bare window has no engine"
-
-    def spec(self) -> str:
-        """Return no spec: there is no container."""
-        return ""
 
     async def settings(self, ask_docker: bool = True) -> EngineView | None:
         """Say nothing: there is no container."""

@@ -12,7 +12,7 @@ import errno
 import math
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuswapd import __version__, clock
 from gpuswapd.config import Config, Profile
@@ -29,7 +29,9 @@ from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.protocol import MAX_LINE, JsonObject, Request, encode, error_reply, parse_request
+from gpuswapd.retry import backoff
 from gpuswapd.server.admission import Admission
+from gpuswapd.server.clients import Clients
 from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
 from gpuswapd.server.watch import MAX_BUFFERED, Watchers
 from gpuswapd.sizes import format_size
@@ -74,7 +76,7 @@ class Server:
         self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._clients: set[asyncio.Task[Any]] = set()
+        self._clients = Clients(self.admission)
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
         self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
 
@@ -94,25 +96,23 @@ class Server:
     async def close(self) -> None:
         """Stop accepting and drop the connected clients."""
         await reap(self._accepting)
-        for task in list(self._clients):
-            task.cancel()
-        if self._clients:
-            await asyncio.wait(self._clients, timeout=2)
+        await self._clients.drop()
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        delay = ACCEPT_BACKOFF_S[0]
+        failures = 0
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as err:
                 if err.errno not in _OUT_OF_RESOURCES:
                     raise
+                failures += 1
+                delay = backoff(ACCEPT_BACKOFF_S, failures)
                 log.error("accept_out_of_resources", error=err.strerror, open=self.admission.open, retry_in_s=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, ACCEPT_BACKOFF_S[1])
                 continue
-            delay = ACCEPT_BACKOFF_S[0]
+            failures = 0
             for accepted in [conn, *_pending(sock, ACCEPT_BATCH - 1)]:
                 self._admit(accepted)
             # sock_accept does not yield while connections are pending: let the clients already
@@ -130,7 +130,7 @@ class Server:
         if refusal is not None:
             _refuse(conn, refusal)
             return
-        self._track(spawn(self._handle(conn, peer), "client"))
+        self._clients.track(spawn(self._handle(conn, peer), "client"))
 
     def serve_streams(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
         """Serve a connection given as streams (the simulation's), unless the caps refuse it; say why if so."""
@@ -139,12 +139,8 @@ class Server:
             writer.write(encode(error_reply(TooManyClients(refusal))))
             writer.close()
             return refusal
-        self._track(spawn(self.serve_connection(peer, reader, writer), "client"))
+        self._clients.track(spawn(self.serve_connection(peer, reader, writer), "client"))
         return None
-
-    def _track(self, task: asyncio.Task[None]) -> None:
-        self._clients.add(task)
-        task.add_done_callback(self._clients.discard)
 
     async def _handle(self, conn: socket.socket, peer: Peer) -> None:
         try:
@@ -160,19 +156,15 @@ class Server:
 
     async def serve_connection(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one admitted client's requests until it hangs up (the simulation's streams too)."""
-        try:
-            await self._serve(peer, reader, writer)
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
-            log.debug("client_dropped", error=repr(err))
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # a bug must not take the daemon down with one client
-            log.exception("client_handler_crashed")
-        finally:
-            self.admission.leave(peer)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1)
+        async with self._clients.serving(peer, writer):
+            try:
+                await self._serve(peer, reader, writer)
+            except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as err:
+                log.debug("client_dropped", error=repr(err))
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a bug must not take the daemon down with one client
+                log.exception("client_handler_crashed")
 
     async def _identify(self, peer: Peer) -> Peer:
         """Find the peer's service, for the requests that need it (a lease without --holder, ownership)."""
@@ -325,17 +317,37 @@ class Server:
 
     async def _acquire(self, peer: Peer, req: Request, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> JsonObject | None:
+        """Check an acquire, wait for its lease, hand it over, and keep the connection if asked to."""
         duration, capped = self._cap(req.duration or self.config.daemon.default_lease, peer)
         profile = self._profile(req.profile)
+        self._check_priority(peer, req.priority)
+        started = clock.monotonic()
+        progress = self._progress_to(writer, req.holder or peer.holder)
+        acquire = asyncio.create_task(self.window.acquire(
+            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
+            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
+        retrieve(acquire)
+        lease = await self._until_granted(acquire, peer, req, reader)
+        if lease is None:
+            return None
+        await self._hand_over(lease, writer, profile, capped=capped, started=started)
+        if req.hold or req.bind:
+            await self._hold(lease, reader, progress)
+        return None
+
+    def _check_priority(self, peer: Peer, priority: int) -> None:
+        """Refuse a non-root caller a priority outside the daemon's bounds for non-root."""
         most, least = self.config.daemon.priority_max_nonroot, self.config.daemon.priority_min_nonroot
-        if req.priority > most and peer.uid != 0:
-            raise PermissionDenied(f"priority {req.priority} is above daemon.priority_max_nonroot = {most}: only "
+        if priority > most and peer.uid != 0:
+            raise PermissionDenied(f"priority {priority} is above daemon.priority_max_nonroot = {most}: only "
                                    f"root may ask for more (user {peer.user}, uid {peer.uid})")
-        if req.priority < least and peer.uid != 0:
-            raise PermissionDenied(f"priority {req.priority} is below daemon.priority_min_nonroot = {least}: only "
+        if priority < least and peer.uid != 0:
+            raise PermissionDenied(f"priority {priority} is below daemon.priority_min_nonroot = {least}: only "
                                    f"root may ask for less (user {peer.user}, uid {peer.uid}); ask for {least} "
                                    "or more")
-        started = clock.monotonic()
+
+    def _progress_to(self, writer: asyncio.StreamWriter, holder: str) -> Callable[[JsonObject], None]:
+        """Make the listener that writes a waiting client's progress events, cutting one that does not read."""
 
         def progress(event: JsonObject) -> None:
             if writer.is_closing():
@@ -343,16 +355,17 @@ class Server:
             if writer.transport.get_write_buffer_size() > self.max_buffered:
                 # A client that does not read its progress would make gpuswapd buffer without end:
                 # cut it, which withdraws its request (as a hang-up does).
-                log.warning("client_dropped_unread", holder=req.holder or peer.holder,
+                log.warning("client_dropped_unread", holder=holder,
                             reason=f"it left more than {self.max_buffered} bytes of progress unread")
                 writer.transport.abort()
                 return
             writer.write(encode(event))
 
-        acquire = asyncio.create_task(self.window.acquire(
-            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
-        retrieve(acquire)
+        return progress
+
+    async def _until_granted(self, acquire: asyncio.Task[Lease], peer: Peer, req: Request,
+                             reader: asyncio.StreamReader) -> Lease | None:
+        """Wait for the acquire, the client's hang-up or the request's timeout; None if the client went away."""
         # The client sends nothing while it waits; EOF means it went away (killed, timed out).
         gone = asyncio.create_task(reader.read(1))
         retrieve(gone)
@@ -361,16 +374,20 @@ class Server:
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if acquire not in done:
-            acquire.cancel()
-            with contextlib.suppress(asyncio.CancelledError, GpuswapError):
-                await acquire
-            if gone in done:
-                log.info("acquire_withdrawn", holder=req.holder or peer.holder, reason="client went away")
-                return None
-            raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
-                                 f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
-        lease = acquire.result()
+        if acquire in done:
+            return acquire.result()
+        acquire.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GpuswapError):
+            await acquire
+        if gone in done:
+            log.info("acquire_withdrawn", holder=req.holder or peer.holder, reason="client went away")
+            return None
+        raise AcquireTimeout(f"the window was not ready within {req.timeout:g}s (phase now "
+                             f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
+
+    async def _hand_over(self, lease: Lease, writer: asyncio.StreamWriter, profile: Profile, *, capped: bool,
+                         started: float) -> None:
+        """Send a granted lease to its client, or release it if the client cannot have it."""
         try:
             if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
                                                                               lease.unit)).active:
@@ -384,9 +401,6 @@ class Server:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id))
             raise
-        if req.hold or req.bind:
-            await self._hold(lease, reader, progress)
-        return None
 
     async def _hold(self, lease: Lease, reader: asyncio.StreamReader, tell: Callable[[JsonObject], None]) -> None:
         """Keep a lease holder's connection for its events (a preemption's notice) until it hangs up.

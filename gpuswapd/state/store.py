@@ -48,7 +48,7 @@ class Document:
     queue: list[JsonObject] = field(default_factory=list)
     # Resident units an operator stopped while no window was open: left down until started again.
     held_down: dict[str, float] = field(default_factory=dict)
-    # What the resident is (gpuswapd.window.identity.Known): its baseline, its footprint, a change left.
+    # What the resident is (gpuswapd.window.baseline.Known): its baseline, its footprint, a change left.
     resident: JsonObject | None = None
 
 
@@ -179,12 +179,7 @@ class StateStore:
         tmp = self.dir / f".state.{os.getpid()}.{next(_counter)}.tmp"
         link = self.dir / f".prev.{os.getpid()}.{next(_counter)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_new(tmp, data)
             with contextlib.suppress(FileNotFoundError):  # the first document has no previous one
                 os.link(self.current, link)
                 os.replace(link, self.previous)
@@ -234,12 +229,7 @@ class StateStore:
     def _replace(self, path: Path, data: bytes) -> None:
         tmp = self.dir / f".{path.name}.{os.getpid()}.{next(_counter)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_new(tmp, data)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -260,6 +250,16 @@ def _read(path: Path) -> bytes:
     if len(data) > MAX_DOCUMENT:
         raise ValueError(f"larger than {MAX_DOCUMENT} bytes: not a state document")
     return data
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write a new file (never one that exists) whole, and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -21,6 +21,7 @@ from gpuswapd.errors import GpuswapError, StateError
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
 from gpuswapd.record import Finished
+from gpuswapd.retry import backoff
 from gpuswapd.state.store import Document, StateStore, encode
 from gpuswapd.tasks import reap, sleep_unless, spawn, uncancel
 
@@ -105,7 +106,7 @@ class StateWriter:
             raise StateError(self.error or "the state could not be written")
 
     async def _run(self) -> None:
-        delay = self._backoff[0]
+        failures = 0
         while True:
             await self._dirty.wait()
             self._dirty.clear()
@@ -126,12 +127,13 @@ class StateWriter:
                         raise
                     uncancel()  # nobody asked the writer to stop: the state must still reach the disk
                 await self._failed_attempt(change, err)
-                await sleep_unless(self._urgent, delay)  # a client waiting on a write tries again now
-                delay = min(delay * 2, self._backoff[1])
+                failures += 1
+                # A client waiting on a write tries again now.
+                await sleep_unless(self._urgent, backoff(self._backoff, failures))
                 self._dirty.set()  # try again: the state must reach the disk
                 continue
             self.seq = document.seq
-            delay = self._backoff[0]
+            failures = 0
             if self.error is not None:
                 log.info("state_writable_again", state_dir=str(self.store.dir),
                          after_s=round(clock.monotonic() - (self.failed_since or clock.monotonic()), 1))

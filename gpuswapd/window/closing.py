@@ -19,18 +19,19 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
+from gpuswapd.retry import backoff, until_done
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.window import identity, parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
 class Interrupted(Exception):
@@ -42,7 +43,7 @@ def engine_left(rec: WindowRecord) -> bool:
     return rec.container is not None and not rec.container.removed and not rec.container.parked
 
 
-def switch_target(w: Window, rec: WindowRecord) -> str | None:
+def switch_target(w: Context, rec: WindowRecord) -> str | None:
     """Name the profile a closing window should switch to directly, if any.
 
     Only a window that served to the end switches, and only to the profile the first queued
@@ -56,7 +57,7 @@ def switch_target(w: Window, rec: WindowRecord) -> str | None:
     return queued[0].profile
 
 
-async def _take_down(w: Window, rec: WindowRecord) -> None:
+async def _take_down(w: Context, rec: WindowRecord) -> None:
     for lease in rec.leases.clear():
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="closed")
     w.end_watchers("the window closed")
@@ -71,29 +72,29 @@ async def _take_down(w: Window, rec: WindowRecord) -> None:
     going = [*(rec.container.pid_list if rec.container is not None else []), *await w.engine.pids()]
     if not await parking.try_park(w, rec, need):
         rec.freeing = sorted({*rec.freeing, *going})
-        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == "engine")
+        rec.freeing_unknown = rec.freeing_unknown or (not going and rec.kind == ProfileKind.ENGINE)
         await w.persist(required=False)
         await _retry_take_down(w, rec, clock.monotonic() + w.backoffs.take_down_for)
 
 
-async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) -> bool:
+async def _retry_take_down(w: Context, rec: WindowRecord, until: float | None) -> bool:
     """Take the engine down, retrying with backoff until ``until`` (None: for as long as it takes).
 
     With a deadline, it also stops early once the resident would fit beside the engine: the
     restore can go on while the take-down is retried alongside it.
     """
-    first, cap = w.backoffs.take_down
-    delay = first
+    attempt = 0
     while True:
         try:
             await w.engine.take_down(rec.container)
         except GpuswapError as err:
+            attempt += 1
+            delay = backoff(w.backoffs.take_down, attempt)
             rec.fail(err)
             log.error("engine_take_down_failed", error=err.message, retry_in_s=delay)
             if until is not None and (clock.monotonic() + delay > until or await _resident_fits(w)):
                 return False
             await _pause(w, delay)
-            delay = min(delay * 2, cap)
             continue
         assert rec.container is not None
         rec.container = replace(rec.container, removed=True)
@@ -101,7 +102,7 @@ async def _retry_take_down(w: Window, rec: WindowRecord, until: float | None) ->
         return True
 
 
-async def _keep_taking_down(w: Window, rec: WindowRecord) -> bool:
+async def _keep_taking_down(w: Context, rec: WindowRecord) -> bool:
     """Retry the take-down until it succeeds; False if gpuswapd stops first."""
     try:
         return await _retry_take_down(w, rec, None)
@@ -109,7 +110,7 @@ async def _keep_taking_down(w: Window, rec: WindowRecord) -> bool:
         return False
 
 
-async def _resident_fits(w: Window) -> bool:
+async def _resident_fits(w: Context) -> bool:
     """Tell whether the resident would fit now, engine or not (no probe: cannot tell)."""
     try:
         reading = await w.vram.read(processes=False)
@@ -118,7 +119,7 @@ async def _resident_fits(w: Window) -> bool:
     return reading is not None and reading.free_bytes >= w.resident_needs
 
 
-async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
+async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
     gpu = w.config.gpu
     if await w.resident.all_active(rec.units):
         return  # it is back already (a close carried on after a restart): its own memory is no wait
@@ -131,7 +132,7 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
             await w.vram.wait_free(w.resident_needs, max(0.1, deadline - clock.monotonic()))
             return
         except VramTimeout as err:
-            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
+            if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
                 log.error("vram_held_after_bare_window", error=err.message)
                 return
             # Starting the resident is still the best move: llama.cpp fits itself to what is
@@ -149,8 +150,8 @@ async def _wait_resident_vram(w: Window, rec: WindowRecord) -> None:
             await _pause(w, min(backoff(w.backoffs.restore, attempt), max(0.0, deadline - clock.monotonic())))
 
 
-async def _parked_leaves_room(w: Window) -> None:
-    """Remove a parked engine that leaves the resident less than it needs (``Window.resident_needs``).
+async def _parked_leaves_room(w: Context) -> None:
+    """Remove a parked engine that leaves the resident less than it needs (``Context.resident_needs``).
 
     Degraded if it could not be removed: the restore waits for it, and says whose memory it is.
     """
@@ -176,7 +177,7 @@ async def _parked_leaves_room(w: Window) -> None:
                        "keeps trying")
 
 
-async def _let_exited_go(w: Window) -> None:
+async def _let_exited_go(w: Context) -> None:
     """Wait, up to the release timeout, until processes that have exited no longer hold memory.
 
     A resident that failed or crashed leaves its memory listed for a while: starting it again at
@@ -194,7 +195,7 @@ async def _let_exited_go(w: Window) -> None:
         await _pause(w, 0.25)
 
 
-async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
+async def _room_for_resident(w: Context, rec: WindowRecord) -> None:
     """Refuse to start the resident into memory that a bare window's holders still hold.
 
     What the resident's own units hold (a start that was not verified yet) and what gpuswapd's
@@ -214,7 +215,7 @@ async def _room_for_resident(w: Window, rec: WindowRecord) -> None:
                    f"{held}; stop those processes (gpuswapd retries)")
 
 
-async def _restore(w: Window, rec: WindowRecord) -> None:
+async def _restore(w: Context, rec: WindowRecord) -> None:
     """Start exactly the recorded units and verify the resident; retry with backoff."""
     if not rec.units:
         return
@@ -236,7 +237,7 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             # A process that just exited (a holder's, a start that failed) is still freeing its memory.
             await _let_exited_go(w)
             await _parked_leaves_room(w)
-            if rec.kind == "bare" or rec.after_bare or rec.baseline is not None:
+            if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
             started = clock.monotonic()
@@ -255,13 +256,7 @@ async def _restore(w: Window, rec: WindowRecord) -> None:
             await _degraded(w, rec, err, attempt)
 
 
-def backoff(bounds: tuple[float, float], attempt: int) -> float:
-    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap."""
-    first, cap = bounds
-    return float(min(cap, first * 2 ** max(0, attempt - 1)))
-
-
-async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
+async def _degraded(w: Context, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:
     """Wait in DEGRADED before the next try; nobody gets a window meanwhile."""
     delay = backoff(w.backoffs.restore, attempt)
     rec.degraded = err.message
@@ -274,23 +269,16 @@ async def _degraded(w: Window, rec: WindowRecord, err: GpuswapError, attempt: in
     await w.enter(rec, Phase.RESTORING, required=False)
 
 
-async def _resume(w: Window, rec: WindowRecord) -> None:
+async def _resume(w: Context, rec: WindowRecord) -> None:
     """Start exactly the paused timers again; retry until they run (the record stays till then)."""
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            await w.resident.resume(rec.timers)
-            return
-        except GpuswapError as err:
-            rec.fail(err)
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.error("timers_resume_retry", error=err.message, retry_in_s=delay)
-            await _pause(w, delay)
+    def failed(err: GpuswapError, delay: float) -> None:
+        rec.fail(err)
+        log.error("timers_resume_retry", error=err.message, retry_in_s=delay)
+
+    await until_done(lambda: w.resident.resume(rec.timers), w.backoffs.restore, failed, lambda s: _pause(w, s))
 
 
-async def _pause(w: Window, seconds: float) -> None:
+async def _pause(w: Context, seconds: float) -> None:
     """Wait before a retry; when gpuswapd gives up (its shutdown bound ran out), leave the record for the next start.
 
     A shutdown that restores (on_shutdown = "restore") retries like any close: only ``abort`` ends it.
@@ -299,7 +287,7 @@ async def _pause(w: Window, seconds: float) -> None:
         raise Interrupted
 
 
-STEPS: tuple[tuple[Phase, Callable[[Window, WindowRecord], Awaitable[None]]], ...] = (
+STEPS: tuple[tuple[Phase, Callable[[Context, WindowRecord], Awaitable[None]]], ...] = (
     (Phase.CLOSING, _take_down),
     (Phase.WAITING_VRAM, _wait_resident_vram),
     (Phase.RESTORING, _restore),
@@ -318,7 +306,7 @@ def _first_step(rec: WindowRecord) -> int:
     return 0
 
 
-async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
+async def close(w: Context, rec: WindowRecord, outcome: str) -> None:
     """Take the engine down, wait for VRAM, restore and verify the resident, resume the timers.
 
     An engine that could not be taken down in CLOSING is retried alongside the restore, and the
@@ -366,12 +354,12 @@ async def close(w: Window, rec: WindowRecord, outcome: str) -> None:
     w.finish(rec, outcome)
 
 
-def hung_mark(w: Window) -> tuple[int, int]:
+def hung_mark(w: Context) -> tuple[int, int]:
     """Count the calls to systemd and Docker that ever outlived their deadline."""
     return w.outside.systemd.hung_total, w.outside.docker.hung_total
 
 
-async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
+async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
     """Make sure again once calls that outlived their deadline have landed.
 
     A stop job or a container create that timed out here may still be done by systemd or Docker
@@ -397,7 +385,7 @@ async def _reconcile_late_calls(w: Window, rec: WindowRecord) -> None:
         log.info("late_calls_reconciled")
 
 
-async def _until(w: Window, aw: Awaitable[None]) -> None:
+async def _until(w: Context, aw: Awaitable[None]) -> None:
     """Await something long, unless gpuswapd gives up first (then the record stays)."""
     task = asyncio.ensure_future(aw)
     stop = asyncio.ensure_future(w.abort.wait())
@@ -414,24 +402,27 @@ async def _until(w: Window, aw: Awaitable[None]) -> None:
     task.result()
 
 
-def sweep_orphans(w: Window) -> None:
+def sweep_orphans(w: Context) -> None:
     """Remove this instance's engines that no open window owns, retrying until Docker lets it."""
     if w.sweeper is None or w.sweeper.done():
         w.sweeper = spawn(_sweep(w), "orphan-sweep")
 
 
-async def _sweep(w: Window) -> None:
-    attempt = 0
-    while not w.stopping.is_set():
-        attempt += 1
-        try:
-            await w.engine_of(DEFAULT_PROFILE).remove_orphans(w.engines_kept())
-            return
-        except GpuswapError as err:
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay)
-            await sleep_unless(w.stopping, delay)
+class _SweepStopped(Exception):
+    """gpuswapd stops: the orphan sweep is left to its next start."""
+
+
+async def _sweep(w: Context) -> None:
+    async def pause(seconds: float) -> None:
+        if await sleep_unless(w.stopping, seconds):
+            raise _SweepStopped
+
+    if w.stopping.is_set():
+        return
+    with contextlib.suppress(_SweepStopped):
+        await until_done(lambda: w.engine_of(DEFAULT_PROFILE).remove_orphans(w.engines_kept()), w.backoffs.restore,
+                         lambda err, delay: log.warning("orphan_sweep_failed", error=err.message, retry_in_s=delay),
+                         pause)
 
 
 def _name(rec: WindowRecord) -> str | None:

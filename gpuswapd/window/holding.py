@@ -18,10 +18,10 @@ from gpuswapd.window import closing, opening, preempting
 WATCH_BARE_S = 10.0  # a bare window has no engine to watch; leases and the queue still wake it
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
-async def hold_then_close(w: Window, rec: WindowRecord) -> None:
+async def hold_then_close(w: Context, rec: WindowRecord) -> None:
     """Hold the window while it is wanted and the engine serves, then close it."""
     if await hold(w, rec):
         await closing.close(w, rec, "closed")
@@ -31,7 +31,7 @@ async def hold_then_close(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "engine_failed")
 
 
-async def hold(w: Window, rec: WindowRecord) -> bool:
+async def hold(w: Context, rec: WindowRecord) -> bool:
     """Keep the window READY while leases last, plus ``linger``; False if the engine was lost.
 
     A watchdog runs meanwhile: when the engine fails, it is restarted and verified again, up
@@ -44,22 +44,14 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
     try:
         while not w.stopping.is_set():
             if watch.done():
-                if watch.cancelled() or watch.exception() is not None:
-                    # The watchdog itself was lost (not the engine): watch again.
-                    log.warning("engine_watch_restarted", error=None if watch.cancelled() else repr(watch.exception()))
-                elif not await _restart_engine(w, rec, watch.result()):
+                if not await _serves_after(w, rec, watch):
                     rec.sealed = True
                     return False
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
             if rec.phase is Phase.READY:
                 await preempting.check(w, rec)
             now = clock.wall()
-            expired = rec.leases.expire(now)
-            for lease in expired:
-                log.info("lease_expired", lease=lease.id, holder=lease.holder)
-            if expired:
-                w.end_watchers("expired")
-                await w.persist(required=False)
+            await _expire_leases(w, rec, now)
             if len(rec.leases):
                 linger_from = None
             else:
@@ -67,24 +59,47 @@ async def hold(w: Window, rec: WindowRecord) -> bool:
                 if now - linger_from >= linger or w.queue.wants_other(rec.profile):
                     rec.sealed = True  # from here on it takes no lease: the close has begun
                     return True  # a request for another profile waits: no lingering for nobody
-            wake_at = min(t for t in (rec.leases.next_expiry(), linger_from and linger_from + linger,
-                                      preempting.deadline(rec)) if t is not None)
-            w.wake.clear()
-            waker = asyncio.create_task(w.wake.wait())
-            retrieve(waker)
-            try:
-                timeout = max(0.0, wake_at - now) if math.isfinite(wake_at) else None  # only leases for infinity
-                await asyncio.wait({waker, watch}, timeout=timeout,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waker.cancel()
+            await _sleep_until_due(w, rec, watch, now, linger_from and linger_from + linger)
         rec.sealed = True
         return True
     finally:
         await reap(watch)
 
 
-async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
+async def _serves_after(w: Context, rec: WindowRecord, watch: asyncio.Task[str]) -> bool:
+    """Deal with a watchdog that ended: watch again if it was lost, else restart the engine; False if that failed."""
+    if watch.cancelled() or watch.exception() is not None:
+        # The watchdog itself was lost (not the engine): watch again.
+        log.warning("engine_watch_restarted", error=None if watch.cancelled() else repr(watch.exception()))
+        return True
+    return await _restart_engine(w, rec, watch.result())
+
+
+async def _expire_leases(w: Context, rec: WindowRecord, now: float) -> None:
+    """End the leases whose time is up, tell their holders, and write the state down."""
+    expired = rec.leases.expire(now)
+    for lease in expired:
+        log.info("lease_expired", lease=lease.id, holder=lease.holder)
+    if expired:
+        w.end_watchers("expired")
+        await w.persist(required=False)
+
+
+async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[str], now: float,
+                           linger_ends: float | None) -> None:
+    """Sleep until a lease expires, the linger ends, a preemption is due, the window is woken or the engine fails."""
+    wake_at = min(t for t in (rec.leases.next_expiry(), linger_ends, preempting.deadline(rec)) if t is not None)
+    w.wake.clear()
+    waker = asyncio.create_task(w.wake.wait())
+    retrieve(waker)
+    try:
+        timeout = max(0.0, wake_at - now) if math.isfinite(wake_at) else None  # only leases for infinity
+        await asyncio.wait({waker, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waker.cancel()
+
+
+async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
     """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
     cfg = w.profile.engine
     log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.max_restarts)
@@ -98,16 +113,16 @@ async def _restart_engine(w: Window, rec: WindowRecord, reason: str) -> bool:
             # fail with out of memory.
             await w.vram.wait_free(w.profile.needs, w.config.gpu.release_timeout)
             free = w.vram.last.free_bytes if w.vram.last is not None else None
-            rec.container = await w.engine.bring_up(rec.id)
+            rec.container = await w.container_engine.bring_up(rec.id)
             if free is not None:
                 # What a sleeping engine keeps is measured against it.
                 rec.container = replace(rec.container, free_before_boot=free)
             await opening.learn_pids(w, rec)
             log.warning("engine_restarted", restart=rec.restarts, max_restarts=cfg.max_restarts)
             await w.persist(required=False)
-            await w.engine.wait_serving(cfg.boot_timeout)
+            await w.container_engine.wait_serving(cfg.boot_timeout)
             await w.enter(rec, Phase.WARMING, required=False)
-            await w.engine.warm()
+            await w.container_engine.warm()
             await opening.learn_canary(w, rec)
             await opening.learn_pids(w, rec)
         except GpuswapError as err:

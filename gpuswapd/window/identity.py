@@ -26,21 +26,22 @@ park decision included (``Known.needs``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuswapd import clock
 from gpuswapd.errors import BadResponse, Degraded, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import Holder
 from gpuswapd.protocol import JsonObject
-from gpuswapd.record import WindowRecord, _Fields
+from gpuswapd.record import WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import sleep_unless
 from gpuswapd.window import parking
+from gpuswapd.window.baseline import Identity, smaller
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 Pause = Callable[[float], Awaitable[None]]
 POLL_S = 0.25
@@ -48,108 +49,10 @@ READ_FOR_S = 30.0
 WARN_AFTER = 5  # tries at start before an unanswered /props is warned of (it may still be loading)
 
 
-@dataclass(frozen=True)
-class Identity:
-    """The resident at one moment: its context per slot and slots (llama.cpp), its models, its VRAM."""
-
-    n_ctx: int | None
-    slots: int | None
-    model_path: str | None
-    alias: str | None
-    models: tuple[str, ...]
-    held_bytes: int | None  # what its processes held on the card (None: no GPU probe, or it could not say)
-    held: tuple[Holder, ...] = ()
-    at: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Serialize for the state document, status and history."""
-        return {"n_ctx": self.n_ctx, "slots": self.slots, "model_path": self.model_path, "alias": self.alias,
-                "models": list(self.models), "held_bytes": self.held_bytes,
-                "held": [{"pid": h.pid, "unit": h.unit, "bytes": h.used_bytes} for h in self.held], "at": self.at}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> Identity:
-        """Rebuild from ``to_dict`` output; ValueError names what is wrong."""
-        d = _Fields(data, where)
-        held = []
-        for i, h in enumerate(d.items("held")):
-            e = _Fields(h, f"{where}.held[{i}]")
-            held.append(Holder(int(e.number("pid")), int(e.number("bytes")), e.text("unit", optional=True)))
-        n_ctx, slots, held_bytes = (d.number(k, optional=True) for k in ("n_ctx", "slots", "held_bytes"))
-        return cls(None if n_ctx is None else int(n_ctx), None if slots is None else int(slots),
-                   d.text("model_path", optional=True), d.text("alias", optional=True), tuple(d.texts("models")),
-                   None if held_bytes is None else int(held_bytes), tuple(held), d.number("at", default=0.0))
-
-    def describe(self) -> str:
-        """Say it for a person: context, slots, models."""
-        ctx = f"n_ctx {self.n_ctx} x {self.slots} slot(s), " if self.n_ctx is not None else ""
-        return f"{ctx}models {', '.join(self.models) or '(none)'}"
-
-    def same_as(self, other: Identity) -> bool:
-        """Tell whether it says the same as ``other`` (the memory and the time aside)."""
-        return (self.n_ctx, self.slots, self.model_path, self.alias, self.models) == (
-            other.n_ctx, other.slots, other.model_path, other.alias, other.models)
-
-
-def smaller(now: Identity, was: Identity, server: str) -> list[str]:
-    """Say how ``now`` falls short of ``was``: a smaller context or fewer slots (llama.cpp), a model gone."""
-    out = []
-    if server == "llama.cpp":
-        if was.n_ctx is not None and (now.n_ctx is None or now.n_ctx < was.n_ctx):
-            out.append(f"n_ctx {now.n_ctx} (was {was.n_ctx})")
-        if was.slots is not None and (now.slots is None or now.slots < was.slots):
-            out.append(f"total_slots {now.slots} (was {was.slots})")
-    missing = sorted(set(was.models) - set(now.models))
-    if missing:
-        out.append(f"model(s) {', '.join(missing)} missing (it lists {', '.join(now.models) or 'none'})")
-    return out
-
-
-@dataclass
-class Known:
-    """What gpuswapd knows of the resident across windows and restarts (the state document's ``resident``)."""
-
-    baseline: Identity | None = None
-    footprint: int | None = None  # what its processes held the last time a window stopped it
-    changed: JsonObject | None = None  # the last close left it smaller: was, now, why, holders
-    warned: int = 0  # the largest footprint warned of: each is warned of once
-
-    def needs(self, configured: int) -> int:
-        """Return what the resident needs free: ``gpu.resident_needs``, or more if it was seen to hold more."""
-        held = self.baseline.held_bytes if self.baseline is not None else None
-        return max(configured, self.footprint or 0, held or 0)
-
-    def to_dict(self) -> dict[str, Any] | None:
-        """Serialize for the state document (None when nothing is known yet)."""
-        if self.baseline is None and self.footprint is None and self.changed is None:
-            return None
-        return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
-                "footprint_bytes": self.footprint, "footprint_warned": self.warned, "changed": self.changed}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Known:
-        """Rebuild from the state document; ValueError names what is wrong."""
-        if data is None:
-            return cls()
-        d = _Fields(data, "resident")
-        baseline = d.table("baseline")
-        footprint = d.number("footprint_bytes", optional=True)
-        return cls(None if baseline is None else Identity.from_dict(baseline, "resident.baseline"),
-                   None if footprint is None else int(footprint), d.table("changed"),
-                   int(d.number("footprint_warned", default=0)))
-
-    def status(self, configured: int) -> JsonObject:
-        """Describe it for ``status``: the baseline, what the last close found, what the checks use."""
-        needs = self.needs(configured)
-        return {"baseline": self.baseline.to_dict() if self.baseline is not None else None,
-                "changed": self.changed, "degraded": self.changed is not None,
-                "footprint_bytes": self.footprint, "needs_bytes": needs, "needs": format_size(needs)}
-
-
 # -- reading it -----------------------------------------------------------------------------------
 
 
-async def read(w: Window, units: list[str]) -> Identity:
+async def read(w: Context, units: list[str]) -> Identity:
     """Read what the resident is now, and what the processes of ``units`` hold on the card."""
     props, models = await w.resident.what_it_is()
     held = await _held(w, units)
@@ -158,7 +61,7 @@ async def read(w: Window, units: list[str]) -> Identity:
                     None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall())
 
 
-async def _held(w: Window, units: list[str]) -> list[Holder] | None:
+async def _held(w: Context, units: list[str]) -> list[Holder] | None:
     """List the card's processes that belong to ``units`` (None: the card cannot be read)."""
     try:
         reading = await w.vram.read(processes=True)
@@ -174,7 +77,7 @@ async def _held(w: Window, units: list[str]) -> list[Holder] | None:
     return held
 
 
-async def _others(w: Window, units: list[str]) -> list[Holder]:
+async def _others(w: Context, units: list[str]) -> list[Holder]:
     """List what processes outside ``units`` hold on the card now, largest first."""
     try:
         reading = await w.vram.read(processes=True)
@@ -190,7 +93,7 @@ async def _others(w: Window, units: list[str]) -> list[Holder]:
     return out
 
 
-async def learn_footprint(w: Window, running: list[str]) -> None:
+async def learn_footprint(w: Context, running: list[str]) -> None:
     """Before a window stops the resident, learn what its processes hold; warn once if more than it is said to need."""
     held = await _held(w, running)
     if not held:
@@ -209,21 +112,20 @@ async def learn_footprint(w: Window, running: list[str]) -> None:
 # -- after a restore's verify -----------------------------------------------------------------------
 
 
-async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | None:
+async def _read_within(w: Context, units: list[str], pause: Pause) -> Identity | None:
     """Read it, retrying a server that does not answer yet, a while; None: unread.
 
     The resident has just answered a completion: a /props that does not answer within
     ``READ_FOR_S`` (or ``resident.verify.timeout``, if shorter) is a wrong URL, not a slow server.
     """
     deadline = clock.monotonic() + min(READ_FOR_S, w.config.resident.verify.timeout)
-    first, cap = w.backoffs.restore
     attempt = 0
     while True:
         try:
             return await read(w, units)
         except GpuswapError as err:
             attempt += 1
-            delay = min(cap, first * 2 ** (attempt - 1))
+            delay = backoff(w.backoffs.restore, attempt)
             # A wrong answer (a wrong URL, not llama-server) will not heal by asking again.
             if isinstance(err, BadResponse) or clock.monotonic() + delay > deadline:
                 log.warning("resident_identity_unread", error=err.message,
@@ -233,7 +135,7 @@ async def _read_within(w: Window, units: list[str], pause: Pause) -> Identity | 
             await pause(delay)
 
 
-def _record(w: Window, now: Identity, why: str) -> None:
+def _record(w: Context, now: Identity, why: str) -> None:
     """Make ``now`` the baseline (and clear a change it makes good)."""
     known, was = w.known, w.known.baseline
     known.baseline = now
@@ -245,7 +147,7 @@ def _record(w: Window, now: Identity, why: str) -> None:
     w.writer.request()
 
 
-async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Pause) -> bool:
+async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pause) -> bool:
     """Compare the resident just verified with its baseline; False: it is smaller and a repair comes first."""
     now = await _read_within(w, rec.units, pause)
     if now is None:
@@ -281,7 +183,7 @@ async def after_verify(w: Window, rec: WindowRecord, repaired: bool, pause: Paus
     return True
 
 
-def _restored_smaller(w: Window, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:
+def _restored_smaller(w: Context, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:
     """Say for a person what came back, what holds the memory, and the next step."""
     held = "; ".join(h.describe() for h in others) or "no other process"
     text = (f"the resident came back smaller than its baseline, even after a restart with the room it had: "
@@ -300,7 +202,7 @@ def _size(nbytes: int | None) -> str:
     return "unknown" if nbytes is None else format_size(nbytes)
 
 
-async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
+async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
     """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
     if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
         raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.name}, "
@@ -332,9 +234,9 @@ async def make_room(w: Window, rec: WindowRecord, pause: Pause) -> None:
 # -- while no window is open ---------------------------------------------------------------------------
 
 
-async def record_at_start(w: Window) -> None:
+async def record_at_start(w: Context) -> None:
     """Record the baseline at start once the resident serves while no window is open."""
-    attempt, first, cap = 0, *w.backoffs.restore
+    attempt = 0
     units = w.config.resident.units
     while not w.stopping.is_set():
         if w.record is not None or len(w.queue):
@@ -352,10 +254,10 @@ async def record_at_start(w: Window) -> None:
                             consequence="no baseline of the resident yet (asked again until it answers): check "
                                         "resident.props_url and resident.verify.url")
         attempt += 1
-        await sleep_unless(w.stopping, min(cap, first * 2 ** (attempt - 1)))
+        await sleep_unless(w.stopping, backoff(w.backoffs.restore, attempt))
 
 
-def _at_start(w: Window, now: Identity) -> None:
+def _at_start(w: Context, now: Identity) -> None:
     """Take what runs at start as the baseline, unless the last close left it smaller and it still is.
 
     Another model file or alias is its operator's change, never llama.cpp's fitting: it is taken.
@@ -369,7 +271,7 @@ def _at_start(w: Window, now: Identity) -> None:
     _record(w, now, "gpuswapd started with the resident serving")
 
 
-async def recheck(w: Window) -> None:
+async def recheck(w: Context) -> None:
     """While idle, see whether a resident left smaller is back as it was (its operator restarted it, say)."""
     was = w.known.baseline
     if w.known.changed is None or was is None or w.record is not None:

@@ -21,34 +21,34 @@ from gpuswapd import clock
 from gpuswapd.adapters.gpu import VramReading
 from gpuswapd.adapters.streams import snip
 from gpuswapd.adapters.unitstates import TimerState
+from gpuswapd.config import ProfileKind
 from gpuswapd.errors import DockerError, EngineFailed, GpuswapError, WontFit
 from gpuswapd.logs import log
 from gpuswapd.parts.vram import predict_fit
 from gpuswapd.phases import Phase
-from gpuswapd.record import ContainerHandle, WindowRecord
+from gpuswapd.record import ContainerHandle, Parked, WindowRecord, needs_less_residual
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
 from gpuswapd.window import identity, parking
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
 @dataclass
 class Opening:
     """One window on its way to READY, and what its steps learn for the next ones."""
 
-    window: Window
+    window: Context
     rec: WindowRecord
     timers: list[TimerState] = field(default_factory=list)
-    parked: parking.Parked | None = None
+    parked: Parked | None = None
     running: list[str] = field(default_factory=list)  # the resident's active units, as the timers were paused
 
     @property
     def needs(self) -> int:
         """The VRAM to wait for: a parked engine already holds its residual."""
-        held = self.parked.residual_bytes if self.parked is not None else 0
-        return max(0, self.window.profile.needs - held)
+        return needs_less_residual(self.window.profile.needs, self.rec.profile, self.parked)
 
 
 async def _check_and_drain(op: Opening) -> None:
@@ -85,7 +85,7 @@ async def _nothing() -> None:
     return None
 
 
-async def preflight(w: Window, profile: str) -> None:
+async def preflight(w: Context, profile: str) -> None:
     """Check, changing nothing, that a window of ``profile`` could bring its engine up (a parked one is woken)."""
     parked = w.parked
     if parked is not None and parked.profile == profile:
@@ -94,7 +94,7 @@ async def preflight(w: Window, profile: str) -> None:
     await w.engine_of(profile).preflight(check_port=False)
 
 
-async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
+async def _usable_parked(w: Context, rec: WindowRecord) -> Parked | None:
     """Return the parked engine if this window can wake it; remove it (resident untouched) if not.
 
     An engine of another profile stays parked only if this window fits beside it.
@@ -120,7 +120,7 @@ async def _usable_parked(w: Window, rec: WindowRecord) -> parking.Parked | None:
     return None
 
 
-async def check_fit(w: Window, need: int | None = None, going: frozenset[int] = frozenset(),
+async def check_fit(w: Context, need: int | None = None, going: frozenset[int] = frozenset(),
                     unsure: bool = False, reading: VramReading | None = None, running: list[str] | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free.
 
@@ -184,37 +184,37 @@ async def _boot(op: Opening) -> None:
     rec.container = ContainerHandle(name=c.name, created=c.create)
     await w.persist(required=True)
     free = w.vram.last.free_bytes if w.vram.last is not None else None
-    rec.container = await w.engine.bring_up(rec.id)
+    rec.container = await w.container_engine.bring_up(rec.id)
     if free is not None:
         # What the sleeping engine keeps is measured against it.
         rec.container = replace(rec.container, free_before_boot=free)
     await learn_pids(w, rec)
     await w.persist(required=True)
-    await w.engine.wait_serving(w.profile.engine.boot_timeout)
+    await w.container_engine.wait_serving(w.profile.engine.boot_timeout)
 
 
 async def _warm(op: Opening) -> None:
-    await op.window.engine.warm()
+    await op.window.container_engine.warm()
     await learn_canary(op.window, op.rec)
     await learn_pids(op.window, op.rec)
 
 
-async def learn_pids(w: Window, rec: WindowRecord) -> None:
+async def learn_pids(w: Context, rec: WindowRecord) -> None:
     """Record the engine's processes (all it ever had): the card lists their memory under these pids."""
     if rec.container is not None:
         known = rec.container.pid_list
         rec.container = replace(rec.container, pids=tuple(sorted({*known, *await w.engine.pids()})))
 
 
-async def learn_canary(w: Window, rec: WindowRecord) -> None:
+async def learn_canary(w: Context, rec: WindowRecord) -> None:
     """With park mode "sleep", learn whether the cold engine can sleep, and its canary's answer."""
-    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or rec.container is None:
+    if rec.kind != ProfileKind.ENGINE or w.profile.engine.park.mode != "sleep" or rec.container is None:
         return
-    sleeps = await w.engine.offers_sleep()
+    sleeps = await w.container_engine.offers_sleep()
     canary = None
     if sleeps:
         try:
-            canary = await w.engine.canary()
+            canary = await w.container_engine.canary()
         except GpuswapError as err:
             log.warning("engine_canary_failed", error=err.message, consequence="this engine will not be parked")
             sleeps = False
@@ -232,8 +232,8 @@ async def _wake(op: Opening) -> bool:
     w.parked = None
     await w.enter(rec, Phase.WAKING, required=True)
     try:
-        await w.engine.wake()
-        said = await w.engine.canary()
+        await w.container_engine.wake()
+        said = await w.container_engine.canary()
         if said != parked.canary:
             raise EngineFailed(f"the woken engine answers the canary differently: {snip(said)!r}, before it slept: "
                                f"{snip(parked.canary)!r}")
@@ -266,7 +266,7 @@ COLD: tuple[tuple[Phase, Callable[[Opening], Awaitable[None]]], ...] = (
 )
 
 
-async def open_window(window: Window, rec: WindowRecord) -> None:
+async def open_window(window: Context, rec: WindowRecord) -> None:
     """Take a new window from DRAINING to the edge of READY; raise on any failure."""
     op = Opening(window, rec)
     for phase, step in BEFORE_ENGINE:
@@ -275,7 +275,7 @@ async def open_window(window: Window, rec: WindowRecord) -> None:
         # DRAINING and WAITING_VRAM only look: their write goes on meanwhile, and the next one covers it.
         await window.enter(rec, phase, required=True, overlap=phase in _LOOKING)
         await step(op)
-    if rec.kind == "bare":
+    if rec.kind == ProfileKind.BARE:
         return  # the card is clear: the holders bring their own processes
     if op.parked is not None:
         if await _wake(op):

@@ -15,84 +15,30 @@ While parked it is watched: an engine that dies, stops saying it sleeps, or stay
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE, ParkConfig
+from gpuswapd.adapters.pagecache import mem_available
+from gpuswapd.config import ParkConfig, ProfileKind
 from gpuswapd.errors import GpuswapError, VramTimeout
 from gpuswapd.logs import log
-from gpuswapd.protocol import JsonObject
-from gpuswapd.record import ContainerHandle, WindowRecord, _Fields
+from gpuswapd.record import _WINDOW_ONLY, ContainerHandle, Parked, WindowRecord
+from gpuswapd.retry import backoff
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 RETRY_S = (1.0, 60.0)
 
 
-@dataclass
-class Parked:
-    """The engine left asleep by the last window."""
-
-    container: ContainerHandle  # the window's container record: name, created, image, window, spec, pids
-    since: float
-    level: int
-    residual_bytes: int
-    canary: str
-    profile: str = DEFAULT_PROFILE
-
-    def to_dict(self) -> dict[str, Any]:
-        """Serialize for the state document."""
-        return {"container": self.container.to_dict(), "since": self.since, "level": self.level,
-                "residual_bytes": self.residual_bytes, "canary": self.canary, "profile": self.profile}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Parked:
-        """Rebuild from the state document; ValueError names what is wrong."""
-        d = _Fields(data, "parked")
-        container = d.table("container")
-        if container is None or not isinstance(container.get("name"), str):
-            raise ValueError("parked.container: expected the parked container's record")
-        level = int(d.number("level"))
-        if level not in (1, 2):
-            raise ValueError("parked.level: expected 1 or 2")
-        return cls(container=ContainerHandle.from_dict(container), since=d.number("since"), level=level,
-                   residual_bytes=int(d.number("residual_bytes")), canary=d.text("canary"),
-                   profile=d.text("profile", optional=True) or DEFAULT_PROFILE)
-
-    @property
-    def pids(self) -> list[int]:
-        """Return the host pids of the parked engine's processes, as recorded when it served."""
-        return self.container.pid_list
-
-    def status(self, keep: float) -> JsonObject:
-        """Describe it for ``status``."""
-        return {"container": self.container.name, "profile": self.profile, "since": self.since,
-                "level": self.level,
-                "residual_bytes": self.residual_bytes, "residual": format_size(self.residual_bytes),
-                "expires_at": self.since + keep, "next_open": "warm"}
-
-
-def host_ram_available() -> int | None:
-    """Read MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _level(w: Window) -> int:
+def _level(w: Context) -> int:
     """Pick the sleep level: level 1 holds the weights in host RAM, so it needs room there."""
     park = w.profile.engine.park
     if park.level == 1 and park.host_ram_needs:
-        available = host_ram_available()
+        available = mem_available()
         if available is None or available < park.host_ram_needs:
             shown = "unknown" if available is None else format_size(available)
             log.warning("park_level_lowered", sleep_level=2, host_ram_available=shown,
@@ -101,14 +47,14 @@ def _level(w: Window) -> int:
     return park.level
 
 
-async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> bool:
+async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bool:
     """Put the window's engine to sleep and park it, if it may be and ``need`` is then free.
 
-    ``need`` is what comes next: the resident (``Window.resident_needs``), or the next window of a
+    ``need`` is what comes next: the resident (``Context.resident_needs``), or the next window of a
     direct switch. False means it was not parked (the caller removes it); the log says why.
     """
     c = rec.container or ContainerHandle()
-    if rec.kind != "engine" or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
+    if rec.kind != ProfileKind.ENGINE or w.profile.engine.park.mode != "sleep" or w.stopping.is_set():
         return False
     if w.parked is not None:
         log.info("engine_not_parked", reason=f"the engine of profile {w.parked.profile!r} is parked already")
@@ -120,7 +66,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
         return False
     level = _level(w)
     try:
-        await w.engine.sleep(level)
+        await w.container_engine.sleep(level)
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False
@@ -154,7 +100,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     else:  # woken from park: it holds what it held before
         residual = int(c.residual_bytes or 0)
     # What the window's container record says that a parked engine's does not need goes.
-    record = c.without("free_before_boot", "parked", "residual_bytes", "sleep", "canary", "removed")
+    record = c.without(*_WINDOW_ONLY)
     w.parked = Parked(container=record, since=clock.wall(), level=level, residual_bytes=residual,
                       canary=str(c.canary), profile=rec.profile)
     rec.container = replace(c, parked=True)
@@ -164,7 +110,7 @@ async def try_park(w: Window, rec: WindowRecord, need: int | None = None) -> boo
     return True
 
 
-async def remove(w: Window, why: str) -> bool:
+async def remove(w: Context, why: str) -> bool:
     """Remove the parked engine (the resident is left alone); False if Docker would not."""
     parked = w.parked
     if parked is None:
@@ -181,20 +127,20 @@ async def remove(w: Window, why: str) -> bool:
     return True
 
 
-def watch(w: Window) -> None:
+def watch(w: Context) -> None:
     """Watch the parked engine while no window is open (replacing any earlier watch)."""
     if w.parked is not None and (w.park_watch is None or w.park_watch.done()):
         w.park_watch = spawn(_watch(w), "park-watch")
 
 
-async def stop_watching(w: Window) -> None:
+async def stop_watching(w: Context) -> None:
     """Stop watching the parked engine (a window is about to use it or gpuswapd stops)."""
     task, w.park_watch = w.park_watch, None
     if task is not None and task is not asyncio.current_task():
         await reap(task)
 
 
-def _park_config(w: Window, parked: Parked) -> tuple[ParkConfig, float] | None:
+def _park_config(w: Context, parked: Parked) -> tuple[ParkConfig, float] | None:
     """Return the parked engine's park settings and watch interval (None: its profile is gone)."""
     try:
         window = w.config.profile(parked.profile).window
@@ -203,7 +149,7 @@ def _park_config(w: Window, parked: Parked) -> tuple[ParkConfig, float] | None:
     return (window.park, window.watch_interval) if window is not None else None
 
 
-async def _watch(w: Window) -> None:
+async def _watch(w: Context) -> None:
     failures = 0
     while w.parked is not None and not w.stopping.is_set():
         parked = w.parked
@@ -224,10 +170,10 @@ async def _watch(w: Window) -> None:
             continue
         if not await remove(w, why):
             failures += 1
-            await sleep_unless(w.stopping, min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
+            await sleep_unless(w.stopping, backoff(RETRY_S, failures))
 
 
-async def check_at_start(w: Window) -> None:
+async def check_at_start(w: Context) -> None:
     """Keep a parked engine an earlier gpuswapd left only if it still sleeps and matches; else remove it."""
     parked = w.parked
     if parked is None:

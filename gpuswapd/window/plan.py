@@ -13,8 +13,8 @@ from gpuswapd.errors import GpuswapError
 from gpuswapd.parts.engine import Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram, predict_fit
+from gpuswapd.record import Parked, needs_less_residual
 from gpuswapd.sizes import format_size
-from gpuswapd.window.parking import Parked
 from gpuswapd.window.prefetch import ResidentFiles
 
 
@@ -172,7 +172,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     elif parked is not None:
         why = await engine.why_not_parked(parked.container)
         if why is None:
-            start, need = "warm", max(0, need - parked.residual_bytes)
+            start, need = "warm", needs_less_residual(need, profile.name, parked)
             parked_note = f"{parked.container.name} asleep (level {parked.level}): the next window wakes it"
         else:
             parked_note = f"{parked.container.name} cannot be woken ({why}): the next window removes it"

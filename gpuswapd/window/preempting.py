@@ -24,17 +24,19 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
+from gpuswapd.config import ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.protocol import JsonObject
-from gpuswapd.record import PreemptedHolder, Preemption, WindowRecord
+from gpuswapd.record import PreemptedHolder, Preemption, WindowRecord, needs_less_residual
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import spawn
 from gpuswapd.window import opening
 from gpuswapd.window.queueing import Waiter
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 STOP_ATTEMPTS = 5  # a unit whose stop fails this often is left to the next window's wait for VRAM
 
@@ -52,7 +54,7 @@ def under_way(rec: WindowRecord) -> bool:
     return rec.preempted is not None and rec.preempted.abandoned_at is None
 
 
-async def check(w: Window, rec: WindowRecord) -> None:
+async def check(w: Context, rec: WindowRecord) -> None:
     """Start, abandon or complete a preemption of the READY window ``rec``."""
     now = clock.wall()
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
@@ -72,21 +74,19 @@ async def check(w: Window, rec: WindowRecord) -> None:
         await _revoke(w, rec, now)
 
 
-async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
+async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
     """Check, before anyone is told, that the preemptor's window could open; refuse it at once if not.
 
     Its image and env file must be there, and it must fit on the card beside what stays once this
     window's engine is gone: revoking work for a window that then fails helps nobody.
     """
-    live = await w.engine.pids() if rec.kind == "engine" else []
+    live = await w.engine.pids() if rec.kind == ProfileKind.ENGINE else []
     going = {*rec.freeing, *(rec.container.pid_list if rec.container is not None else []), *live}
     # Docker could not list the engine's processes now: its memory cannot be told from a stranger's.
-    unsure = rec.freeing_unknown or (rec.kind == "engine" and not live)
-    need = w.config.profile(by.profile).needs
+    unsure = rec.freeing_unknown or (rec.kind == ProfileKind.ENGINE and not live)
     parked = w.parked
-    if parked is not None and parked.profile == by.profile:
-        need = max(0, need - parked.residual_bytes)  # woken: it holds that much already
-    elif parked is not None:
+    need = needs_less_residual(w.config.profile(by.profile).needs, by.profile, parked)
+    if parked is not None and parked.profile != by.profile:
         going |= set(parked.pids)  # removed if the window does not fit beside it
     try:
         await opening.preflight(w, by.profile)
@@ -100,7 +100,7 @@ async def _can_open(w: Window, rec: WindowRecord, by: Waiter) -> bool:
     return True
 
 
-async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
+async def _notice(w: Context, rec: WindowRecord, holder: str, profile: str, priority: int, now: float) -> None:
     grace = w.config.daemon.preempt_grace
     leases = rec.leases.all()
     rec.preempted = Preemption(by=holder, profile=profile, priority=priority, at=now, grace_s=grace,
@@ -114,7 +114,7 @@ async def _notice(w: Window, rec: WindowRecord, holder: str, profile: str, prior
     w.notify_status()
 
 
-async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
+async def _yielded(w: Context, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
     rec.preempted = replace(rec.preempted, yielded_at=now)
     await w.persist(required=False)
@@ -123,7 +123,7 @@ async def _yielded(w: Window, rec: WindowRecord, now: float) -> None:
     w.notify_status()
 
 
-async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
+async def _abandon(w: Context, rec: WindowRecord, why: str, now: float) -> None:
     assert rec.preempted is not None
     rec.preempted = replace(rec.preempted, abandoned_at=now, abandoned=why)
     await w.persist(required=False)
@@ -132,7 +132,7 @@ async def _abandon(w: Window, rec: WindowRecord, why: str, now: float) -> None:
     w.notify_status()
 
 
-async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
+async def _revoke(w: Context, rec: WindowRecord, now: float) -> None:
     assert rec.preempted is not None
     leases = rec.leases.clear()
     units = sorted({x.unit for x in leases if x.unit is not None and not never_stop(w, x.unit)})
@@ -152,7 +152,7 @@ async def _revoke(w: Window, rec: WindowRecord, now: float) -> None:
     w.wake.set()
 
 
-def resume_stops(w: Window, rec: WindowRecord) -> None:
+def resume_stops(w: Context, rec: WindowRecord) -> None:
     """Stop again the units of a revoked preemption whose stop was not confirmed (gpuswapd restarted)."""
     p = rec.preempted
     if p is None or p.revoked_at is None:
@@ -163,14 +163,13 @@ def resume_stops(w: Window, rec: WindowRecord) -> None:
         spawn(_stop_unit(w, rec, unit), "preempt-stop")
 
 
-def never_stop(w: Window, unit: str) -> bool:
+def never_stop(w: Context, unit: str) -> bool:
     """Tell whether ``unit`` is one gpuswapd never stops for a preemption."""
     return any(fnmatch.fnmatchcase(unit, pattern) for pattern in w.config.daemon.never_stop)
 
 
-async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
+async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
     """Stop a preempted lease's unit, retrying with a backoff; note in the record once it is stopped."""
-    first, cap = w.backoffs.preempt_stop
     for attempt in range(1, STOP_ATTEMPTS + 1):
         try:
             await w.resident.stop([unit])
@@ -180,7 +179,7 @@ async def _stop_unit(w: Window, rec: WindowRecord, unit: str) -> None:
                 log.error("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
                           consequence="its lease is revoked; the next window waits for the VRAM it holds")
                 return  # still pending in the record: a restart of gpuswapd tries again
-            delay = min(cap, first * 2 ** (attempt - 1))
+            delay = backoff(w.backoffs.preempt_stop, attempt)
             log.warning("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
                         retry_in_s=delay)
             await asyncio.sleep(delay)

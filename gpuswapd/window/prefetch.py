@@ -28,7 +28,7 @@ import structlog
 
 from gpuswapd import clock
 from gpuswapd.adapters.pagecache import FileCache, Files, Measured, Progress
-from gpuswapd.config import Config
+from gpuswapd.config import Config, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
@@ -40,7 +40,7 @@ from gpuswapd.tasks import spawn
 
 if TYPE_CHECKING:
     from gpuswapd.parts.resident import Resident
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 
 class ResidentFiles:
@@ -102,13 +102,13 @@ class ResidentFiles:
         return {"files": rows, "cached": None if self.ratio is None else round(self.ratio, 4),
                 "prefetch": self.config.resident.prefetch}
 
-    def start(self, w: Window, rec: WindowRecord) -> asyncio.Task[None] | None:
+    def start(self, w: Context, rec: WindowRecord) -> asyncio.Task[None] | None:
         """Begin reading the files in the background, for a close that restores the resident (None: no need)."""
         if self.files is None or not self.config.resident.prefetch or not rec.units:
             return None
         return spawn(self._prefetch(w, rec), "resident-prefetch")
 
-    async def _prefetch(self, w: Window, rec: WindowRecord) -> None:
+    async def _prefetch(self, w: Context, rec: WindowRecord) -> None:
         """Read what of the files is not in the page cache; record before and after in the window's record."""
         assert self.files is not None
         # The task took the driver's logging context when it was made: its phase moves on without it.
@@ -185,14 +185,14 @@ def unreadable(f: FileCache) -> str:
     return f"{f.path}: {f.error}"
 
 
-def parked_in_host_ram(w: Window, rec: WindowRecord, available: int | None) -> int:
+def parked_in_host_ram(w: Context, rec: WindowRecord, available: int | None) -> int:
     """Say what a level-1 park of this window's engine will keep in host RAM (0: it will not park at level 1).
 
     ``window.park.host_ram_needs`` when set (with less available, parking goes to level 2, which
     keeps nothing there); else the window's VRAM, of which the weights are most.
     """
     c = rec.container or ContainerHandle()
-    if (rec.kind != "engine" or rec.error is not None or rec.baseline is not None or w.parked is not None
+    if (rec.kind != ProfileKind.ENGINE or rec.error is not None or rec.baseline is not None or w.parked is not None
             or not c.sleep or c.removed or c.parked):
         return 0
     try:

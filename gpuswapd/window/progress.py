@@ -6,16 +6,16 @@ from typing import TYPE_CHECKING
 
 from gpuswapd import clock
 from gpuswapd.phases import Phase
-from gpuswapd.record import WindowRecord
+from gpuswapd.record import WindowRecord, needs_less_residual
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 GiB = 1024**3
 TICK_S = 1.0  # how often the line is refreshed while a window is open
 
 
-def progress(window: Window, rec: WindowRecord) -> str:
+def progress(window: Context, rec: WindowRecord) -> str:
     """Say how far ``rec``'s phase has come, as a suffix of its name ("" when there is nothing to say)."""
     if rec.phase is Phase.WAITING_VRAM:
         reading = window.vram.last
@@ -32,10 +32,8 @@ def progress(window: Window, rec: WindowRecord) -> str:
     return ""
 
 
-def _vram_needed(window: Window, rec: WindowRecord) -> int:
+def _vram_needed(window: Context, rec: WindowRecord) -> int:
     """Return what this WAITING_VRAM waits for: the profile's needs less its parked residual, or the resident's."""
     if rec.closing:
         return window.resident_needs
-    parked = window.parked
-    held = parked.residual_bytes if parked is not None and parked.profile == rec.profile else 0
-    return max(0, window.profile.needs - held)
+    return needs_less_residual(window.profile.needs, rec.profile, window.parked)

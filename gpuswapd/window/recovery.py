@@ -4,28 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 import structlog
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE
+from gpuswapd.config import DEFAULT_PROFILE, Profile, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
-from gpuswapd.record import BaselineRestore, ContainerHandle, Finished, PhaseTiming, WindowRecord
-from gpuswapd.state.store import Loaded
+from gpuswapd.record import BaselineRestore, ContainerHandle, Finished, Parked, PhaseTiming, WindowRecord
+from gpuswapd.retry import backoff, until_done
+from gpuswapd.state.store import Document, Loaded
 from gpuswapd.tasks import uncancel
-from gpuswapd.window import closing, holding, identity, opening, parking, preempting
+from gpuswapd.window import closing, holding, opening, parking, preempting
+from gpuswapd.window.baseline import Known
 
 if TYPE_CHECKING:
-    from gpuswapd.window.window import Window
+    from gpuswapd.window.context import Context
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
 
 
-async def recover_at_start(window: Window) -> None:
+async def recover_at_start(window: Context) -> None:
     """Pick up the state an earlier gpuswapd left, or restore the baseline if none can be read."""
+    loaded, problem = await _read_state(window)
+    document = loaded.document if loaded is not None else None
+    window.writer.start(document.seq if document else 0)
+    if loaded is None or loaded.unreadable:
+        window.restore_baseline(f"no copy of the state could be read ({problem})")
+        return  # the baseline takes the configured engine down itself
+    record = _take_in(window, document)
+    await _learn_history(window)
+    await _carry_on(window, record)
+
+
+async def _read_state(window: Context) -> tuple[Loaded | None, str]:
+    """Read the state document, a few times if reading fails; say what was wrong with it, if anything."""
     loaded: Loaded | None = None
     problem = ""
     for attempt in range(READ_ATTEMPTS):
@@ -41,38 +57,45 @@ async def recover_at_start(window: Window) -> None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(lane.deadline):
                     await lane.drained()
-            await asyncio.sleep(window.backoffs.driver[0] * 2**attempt)
+            await asyncio.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
     if loaded is not None and loaded.problems:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
     if loaded is not None and loaded.migrated:
         log.info("state_migrated", to="state.json", version=2)
-    document = loaded.document if loaded is not None else None
-    window.writer.start(document.seq if document else 0)
-    if loaded is None or loaded.unreadable:
-        window.restore_baseline(f"no copy of the state could be read ({problem})")
-        return  # the baseline takes the configured engine down itself
+    return loaded, problem
+
+
+def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
+    """Put what the document holds in memory (the window, what is held down, the resident, the parked engine).
+
+    This comes before anything is written again: every write from here on (the one that drops
+    the queue, say) keeps the window and the parked engine. Return the window record it held.
+    """
     record = document.window if document is not None else None
-    # What the document holds is in memory before anything is written again: every write from
-    # here on (the one that drops the queue, say) keeps the window and the parked engine.
     window.record = record
-    if document is not None:
-        window.held_down = dict(document.held_down)
+    if document is None:
+        return None
+    window.held_down = dict(document.held_down)
+    try:
+        window.known = Known.from_dict(document.resident)
+    except ValueError as err:  # what the resident was is learned again
+        log.error("resident_state_unreadable", error=str(err))
+    if document.parked is not None:
         try:
-            window.known = identity.Known.from_dict(document.resident)
-        except ValueError as err:  # what the resident was is learned again
-            log.error("resident_state_unreadable", error=str(err))
-    if document is not None and document.parked is not None:
-        try:
-            window.parked = parking.Parked.from_dict(document.parked)
+            window.parked = Parked.from_dict(document.parked)
         except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
             log.error("parked_state_unreadable", error=str(err))
-    if document is not None and document.queue:
+    if document.queue:
         # Waiting requests are not kept across a restart: their clients saw the connection drop.
         log.warning("queue_dropped", waiting=len(document.queue),
                     holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20],
                     reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
         window.writer.request()
-    await _learn_history(window)
+    return record
+
+
+async def _carry_on(window: Context, record: WindowRecord | None) -> None:
+    """Resume the window the document held, or restore the baseline over a lost one; then reconcile the engines."""
     if record is not None:
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
@@ -90,7 +113,7 @@ async def recover_at_start(window: Window) -> None:
     await parking.check_at_start(window)
 
 
-async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
+async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     preempting.resume_stops(w, rec)  # a preemption's stops that were not confirmed before the restart
@@ -121,9 +144,9 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
-            rec.kind == "bare" or (rec.container and await w.engine.adopt(rec.container))):
+            rec.kind == ProfileKind.BARE or (rec.container and await w.engine.adopt(rec.container))):
         log.info("window_adopted", leases=len(rec.leases))
-        if rec.kind == "engine":
+        if rec.kind == ProfileKind.ENGINE:
             await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
         w.notify_status()
         await holding.hold_then_close(w, rec)
@@ -131,7 +154,7 @@ async def adopt_or_roll_back(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "recovered")
 
 
-async def _lost_window(w: Window) -> str | None:
+async def _lost_window(w: Context) -> str | None:
     """Name a window whose engine runs orphaned though history never saw it close (a lost record)."""
     try:
         orphans = await w.engine_of(DEFAULT_PROFILE).orphaned(w.engines_kept())
@@ -141,7 +164,7 @@ async def _lost_window(w: Window) -> str | None:
     return next((win for win in orphans if win not in w.closed_windows), None)
 
 
-async def _learn_history(w: Window) -> None:
+async def _learn_history(w: Context) -> None:
     """Learn open and restore times from the history (queue ETAs, what a switch saves), and which windows closed."""
     try:
         for line in await w.outside.state.call("read_history", w.store.history, 200):
@@ -154,7 +177,7 @@ async def _learn_history(w: Window) -> None:
                     consequence="queue ETAs are unknown until windows have opened")
 
 
-def baseline_record(w: Window) -> WindowRecord:
+def baseline_record(w: Context) -> WindowRecord:
     """Make the record of a baseline restore; its units and timers come from systemd next.
 
     The record exists at once (status shows the close), but it is written only once systemd has
@@ -170,7 +193,7 @@ def baseline_record(w: Window) -> WindowRecord:
     return rec
 
 
-async def restore_baseline(w: Window, rec: WindowRecord) -> None:
+async def restore_baseline(w: Context, rec: WindowRecord) -> None:
     """Ask systemd what the baseline is, write it down, and close to it like any window."""
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     try:
@@ -187,39 +210,28 @@ async def restore_baseline(w: Window, rec: WindowRecord) -> None:
     await closing.close(w, rec, "baseline_restored")
 
 
-async def _other_engines_down(w: Window) -> None:
+async def _other_engines_down(w: Context) -> None:
     """Take down every other engine profile's container too: which one held the card is unknown."""
     for profile in w.config.engine_profiles():
-        if profile.name == DEFAULT_PROFILE:
-            continue  # the record's own: the close takes it down
-        c = profile.engine.container
-        attempt = 0
-        while True:
-            try:
-                await w.engine_of(profile.name).take_down(ContainerHandle(name=c.name, created=c.create))
-                break
-            except GpuswapError as err:
-                attempt += 1
-                delay = closing.backoff(w.backoffs.take_down, attempt)
-                log.error("engine_take_down_failed", container=c.name, error=err.message, retry_in_s=delay)
-                await asyncio.sleep(delay)
+        if profile.name != DEFAULT_PROFILE:  # the record's own: the close takes it down
+            await _take_down_other(w, profile)
 
 
-async def _baseline_targets(w: Window) -> tuple[list[str], list[str]]:
+async def _take_down_other(w: Context, profile: Profile) -> None:
+    c = profile.engine.container
+    await until_done(lambda: w.engine_of(profile.name).take_down(ContainerHandle(name=c.name, created=c.create)),
+                     w.backoffs.take_down,
+                     lambda err, delay: log.error("engine_take_down_failed", container=c.name, error=err.message,
+                                                  retry_in_s=delay))
+
+
+async def _baseline_targets(w: Context) -> tuple[list[str], list[str]]:
     """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
-    attempt = 0
-    while True:
-        try:
-            return await w.resident.baseline()
-        except GpuswapError as err:
-            attempt += 1
-            first, cap = w.backoffs.restore
-            delay = min(cap, first * 2 ** (attempt - 1))
-            log.error("baseline_unknown", error=err.message, retry_in_s=delay)
-            await asyncio.sleep(delay)
+    return await until_done(w.resident.baseline, w.backoffs.restore,
+                            lambda err, delay: log.error("baseline_unknown", error=err.message, retry_in_s=delay))
 
 
-def _why(err: BaseException, window: Window) -> str:
+def _why(err: BaseException, window: Context) -> str:
     """Say what went wrong; an interruption at start is nobody's request, so it is only noted."""
     if isinstance(err, asyncio.CancelledError):
         uncancel()  # nothing stops gpuswapd while it starts: carry on

@@ -1,11 +1,11 @@
-"""The GPU window: leases for the clients, and one supervised driver that takes it through its phases.
+"""The GPU window as its clients and its steps see it: leases, the waiting clients, the window's state.
 
 Every phase change is written to the state document before the phase acts, and every change the
 window makes to the system (timers paused, units stopped, a container created) is recorded
-before it is made, so whatever happens next can be undone from the record. The driver's steps
-live in ``opening``, ``holding`` and ``closing``; this module owns the record, the leases, the
-waiting clients and the driver's supervision: whatever escapes a step (an outside failure, a
-bug, a cancellation nobody asked for) rolls the window back or carries the close on.
+before it is made, so whatever happens next can be undone from the record. This module owns the
+record, the leases, the queue and the waiting clients, and is the steps' ``Context``; its
+``Driver`` (``driver.py``) takes the record through its phases and rolls back whatever escapes
+a step; the steps live in ``opening``, ``holding``, ``closing`` and the rest.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
 from gpuswapd import clock
 from gpuswapd.adapters.pagecache import Files
-from gpuswapd.config import DEFAULT_PROFILE, Config, Profile
+from gpuswapd.config import DEFAULT_PROFILE, Config, Profile, ProfileKind
 from gpuswapd.errors import (
     Degraded,
     DockerError,
@@ -33,44 +31,29 @@ from gpuswapd.errors import (
     StateError,
     Stopping,
     UnknownProfile,
-    WindowCancelled,
 )
 from gpuswapd.failpoints import failpoint
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.notify import Notifier
 from gpuswapd.outside import Outside
-from gpuswapd.parts.engine import BareEngine, Engine
+from gpuswapd.parts.engine import BareEngine, ContainerEngine, Engine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.phases import Phase
 from gpuswapd.protocol import JsonObject
-from gpuswapd.record import BaselineRestore, Finished, WindowRecord
+from gpuswapd.record import BaselineRestore, Finished, Parked, WindowRecord
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
-from gpuswapd.tasks import spawn, uncancel
-from gpuswapd.window import closing, holding, identity, opening, parking, preempting, recovery
+from gpuswapd.window import identity, opening, parking, preempting
+from gpuswapd.window.baseline import Known
+from gpuswapd.window.context import Backoffs
+from gpuswapd.window.driver import Driver
 from gpuswapd.window.prefetch import ResidentFiles
 from gpuswapd.window.progress import progress
 from gpuswapd.window.queueing import Listener, Queue, Times, Waiter
 
 Owner = Callable[[Lease], bool]
-
-
-# Once the shutdown's bound has run out, how long the window may take to stop where it is.
-SHUTDOWN_ABORT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Backoffs:
-    """How the window waits between retries (first, cap), in seconds; tests shorten them."""
-
-    restore: tuple[float, float] = (1.0, 60.0)      # starting the resident again, in DEGRADED
-    take_down: tuple[float, float] = (0.5, 10.0)    # removing the engine at close
-    take_down_for: float = 30.0                     # ... before the restore goes on without it
-    driver: tuple[float, float] = (1.0, 60.0)       # after the driver itself failed
-    writer: tuple[float, float] = (0.2, 30.0)       # writing the state document
-    preempt_stop: tuple[float, float] = (1.0, 30.0)  # stopping a preempted lease's unit again
 
 
 class Window:
@@ -84,7 +67,7 @@ class Window:
         # One engine per profile: "default" is [window]'s; a bare profile has none to speak of.
         self.engines: dict[str, Engine] = {DEFAULT_PROFILE: engine, **(engines or {})}
         for name, profile in config.profiles.items():
-            if profile.kind == "bare":
+            if profile.kind == ProfileKind.BARE:
                 self.engines.setdefault(name, BareEngine())
         self.vram = vram
         self.files = ResidentFiles(config, resident, files, outside)  # the resident's model files, read in at close
@@ -104,19 +87,18 @@ class Window:
         self._listeners: set[Listener] = set()
         # Told of every finished window, as history keeps it (metrics).
         self.finished: list[Callable[[Finished], None]] = []
-        self._driver: asyncio.Task[None] | None = None
-        self._opening: asyncio.Task[None] | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
-        self.parked: parking.Parked | None = None  # the engine asleep between windows
+        self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
-        self.known = identity.Known()  # what the resident is: its baseline, its footprint, a change left
+        self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
         self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
         self.refusing = False  # told to stop (SIGTERM): no new lease or request, whatever the shutdown then does
+        self.driver = Driver(self)  # takes the record through its phases (window/driver.py)
 
     def document(self) -> Document:
         """Return the state document as it stands in memory (the writer's snapshot)."""
@@ -144,6 +126,16 @@ class Window:
     def engine(self) -> Engine:
         """Return the engine of the window open now (the default engine when none is)."""
         return self.engine_of(self.profile.name)
+
+    @property
+    def container_engine(self) -> ContainerEngine:
+        """Return the container of the engine window open now: what boots, warms, sleeps and wakes.
+
+        Only an engine window's steps ask for it (a bare window boots nothing: they check its kind first).
+        """
+        engine = self.engine
+        assert isinstance(engine, ContainerEngine), f"profile {self.profile.name} is bare: it has no container"
+        return engine
 
     def engine_of(self, profile: str) -> Engine:
         """Return the engine of a profile (a parked engine's, say)."""
@@ -174,19 +166,33 @@ class Window:
         A request for the open window's profile joins it, unless a queued request for another
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
+        self._check_serves(profile)
+        rec, now = self.record, clock.wall()
+        joins = self._joins(rec, profile, now)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
+        if joins and rec is not None and rec.phase is Phase.READY:
+            return await self._grant(rec, waiter)
+        await self._check_may_wait(rec, profile, wait=wait, joins=joins)
+        self._enqueue(waiter, rec, joins, now)
+        return await self._wait_for_lease(waiter)
+
+    def _check_serves(self, profile: str) -> None:
+        """Refuse every request while gpuswapd stops, and one for a profile it does not have."""
         if self.stopping.is_set() or self.refusing:
             raise Stopping("gpuswapd is stopping")
         if profile not in self.engines:
             raise UnknownProfile(f"no profile {profile!r}: this gpuswapd has {', '.join(sorted(self.engines))} "
                                  "([window] is \"default\", the others are [profiles.NAME])")
-        rec, now = self.record, clock.wall()
+
+    def _joins(self, rec: WindowRecord | None, profile: str, now: float) -> bool:
+        """Tell whether a request for ``profile`` joins the open window rather than queue for a later one."""
         # A window being preempted takes no new leases: they would only be revoked. Once the
         # preemption is abandoned (its request went away), it takes them again.
-        joins = (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
-                 and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
-        if joins and rec is not None and rec.phase is Phase.READY:
-            return await self._grant(rec, waiter)
+        return (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
+                and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
+
+    async def _check_may_wait(self, rec: WindowRecord | None, profile: str, *, wait: bool, joins: bool) -> None:
+        """Refuse a request that cannot be granted now and may not, or could never, wait for a window."""
         if rec is not None and rec.degraded:
             raise Degraded(f"the last window could not be closed yet, so no window opens: {rec.degraded}; "
                            "gpuswapd keeps retrying (gpuswapctl status)", phase=str(rec.phase))
@@ -201,21 +207,28 @@ class Window:
             # It would wait behind another window: say now if it could never open (an image pruned
             # while gpuswapd runs, an env file gone), not after that window has closed for it.
             await opening.preflight(self, profile)
+
+    def _enqueue(self, waiter: Waiter, rec: WindowRecord | None, joins: bool, now: float) -> None:
+        """Add a waiter to the opening window (``joins``) or to the queue, and start the driver if idle."""
         waiter.window = rec.id if joins and rec is not None else None
         self.queue.waiters.append(waiter)
-        if listener is not None:
-            self._listeners.add(listener)
+        if waiter.listener is not None:
+            self._listeners.add(waiter.listener)
             if rec is not None and rec.closing:
-                listener({"event": "waiting", "reason": "restoring the previous window", "phase": str(rec.phase),
-                          "window": rec.id})
+                waiter.listener({"event": "waiting", "reason": "restoring the previous window",
+                                 "phase": str(rec.phase), "window": rec.id})
         if waiter.window is None and rec is not None:
             position = self.queue.queued(now).index(waiter) + 1
-            log.info("request_queued", holder=holder, profile=profile, priority=priority, position=position)
+            log.info("request_queued", holder=waiter.holder, profile=waiter.profile, priority=waiter.priority,
+                     position=position)
             self.writer.request()
             self.wake.set()  # the open window must not linger for nobody
             self.tell_queue()
-        if self._driver is None:
-            self._drive()
+        if self.driver.task is None:
+            self.driver.drive()
+
+    async def _wait_for_lease(self, waiter: Waiter) -> Lease:
+        """Wait for a waiter's lease; withdraw the waiter however the wait ends."""
         try:
             lease: Lease = await asyncio.shield(waiter.future)
             return lease
@@ -226,8 +239,8 @@ class Window:
                 self._drop_lease(fut.result())
             raise
         finally:
-            if listener is not None:
-                self._listeners.discard(listener)
+            if waiter.listener is not None:
+                self._listeners.discard(waiter.listener)
             self._withdraw(waiter)
 
     def _withdraw(self, waiter: Waiter) -> None:
@@ -243,9 +256,9 @@ class Window:
         waiter.future.cancel()
         rec = self.record
         if (rec is not None and waiter.window == rec.id and not self.queue.joined(rec.id)
-                and self._opening is not None and not len(rec.leases)):
+                and self.driver.opening is not None and not len(rec.leases)):
             log.info("window_abandoned", reason="the last waiting client went away")
-            self._opening.cancel()
+            self.driver.opening.cancel()
 
     def queue_status(self, now: float | None = None) -> list[JsonObject]:
         """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
@@ -401,7 +414,7 @@ class Window:
             parking.watch(self)
         return parked.status(self._keep(parked))
 
-    def _keep(self, parked: parking.Parked) -> float:
+    def _keep(self, parked: Parked) -> float:
         return self.config.profile(parked.profile).engine.park.keep
 
     def closed_because(self) -> str:
@@ -619,17 +632,9 @@ class Window:
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
         # The engine it took down is still being freed: the next window waits for it, never blames it.
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
-        nxt.after_bare = rec.kind == "bare" or rec.after_bare
+        nxt.after_bare = rec.kind == ProfileKind.BARE or rec.after_bare
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, outcome, switch_to=nxt)
-
-    # -- the driver ------------------------------------------------------------------------
-
-    def recover(self, rec: WindowRecord) -> None:
-        """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
-        self.record = rec
-        log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
-        self._drive(recovery.adopt_or_roll_back(self, rec))
 
     def resident_state(self, unit: str, state: str) -> None:
         """Follow the resident's units: one its operator stops while no window is open stays down.
@@ -655,7 +660,7 @@ class Window:
     async def reconcile(self) -> None:
         """Restore the baseline if the resident is down while no window is open and nobody holds it down."""
         if self.stopping.is_set() or self.refusing or self.record is not None or len(self.queue) \
-                or self._driver is not None:
+                or self.driver.task is not None:
             return
         states = await self.resident.states(self.config.resident.units)
         if any(state in ("activating", "deactivating", "reloading") for state in states.values()):
@@ -666,144 +671,10 @@ class Window:
         down = [u for u, state in states.items() if state in ("inactive", "failed") and u not in self.held_down]
         if not down:
             await identity.recheck(self)  # a resident left smaller may be back as it was
-        if down and self.record is None and self._driver is None and not len(self.queue):
+        if down and self.record is None and self.driver.task is None and not len(self.queue):
             self.restore_baseline("the resident was found down while no window was open ("
                                   + ", ".join(f"{u} {states[u]}" for u in down) + ", not stopped by its operator)",
                                   cause="found_down")
-
-    def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
-        """Restore what the configuration describes: no state could be read, or it was found broken."""
-        self.baseline_restore = BaselineRestore(reason=reason, at=clock.wall(), cause=cause)
-        log.error("baseline_restore", reason=reason, cause=cause)
-        rec = recovery.baseline_record(self)
-        self.record, self.unknown_baseline = rec, rec
-        self.hung_mark = closing.hung_mark(self)
-        self.notify_status()
-        self._drive(recovery.restore_baseline(self, rec))
-
-    def _drive(self, first: Any = None) -> None:
-        self._driver = spawn(self._supervise(first), "window-driver", on_failure=self._driver_died)
-
-    def _driver_died(self, err: BaseException) -> None:
-        # The supervisor itself failed (a bug in it): start again from the record in memory.
-        self._driver = None
-        if not self.stopping.is_set() and (self.record is not None or len(self.queue)):
-            self._drive(self._rescue(self.record) if self.record else None)
-
-    async def _supervise(self, first: Any) -> None:
-        """Drive windows while clients want them; any failure rolls back or carries the close on."""
-        step, failures = first, 0
-        try:
-            while True:
-                if step is None:
-                    if self.record is not None and self.record.pending_switch:
-                        step = self._run_window()  # a direct switch: the next window takes the card over
-                    elif not self.queue.queued() or self.stopping.is_set():
-                        return
-                    else:
-                        step = self._run_window()
-                try:
-                    await step
-                    failures = 0
-                    step = None
-                    continue
-                except asyncio.CancelledError:
-                    if self.stopping.is_set():
-                        raise
-                    uncancel()
-                    log.error("window_driver_interrupted", phase=str(self.phase),
-                              reason="cancelled without gpuswapd stopping")
-                except Exception as err:  # a bug or an outside failure no step caught
-                    log.exception("window_driver_failed", phase=str(self.phase), error=repr(err))
-                rec = self.record
-                failure = GpuswapError(f"gpuswapd failed while driving the window in {self.phase}; "
-                                       "it is giving the GPU back to the resident (see journalctl -u gpuswapd)",
-                                       phase=str(self.phase))
-                self.fail_waiters(failure)
-                if rec is not None:
-                    rec.fail(failure)
-                failures += 1
-                await asyncio.sleep(_backoff(self.backoffs.driver, failures))
-                if rec is not None and rec is self.unknown_baseline:
-                    # It failed before systemd said what to restore: ask again.
-                    step = recovery.restore_baseline(self, rec)
-                elif rec is not None:
-                    step = self._rescue(rec)
-                else:
-                    step = None
-        finally:
-            if step is not None and asyncio.iscoroutine(step):
-                step.close()
-            self._driver = None
-            structlog.contextvars.unbind_contextvars("window_id", "phase")
-
-    async def _rescue(self, rec: WindowRecord) -> None:
-        """Close a window whose driver failed, from wherever it stands."""
-        if self.record is not rec:
-            return
-        if rec.phase is Phase.DRAINING and not rec.switched_from:
-            self.finish(rec, "refused")
-            return
-        if rec.phase is Phase.IDLE:  # a switch that had not begun: it changed nothing but what it took over
-            rec.enter(Phase.DRAINING)
-        await closing.close(self, rec, "rolled_back")
-
-    async def _run_window(self) -> None:
-        rec = self.record
-        assert rec is None or rec.pending_switch, "a new window while the last one is not finished"
-        if rec is None:
-            rec = self.record = WindowRecord.new()
-        self.hung_mark = closing.hung_mark(self)
-        structlog.contextvars.bind_contextvars(window_id=rec.id)
-        queued = self.queue.queued()
-        if not queued:  # a switch whose clients all went away: give the card back
-            rec.enter(Phase.DRAINING)
-            await closing.close(self, rec, "abandoned")
-            return
-        rec.profile = queued[0].profile
-        rec.kind = self.config.profile(rec.profile).kind
-        self.queue.take(rec.id, rec.profile, clock.wall())
-        self.tell_queue()
-        await parking.stop_watching(self)  # the window takes the parked engine over, or removes it
-        self._opening = asyncio.create_task(opening.open_window(self, rec), name="window-open")
-        failure: GpuswapError | None = None
-        try:
-            await self._opening
-        except asyncio.CancelledError:
-            driver = asyncio.current_task()
-            if driver is not None and driver.cancelling():
-                raise  # the driver itself is being stopped (on_shutdown = "keep")
-            # Only the opening was cancelled: its last client went away, or gpuswapd is stopping.
-            failure = WindowCancelled("gpuswapd is stopping" if self.stopping.is_set() else
-                                      "the window was abandoned before it was ready: nobody waits for it")
-        except GpuswapError as err:
-            failure = err
-        except Exception as err:  # a bug while opening: roll back like any failure, and say so
-            log.exception("window_open_crashed", error=repr(err))
-            failure = GpuswapError(f"gpuswapd failed while opening the window ({type(err).__name__}); "
-                                   "the resident is being restored (see journalctl -u gpuswapd)")
-        finally:
-            self._opening = None
-        if failure is None:
-            try:
-                await self.ready(rec)
-            except StateError as err:  # READY could not be recorded: nobody gets a lease a crash would lose
-                failure = err
-        if failure is not None:
-            await self._fail_opening(rec, failure)
-            return
-        await holding.hold_then_close(self, rec)
-
-    async def _fail_opening(self, rec: WindowRecord, err: GpuswapError) -> None:
-        rec.fail(err)
-        log.error("window_failed", error=err.message, code=err.code, failed_phase=err.phase, profile=rec.profile)
-        self.fail_waiters(err, rec.id)
-        if rec.phase is Phase.IDLE:  # it never began (its last client went away at once)
-            rec.enter(Phase.DRAINING)
-        if rec.phase is Phase.DRAINING and not rec.switched_from:  # nothing was changed yet
-            self.finish(rec, "refused")
-        else:
-            await closing.close(self, rec, "rolled_back")
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -813,42 +684,16 @@ class Window:
         self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
                                    "acquire again once it is back"))
 
+    # -- the driver's: the record handed over --------------------------------------------------
+
+    def recover(self, rec: WindowRecord) -> None:
+        """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
+        self.driver.recover(rec)
+
+    def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
+        """Restore what the configuration describes: no state could be read, or it was found broken."""
+        self.driver.restore_baseline(reason, cause)
+
     async def shutdown(self, restore: bool, bound: float = math.inf) -> bool:
-        """Stop serving the window; with ``restore``, close it and give the GPU back first.
-
-        The close retries as it always does, for up to ``bound`` seconds; then gpuswapd gives up
-        and the record stays for the next start. Tell whether the GPU was given back.
-        """
-        self.stopping.set()
-        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
-                                   "acquire again once it is back"))
-        driver = self._driver
-        await parking.stop_watching(self)
-        if not restore:
-            self.abort.set()
-            if driver is not None:
-                driver.cancel()
-                await asyncio.wait({driver})
-            return True  # a parked engine stays parked, for the next start to adopt
-        if self._opening is not None:
-            self._opening.cancel()
-        self.wake.set()
-        if driver is not None:
-            await asyncio.wait({driver}, timeout=None if math.isinf(bound) else bound)
-            if not driver.done():
-                log.error("shutdown_bound_reached", bound_s=bound, phase=str(self.phase),
-                          consequence="the window is left for the next start of gpuswapd to finish")
-                self.abort.set()  # its next pause ends it, with the record kept
-                await asyncio.wait({driver}, timeout=SHUTDOWN_ABORT_S)
-                if not driver.done():
-                    driver.cancel()
-                    await asyncio.wait({driver})
-                return False
-        if self.record is not None:
-            return False  # the close was left part-way (it said so in the log)
-        return await parking.remove(self, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
-
-
-def _backoff(bounds: tuple[float, float], attempt: int) -> float:
-    first, cap = bounds
-    return float(min(cap, first * 2 ** max(0, attempt - 1)))
+        """Stop serving the window; with ``restore``, close it and give the GPU back first (see Driver.shutdown)."""
+        return await self.driver.shutdown(restore, bound)

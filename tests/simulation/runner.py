@@ -901,8 +901,8 @@ class Run:
             rec = w.record
             return (f"window {rec.id} is {rec.phase} with {len(rec.leases)} lease(s)"
                     f"{f', degraded: {rec.degraded}' if rec.degraded else ''}")
-        if len(w.queue) or w._driver is not None or w.writer.pending:
-            return f"{len(w.queue)} waiting, driver {'running' if w._driver else 'idle'}"
+        if len(w.queue) or w.driver.task is not None or w.writer.pending:
+            return f"{len(w.queue)} waiting, driver {'running' if w.driver.task else 'idle'}"
         wanting = [c.id for c in self.clients.values() if c.wants]
         if wanting:
             return f"clients still waiting: {', '.join(wanting[:5])}"

@@ -9,6 +9,7 @@ from typing import Any
 
 from gpuswapd.config import parse_config
 from gpuswapd.phases import Phase
+from gpuswapd.record import Parked, needs_less_residual
 from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import BASELINE, CONFIG, PARK_CONFIG, RESIDUAL_BYTES, FakeWorld, running, settle
 
@@ -237,7 +238,7 @@ def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
     from gpuswapd.window import parking
 
     world = park_world(host_ram_needs="64GiB")
-    monkeypatch.setattr(parking, "host_ram_available", lambda: 8 << 30)
+    monkeypatch.setattr(parking, "mem_available", lambda: 8 << 30)
 
     async def main() -> None:
         async with running(world.window()) as w:
@@ -246,7 +247,7 @@ def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
             assert world.docker.containers["hyperqwen"].sleeping == 2
 
     run(main())
-    monkeypatch.setattr(parking, "host_ram_available", lambda: 128 << 30)
+    monkeypatch.setattr(parking, "mem_available", lambda: 128 << 30)
     roomy = park_world(host_ram_needs="64GiB")
 
     async def again() -> None:
@@ -255,3 +256,13 @@ def test_level_1_needs_the_host_ram_it_asks_for(monkeypatch: Any) -> None:
             assert w.parked is not None and w.parked.level == 1
 
     run(again())
+
+
+def test_a_window_waits_for_its_needs_less_what_its_own_parked_engine_holds() -> None:
+    gib = 1024**3
+    parked = Parked(container={"name": "qwen"}, since=0.0, level=1, residual_bytes=3 * gib, canary="2, 3",
+                    profile="eval")
+    assert needs_less_residual(20 * gib, "eval", parked) == 17 * gib  # woken: it holds its residual already
+    assert needs_less_residual(20 * gib, "default", parked) == 20 * gib  # another profile's: removed or beside
+    assert needs_less_residual(20 * gib, "eval", None) == 20 * gib
+    assert needs_less_residual(2 * gib, "eval", parked) == 0

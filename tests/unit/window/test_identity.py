@@ -15,7 +15,8 @@ from gpuswapd.errors import BadResponse, ConfigError
 from gpuswapd.observe.metrics import window_now
 from gpuswapd.parts.vram import Holder
 from gpuswapd.state.store import decode, encode
-from gpuswapd.window.identity import Identity, Known, record_at_start
+from gpuswapd.window.baseline import Identity, Known
+from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import CONFIG, FakeFit, FakeWorld, GiB, running, settle
 
@@ -297,7 +298,7 @@ def test_at_start_a_resident_left_smaller_keeps_its_baseline_until_it_is_as_it_w
 
 
 def test_smaller_compares_context_slots_and_models() -> None:
-    from gpuswapd.window.identity import smaller
+    from gpuswapd.window.baseline import smaller
 
     was = Identity(4096, 2, "/m", "strata", ("a", "b"), 21 * GiB, (Holder(1, 21 * GiB, "strata.service"),))
     assert smaller(was, was, "llama.cpp") == []

@@ -16,7 +16,7 @@ from gpuswapd.server.admission import Admission
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.watch import Watchers
 from tests.fakes import FakeWorld, running
-from tests.unit.test_server import _connect, _serve
+from tests.unit.server.test_server import _connect, _serve
 
 
 def run(coro: Any) -> Any:
@@ -121,6 +121,23 @@ def test_metrics_connections_share_the_caps_and_a_silent_one_is_dropped(
         for _, writer in silent:
             writer.close()
         await server.close()
+
+    run(main())
+
+
+def test_closing_the_metrics_server_drops_a_connection_mid_request_and_counts_it_out() -> None:
+    async def main() -> None:
+        admission = Admission(max_clients=8, per_uid=8, reserved=0, privileged=lambda p: False)
+        server = scrape.ScrapeServer("127.0.0.1:0", lambda: b"x 1\n", admission)
+        await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\n")  # the head is not finished: it waits for the rest
+        await asyncio.sleep(0.05)
+        assert admission.open == 1
+        await asyncio.wait_for(server.close(), 5)  # long before FIRST_REQUEST_S would drop it
+        assert admission.open == 0
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, without an answer
+        writer.close()
 
     run(main())
 

@@ -18,7 +18,7 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import Finished
 from tests.fakes import FakeWorld, running, settle
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "packaging" / "grafana" / "gpuswapd.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "packaging" / "grafana" / "gpuswapd.json"
 TABLE = {  # name -> (type, labels besides instance)
     "gpuswapd_phase_duration_seconds": ("histogram", {"phase", "stage", "profile"}),
     "gpuswapd_window_open_seconds": ("histogram", {"profile", "start"}),

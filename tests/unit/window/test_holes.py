@@ -28,7 +28,7 @@ from gpuswapd.server.watch import Watchers
 from gpuswapd.sizes import SizeError, parse_size
 from gpuswapd.state.store import StateStore
 from tests.fakes import CONFIG, FakeWorld, running, settle
-from tests.unit.test_server import _ask, _connect, _serve
+from tests.unit.server.test_server import _ask, _connect, _serve
 
 SECRET = "hf_s3cr3tT0k3nValue"
 HUGE = "9" * 400

@@ -27,7 +27,7 @@ from gpuswapd.record import _lease
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.peers import Peer
 from tests.fakes import FakeWorld, running, settle
-from tests.unit.test_server import _ask, _serve, run
+from tests.unit.server.test_server import _ask, _serve, run
 
 
 def test_infinity_is_a_lease_span_but_no_timeout() -> None:
