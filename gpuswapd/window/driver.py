@@ -27,6 +27,8 @@ from gpuswapd.window.context import Context
 
 # Once the shutdown's bound has run out, how long the window may take to stop where it is.
 SHUTDOWN_ABORT_S = 10.0
+# How long a restoring shutdown asks systemd, at the end, whether the resident is still up.
+EXIT_CHECK_S = 5.0
 
 
 class Driver:
@@ -211,4 +213,28 @@ class Driver:
                 return False
         if self.w.record is not None:
             return False  # the close was left part-way (it said so in the log)
-        return await parking.remove(self.w, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")")
+        if not await parking.remove(self.w, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")"):
+            return False
+        return await self._resident_up_at_exit()
+
+    async def _resident_up_at_exit(self) -> bool:
+        """Tell whether the resident is up as gpuswapd leaves it: it may have failed since its restore.
+
+        A restoring shutdown exits 0 only with the resident back; one its operator holds down
+        counts as back. Asked once, for at most ``EXIT_CHECK_S``: a systemd that cannot say is no
+        proof either.
+        """
+        units = [u for u in self.w.config.resident.units if u not in self.w.held_down]
+        try:
+            states = await asyncio.wait_for(self.w.resident.states(units), EXIT_CHECK_S)
+        except (GpuswapError, TimeoutError) as err:
+            why = err.message if isinstance(err, GpuswapError) else f"no answer within {EXIT_CHECK_S:g}s"
+            log.error("resident_down_at_exit", units={}, error=why,
+                      consequence="the next start of gpuswapd checks the resident and brings it back")
+            return False
+        down = {u: state for u, state in states.items() if state != "active"}
+        if down:
+            log.error("resident_down_at_exit", units=down,
+                      consequence="the next start of gpuswapd brings it back (daemon.reconcile)")
+            return False
+        return True
