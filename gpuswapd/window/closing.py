@@ -175,6 +175,12 @@ async def _parked_leaves_room(w: Context) -> None:
         raise Degraded(f"the parked engine {parked.container.name} leaves the resident too little memory "
                        f"({why}) and could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd "
                        "keeps trying")
+    # Its memory comes free a while after it exits (the card's release lag): a resident started
+    # before that would fit itself into what is left (llama.cpp's --fit) and come back smaller.
+    try:
+        await w.vram.wait_free(need, w.config.gpu.release_timeout)
+    except GpuswapError as err:
+        log.warning("vram_not_free_restoring_anyway", error=err.message)
 
 
 async def _let_exited_go(w: Context) -> None:
