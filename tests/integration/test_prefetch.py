@@ -44,7 +44,10 @@ def test_plan_lists_the_files_and_a_close_reads_back_what_the_window_pushed_out(
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
     evict(str(model))
     assert measure_file(str(model)).ratio < 0.05
-    assert daemon.ctl_json("plan")["plan"]["resident_files"]["files"][0]["cached"] < 0.05
+    # It exits 1 while the window is open (its engine's container runs, the resident does not
+    # answer): a window would fail now. What it measures of the files is there all the same.
+    during = json.loads(daemon.ctl("plan", "--json").stdout)["plan"]
+    assert during["resident_files"]["files"][0]["cached"] < 0.05
 
     assert daemon.ctl("release").returncode == 0
     last = daemon.wait_phase("IDLE")["last"]
