@@ -111,11 +111,13 @@ def _under(world: Stack, name: str, filters: list[str], model: Path) -> subproce
     """Run the measure as a transient service of the world's systemd, under these system call filters.
 
     systemd-run runs inside the world's namespaces (nsenter): there it finds its systemd, as PID 1.
+    The world has no sysinit.target: like its other units, this one goes without default dependencies.
     """
     props = [f"--property=SystemCallFilter={f}" for f in filters]
     return subprocess.run(["nsenter", f"--target={world.systemd_pid()}", "--mount", "--pid", "--",
                            "systemd-run", "--wait", "--pipe", "--quiet", f"--unit={name}",
-                           "--property=SystemCallErrorNumber=EPERM", f"--property=Environment=PYTHONPATH={REPO}",
+                           "--property=DefaultDependencies=no", "--property=SystemCallErrorNumber=EPERM",
+                           f"--property=Environment=PYTHONPATH={REPO}",
                            *props, sys.executable, "-c", MINCORE, str(model)],
                           capture_output=True, text=True, timeout=60)
 
