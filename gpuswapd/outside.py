@@ -79,9 +79,14 @@ _NEXT = {"systemd": "check `systemctl status` and the system bus",
 
 @dataclass(frozen=True)
 class Late:
-    """A fault's verdict on a blocking call: it does its work, but its answer comes this much later."""
+    """A fault's verdict on a blocking call: it does its work, but its answer comes this much later.
+
+    ``deadline``: this call's own, instead of the lane's (a hang that outlives a short deadline
+    while the other calls keep long ones, which a loaded machine does not miss).
+    """
 
     seconds: float
+    deadline: float | None = None
 
 
 # (system, call, asynchronous) -> None, a wrapper of the call (a function for a blocking call,
@@ -138,6 +143,7 @@ class Lane:
             wrap = await self.injector(self.system, name, False)
             if isinstance(wrap, Late):
                 late = wrap.seconds
+                deadline = deadline if wrap.deadline is None else wrap.deadline
             elif wrap is not None:
                 work = wrap(work)
         if len(self._stuck) >= self.workers:

@@ -138,7 +138,9 @@ kind = "bare"
 needs = "20GiB"
 """
 PROFILE_CONFIG = parse_config(CONFIG + PROFILES, "<fake, profiles>")
-DEADLINES = Deadlines(systemd=0.15, docker=0.15, gpu=0.15, state=0.15, files=0.15, http=0.1, workers=4)
+# Long enough that no fake call misses one on a loaded machine (the fast layer runs beside the
+# world tests on two cores): a test that wants a deadline missed hangs that call past its own.
+DEADLINES = Deadlines(systemd=2, docker=2, gpu=2, state=2, files=2, http=2, workers=4)
 BACKOFFS = Backoffs(restore=(0.005, 0.02), take_down=(0.005, 0.02), take_down_for=0.05, driver=(0.005, 0.02),
                     writer=(0.005, 0.02), preempt_stop=(0.005, 0.02))
 

@@ -214,6 +214,10 @@ def mem_available() -> int | None:
 
 
 def _why(err: OSError) -> str:
+    if err.filename is None and err.strerror:
+        # A call on the open file (mmap, mincore), named in its message: its EPERM is a system
+        # call filter's (the unit's SystemCallFilter=), not the file's mode.
+        return err.strerror
     if err.errno == errnos.ENOENT:
         return "no such file"
     if err.errno in (errnos.EACCES, errnos.EPERM):

@@ -26,6 +26,7 @@ R = TypeVar("R")
 _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+ROOT_SLICE = "-.slice"  # the unit of every process in no other one
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
 _SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
@@ -303,11 +304,16 @@ class Systemd:
                                 int(props.get("MainPID") or 0), int(props.get("ControlPID") or 0))
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit a process belongs to (from its cgroup, else asking systemd)."""
+        """Name the unit a process belongs to (from its cgroup, else asking systemd); None: it is gone."""
         try:
-            return unit_from_cgroup(pid)
+            unit = unit_from_cgroup(pid)
         except OSError:
-            pass  # /proc hides it (hidepid=): ask systemd
+            pass  # /proc hides it (hidepid=), or it has exited: ask systemd
+        else:
+            # Alive in a cgroup that names no unit (the root cgroup, Docker's cgroupfs driver, a host
+            # without systemd): systemd would name the root slice too. None would say it had exited,
+            # and its memory would be counted as coming free.
+            return unit if unit is not None else ROOT_SLICE
         try:
             path = self._mgr().GetUnitByPID(pid, timeout=self._timeout)
             props = self._properties(path).GetAll(_UNIT_IFACE, timeout=self._timeout)

@@ -20,7 +20,7 @@ class UnitNamer(Protocol):
     """Names the systemd unit of a process."""
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit of ``pid``, if any."""
+        """Name the unit of ``pid``; None only when it is gone (every live process is in some unit)."""
 
 
 class Vram:

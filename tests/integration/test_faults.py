@@ -246,5 +246,10 @@ def test_an_engine_no_record_knows_is_removed_at_start(gpuswapd: Start, probe: P
         (daemon.state_dir / name).unlink()  # the record is lost (a wiped state directory)
     assert [c["State"] for c in probe.containers()] == ["running"]
     daemon.start()
-    assert probe.containers() == []  # gpuswapd's own container, of a window nobody knows, is gone
-    assert daemon.status()["phase"] == "IDLE"
+    # Nobody knows what that window stopped: the configuration's baseline comes back, which takes
+    # gpuswapd's own container (of a window nobody knows) down on the way.
+    status = _assert_restored_and_verified(daemon, probe)  # IDLE, the resident and timers up, no container
+    assert status["baseline_restore"]["cause"] == "lost_record"
+    assert status["last"]["outcome"] == "baseline_restored"
+    assert status["last"]["baseline"]["cause"] == "lost_record"
+    assert [e["cause"] for e in daemon.logged("baseline_restore")] == ["lost_record"]

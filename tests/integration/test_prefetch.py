@@ -44,7 +44,10 @@ def test_plan_lists_the_files_and_a_close_reads_back_what_the_window_pushed_out(
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
     evict(str(model))
     assert measure_file(str(model)).ratio < 0.05
-    assert daemon.ctl_json("plan")["plan"]["resident_files"]["files"][0]["cached"] < 0.05
+    # It exits 1 while the window is open (its engine's container runs, the resident does not
+    # answer): a window would fail now. What it measures of the files is there all the same.
+    during = json.loads(daemon.ctl("plan", "--json").stdout)["plan"]
+    assert during["resident_files"]["files"][0]["cached"] < 0.05
 
     assert daemon.ctl("release").returncode == 0
     last = daemon.wait_phase("IDLE")["last"]
@@ -108,11 +111,13 @@ def _under(world: Stack, name: str, filters: list[str], model: Path) -> subproce
     """Run the measure as a transient service of the world's systemd, under these system call filters.
 
     systemd-run runs inside the world's namespaces (nsenter): there it finds its systemd, as PID 1.
+    The world has no sysinit.target: like its other units, this one goes without default dependencies.
     """
     props = [f"--property=SystemCallFilter={f}" for f in filters]
     return subprocess.run(["nsenter", f"--target={world.systemd_pid()}", "--mount", "--pid", "--",
                            "systemd-run", "--wait", "--pipe", "--quiet", f"--unit={name}",
-                           "--property=SystemCallErrorNumber=EPERM", f"--property=Environment=PYTHONPATH={REPO}",
+                           "--property=DefaultDependencies=no", "--property=SystemCallErrorNumber=EPERM",
+                           f"--property=Environment=PYTHONPATH={REPO}",
                            *props, sys.executable, "-c", MINCORE, str(model)],
                           capture_output=True, text=True, timeout=60)
 

@@ -212,6 +212,14 @@ def _state(daemon: RunningDaemon) -> dict[str, Any]:
     return document
 
 
+def _held_down(daemon: RunningDaemon) -> dict[str, Any]:
+    """The holds in the state document; none while gpuswapd has not written one yet (a loaded machine)."""
+    if not (daemon.state_dir / "state.json").exists():  # written by a rename: never there half-written
+        return {}
+    held: dict[str, Any] = _state(daemon).get("held_down", {})
+    return held
+
+
 def test_a_resident_that_dies_while_idle_is_brought_back_within_reconcile(
         gpuswapd: Start, probe: Probe, world: Stack) -> None:
     port = _free_port()
@@ -235,7 +243,7 @@ def test_an_operators_stop_while_idle_is_left_alone_until_they_start_it_again(
     world.manager("StopUnit", "ss", "strata.service", "replace")  # systemctl stop strata
     wait_for(lambda: probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive"),
              "strata and llama-swap to stop")
-    wait_for(lambda: "strata.service" in _state(daemon).get("held_down", {}), "the hold, in the state")
+    wait_for(lambda: "strata.service" in _held_down(daemon), "the hold, in the state")
     time.sleep(3.5)  # three reconciles and more
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")  # left down
     assert daemon.logged("baseline_restore") == []

@@ -107,7 +107,11 @@ def test_a_parked_residual_beside_a_low_resident_needs_is_found_and_repaired(
     assert engine_holds(probe.stack) == 0 and daemon.status()["parked"] is None
     assert_resident_back(probe)  # no container, the timers back, no out-of-memory
     [warned] = daemon.logged("resident_footprint_larger")
-    assert warned["phase"] == "STOPPING_RESIDENT" and warned["window_id"] == window["id"]
+    # Learned while the resident still holds it: as PAUSING_TIMERS ends, before STOPPING_RESIDENT's
+    # write (which records it) and before any unit stops.
+    assert warned["phase"] == "PAUSING_TIMERS" and warned["window_id"] == window["id"]
+    stopped = [e for e in daemon.logged("units_stopped") if e["window_id"] == window["id"]]  # the repair's too
+    assert stopped and warned["timestamp"] < stopped[0]["timestamp"]
     assert (warned["footprint"], warned["resident_needs"]) == ("21.0 GiB", "19.0 GiB")
     assert daemon.status()["resident"]["needs"] == "21.0 GiB"
     assert daemon.logged("engine_parked")  # it had been parked: the repair removed it

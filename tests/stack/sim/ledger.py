@@ -425,7 +425,12 @@ def _flock_entries() -> list[tuple[int, int, int]]:
 
 
 def _holds_open(pid: int, st: os.stat_result, trust_unreadable: bool) -> bool:
-    """Tell whether process ``pid`` has the file ``st`` open."""
+    """Tell whether process ``pid`` has the file ``st`` open.
+
+    A reader without capabilities (gpuswapd as its unit runs it) may list another process's fds
+    but not follow them: like an unreadable fd directory, that is trusted when asked to, as the
+    real driver lists every process to any reader.
+    """
     fd_dir = f"/proc/{pid}/fd"
     try:
         names = os.listdir(fd_dir)
@@ -433,14 +438,18 @@ def _holds_open(pid: int, st: os.stat_result, trust_unreadable: bool) -> bool:
         return trust_unreadable
     except OSError:
         return False
+    denied = False
     for n in names:
         try:
             s = os.stat(f"{fd_dir}/{n}")
+        except PermissionError:
+            denied = True
+            continue
         except OSError:
             continue
         if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
             return True
-    return False
+    return denied and trust_unreadable
 
 
 def holder_pid(lock_path: str | Path) -> int | None:

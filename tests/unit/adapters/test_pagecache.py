@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import tempfile
@@ -107,6 +108,16 @@ def test_a_file_gpuswapd_may_not_read_is_denied_with_its_mode_and_owner(model: P
         found = _as_nobody(str(secret))
     assert found.denied and found.error == "permission denied" and found.size == 4096
     assert found.mode in ("0600", "0000") and found.owner
+
+
+def test_a_mincore_a_system_call_filter_refuses_is_named_not_taken_for_the_files_mode(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(fd: int, offset: int, span: int, pages: int) -> int:
+        raise OSError(errno.EPERM, "mincore: Operation not permitted")  # as _os_error("mincore") makes it
+
+    monkeypatch.setattr(pagecache, "_resident_pages", refused)
+    found = measure_file(str(model))
+    assert found.error == "mincore: Operation not permitted" and not found.denied and found.size == SIZE
 
 
 def test_a_directory_on_the_way_that_may_not_be_searched_is_denied_too(model: Path) -> None:

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuswapd.adapters import systemd
 from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
 
 
@@ -33,3 +34,12 @@ def test_unreadable_cgroup_raises(tmp_path: Path) -> None:
 def test_unit_from_path() -> None:
     assert unit_from_path("/org/freedesktop/systemd1/unit/strata_2eservice") == "strata.service"
     assert unit_from_path("/org/freedesktop/systemd1/unit/agent_2dtriage_2etimer") == "agent-triage.timer"
+
+
+def test_a_live_process_whose_cgroup_names_no_unit_is_in_the_root_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # None would say it has exited (the window counts an exited process's memory as coming free).
+    adapter = systemd.Systemd()
+    monkeypatch.setattr(systemd, "unit_from_cgroup", lambda pid: None)  # "0::/", "0::/docker/0123abcd"
+    assert adapter.unit_of_pid(42) == "-.slice"
+    monkeypatch.setattr(systemd, "unit_from_cgroup", lambda pid: "strata.service")
+    assert adapter.unit_of_pid(42) == "strata.service"

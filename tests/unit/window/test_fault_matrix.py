@@ -39,8 +39,12 @@ from gpuswapd.window.window import Window
 from tests.fakes import BASELINE, ENGINE_URL, PARK_CONFIG, RESIDENT_URL, FakeWorld, settle
 
 KINDS = ("raise", "hang", "cancel")
-DEADLINES = Deadlines(systemd=0.1, docker=0.1, gpu=0.1, state=0.1, files=0.1, http=0.1, workers=4)
+# Long deadlines, which no call misses on a loaded machine (a missed one would take the cell down
+# another path, where its fault may never fire); only the hung call has a short one of its own.
+DEADLINES = Deadlines(systemd=2, docker=2, gpu=2, state=2, files=2, http=2, workers=4)
+HANG_DEADLINE = 0.1  # the hung call's
 HANG_S = 0.25  # a hung call's thread returns this much later, long after its deadline
+PREFETCH = "prefetch"  # where the close's prefetch makes its calls, whatever phase the close is in by then
 # Calls only the daemon's startup and the socket server make, tested at their own seams.
 NOT_THE_DRIVER = {("systemd", "connect"), ("systemd", "system_state"), ("systemd", "unit_cgroup"),
                   ("systemd", "unit_service"), ("state", "read_history"), ("docker", "settings")}
@@ -83,10 +87,16 @@ class Cell:
     trace: set[tuple[str, str, str]] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
     left_open: str | None = None  # the id of the window a scenario left READY before a restart
+    prefetches: set[asyncio.Task[None]] = field(default_factory=set)  # the closes' prefetch tasks
 
-    async def inject(self, system: str, call: str, asynchronous: bool) -> Callable[[Any], Any] | None:
+    async def inject(self, system: str, call: str, asynchronous: bool) -> Callable[[Any], Any] | Late | None:
         """The lanes' hook: trace the call, and fail it once if it is this cell's fault."""
-        where = label(self.window)
+        if asyncio.current_task() in self.prefetches:
+            where = PREFETCH  # a task of its own, beside the close: its phase is a matter of timing
+        else:
+            where = label(self.window)
+            if where == "RESTORING":
+                await self._prefetch_decided()
         self.trace.add((system, call, where))
         f = self.fault
         if f is None or f.fired or (f.system, f.call, f.phase) != (system, call, where):
@@ -102,7 +112,19 @@ class Cell:
                 raise OSError(errno.ENOSPC, "No space left on device")
             raise _ERRORS[system](f"injected: {f}")
         # A hung call still does its work, late: a thread stuck past its deadline, an answer that never comes.
-        return _late if asynchronous else Late(HANG_S)
+        return _late if asynchronous else Late(HANG_S, HANG_DEADLINE)
+
+    async def _prefetch_decided(self) -> None:
+        """Hold the resident's restore until the close's prefetch has decided what to do (or ended).
+
+        On the fakes a close is over in milliseconds: without this, how far the prefetch got
+        before the close ended it, and so which of its calls a cell could fail, would be timing.
+        """
+        rec = self.window.record if self.window is not None else None
+        deadline = time.monotonic() + 5
+        while (rec is not None and any(not t.done() for t in self.prefetches) and time.monotonic() < deadline
+               and (rec.prefetch or {}).get("outcome") in (None, "finding")):
+            await asyncio.sleep(0.002)
 
     def check_clear(self, clears: bool, data: bytes) -> None:
         """The store's hook: a cleared record must find the world restored."""
@@ -113,12 +135,10 @@ class Cell:
 
 
 async def _late(awaitable: Awaitable[Any]) -> Any:
-    try:
-        await asyncio.sleep(3600)  # its deadline cancels it first
-    except BaseException:
-        close_unawaited(awaitable)
-        raise
-    return await awaitable
+    """An asynchronous call that outlives a deadline of HANG_DEADLINE: the lane's own error, as a real one's."""
+    close_unawaited(awaitable)
+    await asyncio.sleep(HANG_DEADLINE)
+    raise TimeoutError  # the lane's deadline, come early: it turns it into the system's error
 
 
 Scenario = Callable[[Cell], Awaitable[None]]
@@ -127,9 +147,18 @@ Scenario = Callable[[Cell], Awaitable[None]]
 def _window(cell: Cell) -> Window:
     outside = Outside(DEADLINES)
     outside.inject(cell.inject)
-    cell.window = cell.world.window(outside)
+    cell.window = w = cell.world.window(outside)
     cell.world.store.on_write = cell.check_clear
-    return cell.window
+    start = w.files.start
+
+    def started(window: Window, rec: Any) -> asyncio.Task[None] | None:
+        task = start(window, rec)
+        if task is not None:
+            cell.prefetches.add(task)
+        return task
+
+    w.files.start = started  # type: ignore[method-assign]
+    return w
 
 
 async def _acquire(w: Window) -> Any:

@@ -17,11 +17,14 @@ from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_plan
 from gpuswapd.errors import ConfigError
 from gpuswapd.observe.metrics import Metrics, window_now
+from gpuswapd.outside import Outside
 from gpuswapd.record import ContainerHandle, WindowRecord
+from gpuswapd.window import Window
 from gpuswapd.window.plan import make_plan
 from gpuswapd.window.prefetch import parked_in_host_ram, unreadable
 from tests.fakes import (
     CONFIG,
+    DEADLINES,
     MODEL_BYTES,
     MODEL_PATH,
     PARK_CONFIG,
@@ -43,9 +46,54 @@ def world(resident: str = "", extra: str = "") -> FakeWorld:
     return FakeWorld(config=parse_config(text, "<prefetch>"))
 
 
-async def cycle(fw: FakeWorld) -> dict[str, Any]:
-    """Open a window, close it, and return its history record."""
-    async with running(fw.window()) as w:
+class PrefetchGate:
+    """The resident's start gate: it "loads" once the close's prefetch has got as far as a test needs.
+
+    By default, once the prefetch has decided what to do (read, or why not); with ``ended``, once
+    it has read and measured again. Without it, the fakes' close ends before the prefetch has got
+    anywhere on a loaded machine, and ends the prefetch with it.
+    """
+
+    def __init__(self, ended: bool = False) -> None:
+        self.window: Window | None = None
+        self.pending = {None, "finding", "reading"} if ended else {None, "finding"}
+
+    def wait(self, timeout: float) -> bool:
+        """Wait (in the systemd worker's thread) until the window's prefetch is that far."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            w = self.window
+            if w is not None and not w.config.resident.prefetch:
+                return True
+            rec = w.record if w is not None else None
+            if rec is not None and (rec.prefetch or {}).get("outcome") not in self.pending:
+                return True
+            time.sleep(0.002)
+        return False
+
+
+def gated(fw: FakeWorld, w: Window, ended: bool = False) -> None:
+    """Hold the resident's start in ``w``'s closes until its prefetch is that far (``PrefetchGate``)."""
+    gate = PrefetchGate(ended)
+    gate.window = w
+    fw.systemd.start_gate = gate  # type: ignore[assignment]
+
+
+async def cycle(fw: FakeWorld, ended: bool = False, park_after: bool = False) -> dict[str, Any]:
+    """Open a window, close it, and return its history record.
+
+    ``park_after``: the engine is put to sleep only once the prefetch has decided.
+    """
+    outside = Outside(DEADLINES)
+    async with running(fw.window(outside)) as w:
+        gated(fw, w, ended)
+        if park_after:
+            async def inject(system: str, call: str, asynchronous: bool) -> None:
+                deadline = time.monotonic() + 5
+                while ((system, call) == ("http", "sleep") and w.record is not None and time.monotonic() < deadline
+                       and (w.record.prefetch or {}).get("outcome") in (None, "finding")):
+                    await asyncio.sleep(0.002)
+            outside.inject(inject)
         lease = await w.acquire("job", 60)
         await w.release(lease.id)
         await settle(w)
@@ -55,9 +103,7 @@ async def cycle(fw: FakeWorld) -> dict[str, Any]:
 def test_a_close_reads_the_files_in_before_the_resident_starts_and_history_says_so() -> None:
     fw = FakeWorld()
     fw.files.read_s = 0.0
-    fw.systemd.start_gate = fw.files.read_in  # the resident "loads" once the files are in
-
-    record = run(cycle(fw))
+    record = run(cycle(fw, ended=True))  # the resident "loads" once the files are in
     p = record["prefetch"]
     assert p["outcome"] == "done", p
     assert p["cached_before"] == 0.0 and p["cached_after"] == 1.0 and p["bytes"] == MODEL_BYTES
@@ -80,8 +126,6 @@ def test_the_close_does_not_wait_for_the_prefetch_and_stops_it() -> None:
 def test_files_in_ram_already_are_not_read_again() -> None:
     fw = FakeWorld()
     fw.files.cached[MODEL_PATH] = MODEL_BYTES
-    fw.systemd.start_gate = fw.files.read_in
-    fw.files.read_in.set()
     record = run(cycle(fw))
     assert record["prefetch"]["outcome"] == "cached" and record["prefetch"]["cached_after"] == 1.0
     assert fw.files.prefetches == 0
@@ -100,7 +144,8 @@ def test_no_prefetch_when_host_ram_cannot_hold_the_files() -> None:
 def test_a_level_one_park_keeps_its_weights_in_host_ram_and_leaves_less_for_the_files() -> None:
     fw = FakeWorld(config=PARK_CONFIG)  # level 1, no host_ram_needs: the window's 21 GiB are counted
     fw.files.mem_available = 40 * GiB
-    record = run(cycle(fw))
+    # Measured before the engine sleeps (the fake's MemAvailable does not fall when it does).
+    record = run(cycle(fw, park_after=True))
     assert record["prefetch"]["outcome"] == "skipped", record["prefetch"]
     assert "21.0 GiB of it for the engine's level-1 sleep" in record["prefetch"]["reason"]
     stop = FakeWorld()  # the same host without a park: the files fit
@@ -144,9 +189,8 @@ def test_prefetch_off_reads_nothing_and_named_files_win_over_the_units() -> None
     assert run(cycle(off))["prefetch"] is None and off.files.prefetches == 0
     named = world(f'files = ["{MODEL_PATH}", "/models/missing.gguf"]\n')
     named.files.read_s = 0.0
-    named.systemd.start_gate = named.files.read_in
     with structlog.testing.capture_logs() as logs:
-        record = run(cycle(named))
+        record = run(cycle(named, ended=True))
     assert named.systemd.commands_read == 0
     assert record["prefetch"]["outcome"] == "done" and [f["path"] for f in record["prefetch"]["files"]] == [MODEL_PATH]
     skipped = [e for e in logs if e["event"] == "resident_file_skipped"]
@@ -159,6 +203,7 @@ def test_what_cannot_be_found_is_logged_once_not_at_every_close() -> None:
 
     async def main() -> None:
         async with running(fw.window()) as w:
+            gated(fw, w)
             for _ in range(2):
                 await w.release((await w.acquire("job", 60)).id)
                 await settle(w)
@@ -243,9 +288,8 @@ def test_a_hung_read_of_the_units_never_holds_up_the_close() -> None:
                 if check.url != RESIDENT_URL:  # the engine's
                     return await verify(check, retry_until)
                 # The resident answers only once the read has outlived its deadline (a slow load).
-                for _ in range(60):
-                    if w.outside.status()["systemd"]["hung"]:
-                        break
+                deadline = time.monotonic() + w.outside.systemd.deadline + 5
+                while not w.outside.status()["systemd"]["hung"] and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                 seen_hung.append(bool(w.outside.status()["systemd"]["hung"]))
                 return await verify(check, retry_until)
