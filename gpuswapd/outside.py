@@ -61,6 +61,12 @@ CALLS: dict[str, frozenset[str]] = {
 # read of the resident's units never holds up a close.
 LOOKS_ONLY: dict[str, frozenset[str]] = {"systemd": frozenset({"commands"})}
 
+# Calls that change the outside system. One whose caller went away (a cancelled opening) while it
+# still runs is followed like one that outlived its deadline: it may still create a container or
+# stop a unit after the close, so the close waits for it to land and then makes sure again.
+CHANGES: dict[str, frozenset[str]] = {"systemd": frozenset({"queue_jobs", "job"}),
+                                      "docker": frozenset({"create", "start", "stop", "remove"})}
+
 # Raised when a call of that lane misses its deadline or the lane is hung.
 _ERRORS: dict[str, type[GpuswapError]] = {
     "systemd": BusUnavailable, "docker": DockerUnavailable, "gpu": GpuProbeError, "state": StateError,
@@ -176,6 +182,10 @@ class Lane:
             self._hung(name, future, started)
             raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {deadline:g}s; "
                               f"{_NEXT[self.system]}") from None
+        except asyncio.CancelledError:
+            if not future.done() and name in CHANGES.get(self.system, frozenset()):
+                self._hung(name, future, started, abandoned=True)
+            raise
         finally:
             if not future.done():
                 # Nobody waits any more (deadline or cancellation): drop what it brings.
@@ -215,13 +225,17 @@ class Lane:
         """Wait until every call that outlived its deadline has returned (and done what it did)."""
         await self._drained.wait()
 
-    def _hung(self, name: str, future: asyncio.Future[Any], started: float) -> None:
+    def _hung(self, name: str, future: asyncio.Future[Any], started: float, abandoned: bool = False) -> None:
         key = id(future)
         self._stuck[key] = _Stuck(name, started)
         if name not in LOOKS_ONLY.get(self.system, frozenset()):
             self.hung_total += 1
         self._drained.clear()
-        log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck))
+        if abandoned:
+            log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck),
+                        reason="its caller went away while it still runs; the close makes sure again once it lands")
+        else:
+            log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck))
 
         def returned(_: asyncio.Future[Any]) -> None:
             stuck = self._stuck.pop(key, None)
