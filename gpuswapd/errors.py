@@ -60,10 +60,7 @@ class GpuswapError(Exception):
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize for the socket protocol and the state file."""
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.phase is not None:
-            out["phase"] = self.phase
-        return out
+        return _error_dict(self.code, self.message, self.phase)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GpuswapError:
@@ -312,10 +309,7 @@ class ErrorRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize as ``GpuswapError.to_dict`` does."""
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.phase is not None:
-            out["phase"] = self.phase
-        return out
+        return _error_dict(self.code, self.message, self.phase)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ErrorRecord:
@@ -323,3 +317,11 @@ class ErrorRecord:
         phase = data.get("phase")
         return cls(str(data.get("code", GpuswapError.code)), str(data.get("message", "")),
                    phase if isinstance(phase, str) else None)
+
+
+def _error_dict(code: str, message: str, phase: str | None) -> dict[str, Any]:
+    """Write an error as the wire and the state file carry it: its code, its message, the phase if any."""
+    out: dict[str, Any] = {"code": code, "message": message}
+    if phase is not None:
+        out["phase"] = phase
+    return out
