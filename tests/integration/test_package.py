@@ -210,7 +210,7 @@ def test_packaged_gpuswapd_reads_the_known_bad_table_the_package_ships(built: Bu
                          filter="tar")
     site = next(root.glob("usr/lib/python3*/*-packages"))
     interpreter = built.read("usr/bin/gpuswapctl").split(b"\n", 1)[0][2:].decode()
-    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+    code = ("import json; from gpuswapd.checks import knownbad; t = knownbad.load_table(); "
             "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1",
            "GPUSWAPD_KNOWN_BAD_DIR": str(tmp_path / "none")}

@@ -24,7 +24,7 @@ from gpuswapd.config import DEFAULT_PATH, DaemonConfig, GatewayConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
 from gpuswapd.timespan import parse_span
-from gpuswapd.window import window
+from gpuswapd.window import driver
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "units"
@@ -128,7 +128,7 @@ def test_service_runs_the_daemon_the_way_it_expects() -> None:
 def test_the_units_stop_timeout_outlasts_the_whole_bounded_shutdown(unit: str) -> None:
     # The close's bound from the signal, the window's time to stop where it is, the last write:
     # systemd must not SIGKILL gpuswapd before all three, with a margin for closing the rest.
-    bounded = daemon.SHUTDOWN_BOUND_S + window.SHUTDOWN_ABORT_S + daemon.WRITER_STOP_S
+    bounded = daemon.SHUTDOWN_BOUND_S + driver.SHUTDOWN_ABORT_S + daemon.WRITER_STOP_S
     stop = one(unit_settings(UNITS / unit), "Service", "TimeoutStopSec")
     assert parse_span(stop) >= bounded + 30, f"{unit}: TimeoutStopSec={stop} is not above {bounded:g} s + 30 s"
     # ...and the README and gpuswapd(8) say the same numbers.
@@ -679,7 +679,7 @@ def test_a_fresh_virtualenv_install_finds_the_known_bad_table(tmp_path: Path) ->
     assert install.returncode == 0, install.stderr
     # Out of the checkout (cwd), without the test layer's table: only what the wheel installed.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", knownbad.SHIPPED_ENV)}
-    code = ("import json; from gpuswapd import knownbad; t = knownbad.load_table(); "
+    code = ("import json; from gpuswapd.checks import knownbad; t = knownbad.load_table(); "
             "print(json.dumps([knownbad.__file__, t.files, t.ids]))")
     proc = subprocess.run([str(venv / "bin/python"), "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=tmp_path, env={**env, knownbad.DIR_ENV: str(tmp_path / "no-rows")})
