@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 virtual, windows = virtual + v_s, windows + n_windows
                 if violations:
                     failing.append((seed, violations))
+            # Let the workers exit by themselves: the pool's terminate() at the with's end would
+            # leave their semaphores for the resource tracker to warn of.
+            pool.close()
+            pool.join()
     else:
         for item in seeds:
             seed, violations, v_s, n_windows, _ = run_seed(item)
