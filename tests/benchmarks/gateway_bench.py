@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.benchmarks.gateway_bench [--cycles 10] [--requests 200] [--tokens 600]
                                                       [--streams 100] [--servers all] [--realtime]
 
-No test world is needed: the upstreams are the world's engine simulator (tests/stack/sim/engine_sim.py,
+No test world is needed: the upstreams are the world's engine simulator (tests/stack/standins/engine_sim.py,
 run as plain processes on a ledger of their own), gpuswapd is a stand-in that grants the gateway's
 leases at once (the window's own costs are the swap benchmark's), and the gateway is the real
 ``gpuswapd-gateway``. With ``--servers all`` the same application also runs under the alternatives:
@@ -93,7 +93,7 @@ from tests.benchmarks.report import (
 from tests.stack.daemon import BIN
 from tests.stack.world import REPO, SIM_PYTHON
 
-SIM = REPO / "tests" / "stack" / "sim"
+SIM = REPO / "tests" / "stack" / "standins"
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "tokens_per_s_ratio": 0.98, "lost_streams": 0}
 SERVERS = ("uvicorn", "uvicorn-h11", "hypercorn")
 SHIPPED = "uvicorn"

@@ -68,7 +68,7 @@ from tests.benchmarks.report import (
 )
 from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import BIN, RunningDaemon
-from tests.stack.sim import ledger
+from tests.stack.standins import ledger
 from tests.stack.world import ENGINE_PORT, PROXY_PORT, RESIDENT_PORT, Stack, StackError
 
 POLL_S = 0.01

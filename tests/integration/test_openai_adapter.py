@@ -31,7 +31,7 @@ from gpuswapd.config import CompletionCheck, IdleConfig
 from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
 
 STACK = Path(__file__).resolve().parents[1] / "stack"
-SIM = STACK / "sim"
+SIM = STACK / "standins"
 # The simulators run on the interpreter the test world gives them (stdlib only).
 SIM_PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 T = TypeVar("T")

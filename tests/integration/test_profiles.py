@@ -17,7 +17,7 @@ from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
 
 Start = Callable[..., RunningDaemon]
-GPU_HOLD = Path(__file__).resolve().parents[1] / "stack" / "sim" / "gpu_hold.py"
+GPU_HOLD = Path(__file__).resolve().parents[1] / "stack" / "standins" / "gpu_hold.py"
 
 
 def with_profiles(gpuswapd: Start, probe: Probe, **sections: dict[str, Any]) -> RunningDaemon:

@@ -309,7 +309,7 @@ class Fit:
     slots of 4096), the ledger's RESIDENT_VRAM. It starts with its full context only if
     ``claim(ctx) + target`` is free (``--fit-target``, 1 GiB); short of that it lowers ``-c`` by
     256 tokens per slot at a time until it fits, down to ``min_ctx`` (``--fit-ctx``), and fails as
-    CUDA out of memory only when even ``claim(min_ctx)`` is not free. tests/stack/sim/llama_fit.py
+    CUDA out of memory only when even ``claim(min_ctx)`` is not free. tests/stack/standins/llama_fit.py
     does it; a test opts in with ``enable_fit`` (the world's resident otherwise claims its fixed
     21 GiB or fails, so that the out-of-memory tests keep their meaning).
     """

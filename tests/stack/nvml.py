@@ -19,7 +19,7 @@ from typing import Any
 
 import pynvml
 
-from tests.stack.sim import ledger
+from tests.stack.standins import ledger
 
 
 def install(directory: str) -> None:

@@ -311,7 +311,7 @@ class Stack:
     def _fingerprint(self) -> str:
         """Hash the recipe and the simulators this checkout would lay the world out with."""
         digest = hashlib.sha256(RECIPE.encode())
-        for f in sorted((Path(__file__).parent / "sim").glob("*.py")):
+        for f in sorted((Path(__file__).parent / "standins").glob("*.py")):
             digest.update(f.name.encode() + b"\0" + f.read_bytes())
         return digest.hexdigest()[:16]
 
@@ -380,7 +380,7 @@ class Stack:
             for child in stale.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
         shutil.rmtree(p.sim, ignore_errors=True)
-        shutil.copytree(Path(__file__).parent / "sim", p.sim, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(Path(__file__).parent / "standins", p.sim, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.rmtree(p.gpu, ignore_errors=True)
         self._ledger("init", "--total", VRAM_TOTAL, "--lag", str(self.release_lag_s))
         smi = p.bin / "nvidia-smi"

@@ -20,7 +20,7 @@ from gpuswapd.adapters.gpu import GpuProcess, NvmlProbe, SmiProbe, make_probe
 from gpuswapd.config import GpuConfig
 from gpuswapd.errors import GpuProbeError
 
-SIM = Path(__file__).resolve().parents[2] / "stack" / "sim"
+SIM = Path(__file__).resolve().parents[2] / "stack" / "standins"
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 MiB = 1 << 20
 GiB = 1 << 30

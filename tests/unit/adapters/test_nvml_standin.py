@@ -10,7 +10,7 @@ import pytest
 
 from gpuswapd.adapters.gpu import NvmlProbe, _Nvml
 from tests.stack import nvml
-from tests.stack.sim import ledger
+from tests.stack.standins import ledger
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Helpers for the simulator tests: the sim scripts run as subprocesses, killed by PID."""
+"""Helpers for the tests of the test world's stand-ins (tests/stack/standins): each runs as a subprocess, killed by PID."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-SIM = Path(__file__).resolve().parents[1] / "stack" / "sim"
+SIM = Path(__file__).resolve().parents[1] / "stack" / "standins"
 # The simulators must run on the interpreter the test world gives them.
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 GiB = 1 << 30
