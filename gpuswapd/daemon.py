@@ -112,7 +112,7 @@ class Daemon:
             instance=instance,
             host=systems.host,
         )
-        self.observers = Observers(config, self.window, self.server, bus or EventBus())
+        self.observers = Observers(config, self.window, self.server, bus or EventBus(), instance)
         self._stop = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
         self._baseline: asyncio.Task[None] | None = None

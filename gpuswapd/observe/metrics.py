@@ -23,7 +23,7 @@ from gpuswapd.record import Finished
 if TYPE_CHECKING:
     from gpuswapd.window.window import Window
 
-DEFAULT_INSTANCE = "default"  # one gpuswapd per machine until instances (gpuswapd@NAME) come
+DEFAULT_INSTANCE = "default"  # the plain gpuswapd.service; gpuswapd@NAME exports instance="NAME"
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 450.0,
            600.0)
 OUTCOMES = ("closed", "rolled_back", "engine_failed", "refused", "recovered", "baseline_restored")

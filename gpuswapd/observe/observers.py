@@ -30,11 +30,11 @@ from gpuswapd.window.window import Window
 class Observers:
     """The metrics endpoints, the hooks, the watchers and the STATUS= ticker of one daemon."""
 
-    def __init__(self, config: Config, window: Window, server: Server, bus: EventBus) -> None:
+    def __init__(self, config: Config, window: Window, server: Server, bus: EventBus, instance: str) -> None:
         self.window = window
         self.bus = bus
         m, h = config.metrics, config.hooks
-        self.metrics = Metrics(lambda: window_now(window), __version__)
+        self.metrics = Metrics(lambda: window_now(window), __version__, instance)
         self.textfile = Textfile(m.textfile, self.metrics.exposition) if m.textfile else None
         self.scrape = ScrapeServer(m.listen, self.metrics.exposition, server.admission) if m.listen else None
         self.hooks = Hooks(h.command, h.events, h.timeout, self.metrics.hook_event_dropped) if h.command else None

@@ -59,3 +59,13 @@ def test_the_shutdown_bound_counts_from_the_signal(monkeypatch: pytest.MonkeyPat
 
     assert asyncio.run(main()) == 1  # the GPU was not given back: not 0
     assert world.store.document is not None and world.store.document.window is not None  # kept for the next start
+
+
+def test_the_metrics_of_an_instance_carry_its_name() -> None:
+    # gpuswapd@1 and gpuswapd@2 scraped by one Prometheus: each series must say which card it is of.
+    world = FakeWorld()
+    gpuswapd = Daemon(world.config, systems=Systems(world.systemd, world.docker, world.http,  # type: ignore[arg-type]
+                                                    world.gpu, world.store), instance="1")  # type: ignore[arg-type]
+    exposition = gpuswapd.observers.metrics.exposition().decode()
+    assert 'gpuswapd_leases{instance="1"} 0.0' in exposition
+    assert 'instance="default"' not in exposition
