@@ -1,4 +1,4 @@
-"""Helpers for the tests of the test world's stand-ins (tests/stack/standins): each runs as a subprocess, killed by PID."""
+"""Helpers for the tests of the world's stand-ins (tests/stack/standins): each runs as a subprocess, killed by PID."""
 
 from __future__ import annotations
 
