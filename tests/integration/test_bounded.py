@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import select
@@ -20,8 +19,7 @@ from typing import Any
 import pytest
 
 from gpuswapd.adapters.unitnames import cgroup_of
-from gpuswapd.ctl.main import main as gpuswapctl
-from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.integration.conftest import assert_resident_back, assert_window_open, ctl_as, ctl_output
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, Probe
 from tests.stack.users import GROUP, MEMBERS, STRANGER, User, as_user
@@ -29,22 +27,6 @@ from tests.stack.world import SIM_PYTHON, Stack
 
 Start = Callable[..., RunningDaemon]
 ALICE, BOB = MEMBERS
-
-
-def _ctl_output(daemon: RunningDaemon, args: tuple[str, ...]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = gpuswapctl(["--socket", str(daemon.socket), *args])
-        except SystemExit as exit_:  # argparse
-            code = int(exit_.code or 0)
-    return code, out.getvalue(), err.getvalue()
-
-
-def _ctl_as(user: User, daemon: RunningDaemon, *args: str) -> tuple[int, str, str]:
-    """Run gpuswapctl as ``user`` (in a child that dropped root); return exit code, stdout, stderr."""
-    code, out, err = as_user(user, lambda: _ctl_output(daemon, args))
-    return int(code), str(out), str(err)
 
 
 @contextlib.contextmanager
@@ -64,7 +46,7 @@ def untouched(probe: Probe) -> Iterator[None]:
 def test_a_member_cannot_end_or_renew_another_members_lease_and_root_can(
         gpuswapd: Start, probe: Probe, users: dict[str, User]) -> None:
     daemon = gpuswapd(daemon={"socket_group": GROUP})
-    code, out, err = _ctl_as(users[ALICE], daemon, "acquire", "--for", "5m", "--json")
+    code, out, err = ctl_as(users[ALICE], daemon, "acquire", "--for", "5m", "--json")
     assert code == 0, err
     lease = json.loads(out)["lease"]
     assert lease["uid"] == users[ALICE].uid and lease["unit"] is None
@@ -72,13 +54,13 @@ def test_a_member_cannot_end_or_renew_another_members_lease_and_root_can(
 
     for args in (("release", lease["id"]), ("renew", lease["id"], "--for", "1h"), ("release", "--holder", holder),
                  ("renew", "--holder", holder, "--for", "1h")):
-        code, _, err = _ctl_as(users[BOB], daemon, *args)
+        code, _, err = ctl_as(users[BOB], daemon, *args)
         assert code == 4, (args, err)
         assert "only that owner or root may" in err and f"uid {users[ALICE].uid}" in err, err
     [kept] = daemon.status()["window"]["leases"]
     assert kept["id"] == lease["id"] and kept["expires_at"] == lease["expires_at"]  # intact, not renewed
 
-    code, _, err = _ctl_as(users[ALICE], daemon, "renew", "--for", "6m")  # its owner may
+    code, _, err = ctl_as(users[ALICE], daemon, "renew", "--for", "6m")  # its owner may
     assert code == 0, err
     assert daemon.ctl("release", lease["id"]).returncode == 0  # and root may end anyone's
     daemon.wait_phase("IDLE", timeout=90)
@@ -89,19 +71,19 @@ def test_a_stranger_reads_status_but_may_not_acquire_or_release(
         gpuswapd: Start, probe: Probe, users: dict[str, User]) -> None:
     daemon = gpuswapd(daemon={"socket_group": GROUP, "status_public": True})
     assert oct(os.stat(daemon.socket).st_mode & 0o777) == "0o666"
-    code, out, err = _ctl_as(users[STRANGER], daemon, "status", "--json")
+    code, out, err = ctl_as(users[STRANGER], daemon, "status", "--json")
     assert code == 0, err
     assert json.loads(out)["phase"] == "IDLE"
     with untouched(probe):
         for args in (("acquire", "--for", "1m"), ("release",), ("plan",)):
-            code, _, err = _ctl_as(users[STRANGER], daemon, *args)
+            code, _, err = ctl_as(users[STRANGER], daemon, *args)
             assert code == 4 and f"group '{GROUP}'" in err, (args, err)
 
 
 def test_without_status_public_a_stranger_is_kept_off_the_socket_and_told_by_whom(
         gpuswapd: Start, users: dict[str, User]) -> None:
     daemon = gpuswapd(daemon={"socket_group": GROUP, "status_public": False})
-    code, _, err = _ctl_as(users[STRANGER], daemon, "status")
+    code, _, err = ctl_as(users[STRANGER], daemon, "status")
     assert code == 3 and f"group '{GROUP}'" in err and "0660" in err, err
 
 
@@ -187,7 +169,7 @@ def forged_cgroup(world: Stack, probe: Probe) -> Iterator[Callable[[User, str], 
 
 def _ctl_in_cgroup(group: Path, user: User, daemon: RunningDaemon, *args: str) -> tuple[int, str, str]:
     """Run gpuswapctl as ``user`` from inside ``group``: moved there while still root, then dropped."""
-    code, out, err = as_user(user, lambda: _ctl_output(daemon, args), cgroup=group)
+    code, out, err = as_user(user, lambda: ctl_output(daemon, args), cgroup=group)
     return int(code), str(out), str(err)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import assert_resident_back
 from tests.stack.probe import Probe
 from tests.stack.world import REPO, Stack
 

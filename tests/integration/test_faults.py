@@ -4,39 +4,25 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 
 import pytest
 
-from tests.integration.test_window import assert_resident_back, assert_window_open, metric
-from tests.stack.daemon import BIN, RunningDaemon
+from tests.integration.conftest import (
+    acquire_in_background,
+    assert_resident_back,
+    assert_restored_and_verified,
+    assert_window_open,
+    metric,
+    wait_persisted,
+)
+from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, Probe
 from tests.stack.world import ENGINE_PORT, Stack
 
 Start = Callable[..., RunningDaemon]
-
-
-def _wait_persisted(daemon: RunningDaemon, phase: str, timeout: float = 60) -> None:
-    """Wait until gpuswapd has written ``phase`` to its state file."""
-    deadline = time.monotonic() + timeout
-    while daemon.state_phase() != phase:
-        assert time.monotonic() < deadline, f"{phase} never persisted; log:\n{daemon.tail()}"
-        time.sleep(0.01)
-
-
-def _acquire_in_background(daemon: RunningDaemon, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(BIN / "gpuswapctl"), "acquire", *args], env=daemon.env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _assert_restored_and_verified(daemon: RunningDaemon, probe: Probe) -> dict:
-    status = daemon.wait_phase("IDLE", timeout=90)
-    assert_resident_back(probe)
-    assert metric("llamacpp:tokens_predicted_total") > 0  # gpuswapd's verifying completion
-    return status
 
 
 OPENING = ["DRAINING", "PAUSING_TIMERS", "STOPPING_RESIDENT", "WAITING_VRAM", "BOOTING", "WARMING"]
@@ -46,12 +32,12 @@ CLOSING = ["CLOSING", "WAITING_VRAM:closing", "RESTORING:closing", "RESUMING_TIM
 @pytest.mark.parametrize("phase", OPENING)
 def test_sigkill_while_opening_rolls_back_to_the_resident(gpuswapd: Start, probe: Probe, phase: str) -> None:
     daemon = gpuswapd(env={"GPUSWAPD_FAILPOINT_DELAY": f"{phase}=60"})
-    client = _acquire_in_background(daemon, "--for", "2m")
-    _wait_persisted(daemon, phase)
+    client = acquire_in_background(daemon, "--for", "2m")
+    wait_persisted(daemon, phase)
     daemon.kill()
     assert client.wait(10) != 0  # the GPU was not obtained
     daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": ""})
-    status = _assert_restored_and_verified(daemon, probe)
+    status = assert_restored_and_verified(daemon, probe)
     assert status["last"]["outcome"] == "recovered"
 
 
@@ -60,10 +46,10 @@ def test_sigkill_while_closing_finishes_the_close(gpuswapd: Start, probe: Probe,
     daemon = gpuswapd(env={"GPUSWAPD_FAILPOINT_DELAY": f"{phase}=60"})
     assert daemon.ctl("acquire", "--for", "2m").returncode == 0
     assert daemon.ctl("release").returncode == 0
-    _wait_persisted(daemon, phase.split(":")[0])
+    wait_persisted(daemon, phase.split(":")[0])
     daemon.kill()
     daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": ""})
-    status = _assert_restored_and_verified(daemon, probe)
+    status = assert_restored_and_verified(daemon, probe)
     assert status["last"]["outcome"] == "recovered"
 
 
@@ -77,7 +63,7 @@ def test_sigkill_while_ready_with_a_live_lease_is_adopted(gpuswapd: Start, probe
     assert [x["id"] for x in status["window"]["leases"]] == [lease["id"]]
     assert_window_open(probe)
     assert daemon.ctl("release", lease["id"]).returncode == 0
-    _assert_restored_and_verified(daemon, probe)
+    assert_restored_and_verified(daemon, probe)
 
 
 def test_sigkill_while_ready_after_the_lease_ran_out_rolls_back(gpuswapd: Start, probe: Probe) -> None:
@@ -87,7 +73,7 @@ def test_sigkill_while_ready_after_the_lease_ran_out_rolls_back(gpuswapd: Start,
         time.sleep(0.05)
     daemon.kill()
     daemon.start()
-    assert _assert_restored_and_verified(daemon, probe)["last"]["outcome"] == "recovered"
+    assert assert_restored_and_verified(daemon, probe)["last"]["outcome"] == "recovered"
 
 
 def _die(failing_boots: int) -> None:
@@ -121,8 +107,8 @@ def test_engine_death_beyond_max_restarts_gives_the_gpu_back(gpuswapd: Start, pr
     daemon.ctl_json("acquire", "--for", "5m")
     _die(2)  # heals only after 3 restarts
     daemon.wait_phase("RECOVERING", timeout=20)
-    waiting = _acquire_in_background(daemon, "--for", "1m")
-    status = _assert_restored_and_verified(daemon, probe)
+    waiting = acquire_in_background(daemon, "--for", "1m")
+    status = assert_restored_and_verified(daemon, probe)
     assert status["last"]["outcome"] == "engine_failed"
     assert "2 restart(s) did not bring it back" in status["last"]["error"]["message"]
     _, err = waiting.communicate(timeout=30)
@@ -213,7 +199,7 @@ def test_sigterm_with_keep_leaves_the_window_for_the_next_start(gpuswapd: Start,
     daemon.start()
     assert [x["id"] for x in daemon.status()["window"]["leases"]] == [lease["id"]]
     daemon.ctl("release", lease["id"])
-    _assert_restored_and_verified(daemon, probe)
+    assert_restored_and_verified(daemon, probe)
 
 
 def test_a_resident_that_fails_to_start_is_retried_and_timers_wait(gpuswapd: Start, probe: Probe,
@@ -234,7 +220,7 @@ def test_a_resident_that_fails_to_start_is_retried_and_timers_wait(gpuswapd: Sta
     time.sleep(1.0)
     assert daemon.status()["window"]["degraded"]
     world.remove_dropins("strata.service")
-    status = _assert_restored_and_verified(daemon, probe)
+    status = assert_restored_and_verified(daemon, probe)
     assert status["last"]["outcome"] == "recovered"
 
 
@@ -248,7 +234,7 @@ def test_an_engine_no_record_knows_is_removed_at_start(gpuswapd: Start, probe: P
     daemon.start()
     # Nobody knows what that window stopped: the configuration's baseline comes back, which takes
     # gpuswapd's own container (of a window nobody knows) down on the way.
-    status = _assert_restored_and_verified(daemon, probe)  # IDLE, the resident and timers up, no container
+    status = assert_restored_and_verified(daemon, probe)  # IDLE, the resident and timers up, no container
     assert status["baseline_restore"]["cause"] == "lost_record"
     assert status["last"]["outcome"] == "baseline_restored"
     assert status["last"]["baseline"]["cause"] == "lost_record"

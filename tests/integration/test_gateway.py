@@ -20,9 +20,13 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.integration.test_faults import _acquire_in_background
-from tests.integration.test_profiles import wait_for, with_profiles
-from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.integration.conftest import (
+    acquire_in_background,
+    assert_resident_back,
+    assert_window_open,
+    wait_for,
+    with_profiles,
+)
 from tests.stack import llama
 from tests.stack.config import stack_config
 from tests.stack.daemon import RunningDaemon
@@ -308,7 +312,7 @@ def test_a_preemption_revokes_the_gateways_lease_and_leaves_its_unit_running(gpu
     assert status == 200, body
     [lease] = _leases(daemon)
     assert lease["holder"] == "gpuswapd-gateway.service" and lease["unit"] == "gpuswapd-gateway.service"
-    urgent = _acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent",
+    urgent = acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent",
                                     "--for", "2m")
     _, err = urgent.communicate(timeout=90)
     assert urgent.returncode == 0, err

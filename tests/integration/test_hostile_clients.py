@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import assert_resident_back
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import Probe
 

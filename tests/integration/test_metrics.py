@@ -21,30 +21,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import assert_resident_back, free_port, scrape, value
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
 from tests.stack.world import ENGINE_PORT, Stack
 
 Start = Callable[..., RunningDaemon]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
-
-
-def value(families: dict[str, Any], family: str, sample: str | None = None, **labels: str) -> float:
-    """The one sample of ``family`` (named ``sample``, if given) whose labels include ``labels``."""
-    [found] = [s.value for s in families[family].samples
-               if (sample is None or s.name == sample) and labels.items() <= s.labels.items()]
-    return float(found)
 
 
 def http_status(port: int, method: str, path: str) -> int:

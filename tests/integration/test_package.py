@@ -19,7 +19,7 @@ import pytest
 
 from gpuswapd import __version__
 from gpuswapd.ctl.main import build_parser
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import assert_resident_back
 from tests.stack.cards import RESIDENT1, instance_sections
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon

@@ -10,19 +10,24 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.conftest import TEST_BOOT_DELAY
-from tests.integration.test_faults import _acquire_in_background, _wait_persisted
-from tests.integration.test_profiles import assert_switched_cleanly, inactive_since, wait_for
-from tests.integration.test_window import assert_resident_back, engine_state
-from tests.stack.config import ENGINE_ENV, profile_sections
+from tests.integration.conftest import (
+    SLEEPY,
+    acquire_in_background,
+    assert_resident_back,
+    assert_switched_cleanly,
+    engine_holds,
+    engine_state,
+    inactive_since,
+    wait_for,
+    wait_persisted,
+)
+from tests.stack.config import profile_sections
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
 from tests.stack.world import ENGINE_PORT, OTHER_TIMER, Stack
 
 Start = Callable[..., RunningDaemon]
 GiB = 1 << 30
-SLEEPY = {**ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "ENGINE_WAKE_DELAY_1": "0.3", "ENGINE_SLEEP_DELAY": "0.05"}
-
-
 def parking(gpuswapd: Start, env: dict[str, str] | None = None, park: dict[str, Any] | None = None,
             **sections: dict[str, Any]) -> RunningDaemon:
     """Start gpuswapd with park mode "sleep" and an engine that offers sleep mode."""
@@ -35,11 +40,6 @@ def cycle(daemon: RunningDaemon) -> None:
     assert out.returncode == 0, out.stderr
     assert daemon.ctl("release").returncode == 0
     daemon.wait_phase("IDLE", timeout=90)
-
-
-def engine_holds(stack: Stack) -> int:
-    """Bytes the engine holds in the VRAM ledger (0 if it holds none)."""
-    return sum(h["bytes"] for h in stack.ledger()["holders"] if h["name"] == "hyperqwen")
 
 
 def assert_resident_back_beside_parked(probe: Probe) -> None:
@@ -120,7 +120,7 @@ def test_a_switch_to_a_bare_window_parks_the_engine_under_a_real_lag(gpuswapd: S
     up_since = probe.entered_active_us("strata.service")
     assert daemon.ctl("acquire", "--holder", "chat", "--for", "2m").returncode == 0
     down_since = inactive_since(probe, "strata.service")
-    trainer = _acquire_in_background(daemon, "--profile", "bare", "--holder", "trainer", "--for", "2m")
+    trainer = acquire_in_background(daemon, "--profile", "bare", "--holder", "trainer", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "the bare request to queue")
     assert daemon.ctl("release", "--holder", "chat").returncode == 0
     _, err = trainer.communicate(timeout=90)
@@ -189,8 +189,8 @@ def test_sigkill_while_waking_then_restart_parks_the_engine_again(gpuswapd: Star
     cycle(daemon)
     daemon.stop()  # with "keep", the parked engine stays for the next start
     daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": "WAKING=60"})
-    client = _acquire_in_background(daemon, "--for", "2m")
-    _wait_persisted(daemon, "WAKING")
+    client = acquire_in_background(daemon, "--for", "2m")
+    wait_persisted(daemon, "WAKING")
     daemon.kill()
     assert client.wait(10) != 0
     daemon.start(env={"GPUSWAPD_FAILPOINT_DELAY": ""})

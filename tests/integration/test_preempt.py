@@ -6,10 +6,17 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from tests.integration.test_faults import _acquire_in_background
-from tests.integration.test_profiles import assert_switched_cleanly, inactive_since, wait_for, with_profiles
-from tests.integration.test_systemd_leases import _as_nobody, _consumer, _wait_state
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import (
+    acquire_in_background,
+    as_nobody,
+    assert_resident_back,
+    assert_switched_cleanly,
+    consumer,
+    inactive_since,
+    wait_for,
+    wait_state,
+    with_profiles,
+)
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
 from tests.stack.world import Stack
@@ -25,20 +32,20 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
     up_since = probe.entered_active_us("strata.service")
     stopped = world.paths.control / "consumer.stopped"
     stopped.unlink(missing_ok=True)
-    _consumer(world, daemon, "consumer.service", "/bin/sleep 300", ExecStopPost=f"/bin/touch {stopped}")
+    consumer(world, daemon, "consumer.service", "/bin/sleep 300", ExecStopPost=f"/bin/touch {stopped}")
     world.manager("StartUnit", "ss", "consumer.service", "replace")
-    _wait_state(probe, "consumer.service", {"active"})
+    wait_state(probe, "consumer.service", {"active"})
     runner = subprocess.Popen([str(BIN / "gpuswapctl"), "run", "--for", "2m", "--holder", "runner", "--",
                                "sleep", "300"], env=daemon.env, text=True, stderr=subprocess.PIPE)
     wait_for(lambda: len((daemon.status()["window"] or {}).get("leases", [])) == 2, "the run's lease")
     down_since = inactive_since(probe, "strata.service")
     # A request of equal priority for another profile waits its turn: no preemption.
-    equal = _acquire_in_background(daemon, "--profile", "eval", "--holder", "equal", "--for", "2m")
+    equal = acquire_in_background(daemon, "--profile", "eval", "--holder", "equal", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "the equal request to queue")
     time.sleep(0.5)
     assert daemon.status()["window"]["preempted"] is None
 
-    urgent = _acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent",
+    urgent = acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent",
                                     "--for", "2m")
     # The notice: run's command gets SIGTERM at once, and run says why.
     _, err = runner.communicate(timeout=30)
@@ -53,7 +60,7 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
     status = daemon.status()
     assert status["window"]["kind"] == "bare" and status["window"]["switched_from"]
     # The unit-bound holder was stopped through systemd after the grace; its ExecStopPost= ran.
-    _wait_state(probe, "consumer.service", {"inactive", "failed"})
+    wait_state(probe, "consumer.service", {"inactive", "failed"})
     wait_for(stopped.exists, "the consumer's ExecStopPost=")
     last = daemon.ctl_json("history", "--limit", "1")["windows"][-1]
     assert last["preempted"]["revoked_at"] >= last["preempted"]["deadline"] - 0.01
@@ -77,10 +84,10 @@ def test_an_urgent_bare_request_preempts_after_notice_and_grace(gpuswapd: Start,
 def test_aging_orders_the_queue_but_never_preempts(gpuswapd: Start, probe: Probe) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon={"aging": "500ms", "preempt_grace": "1s"})
     assert daemon.ctl("acquire", "--holder", "chat", "--priority", "1", "--for", "2m").returncode == 0
-    old = _acquire_in_background(daemon, "--profile", "eval", "--holder", "old", "--for", "2m")
+    old = acquire_in_background(daemon, "--profile", "eval", "--holder", "old", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "the old request to queue")
     time.sleep(1.1)  # two levels gained: effective 2
-    new = _acquire_in_background(daemon, "--profile", "bare", "--priority", "1", "--holder", "new", "--for", "2m")
+    new = acquire_in_background(daemon, "--profile", "bare", "--priority", "1", "--holder", "new", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 2, "the new request to queue")
     queue = daemon.status()["queue"]
     assert [(q["holder"], q["priority"]) for q in queue] == [("old", 0), ("new", 1)]
@@ -97,7 +104,7 @@ def test_aging_orders_the_queue_but_never_preempts(gpuswapd: Start, probe: Probe
 
 def test_a_priority_above_the_non_root_limit_is_refused(gpuswapd: Start, probe: Probe, world: Stack) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon={"socket_group": "users"})
-    refused = _as_nobody(daemon, world, "acquire", "--priority", "1", "--for", "1m", groups="100")
+    refused = as_nobody(daemon, world, "acquire", "--priority", "1", "--for", "1m", groups="100")
     assert refused.returncode == 4, refused.stderr
     assert "priority_max_nonroot = 0" in refused.stderr
     assert daemon.ctl("acquire", "--priority", "many").returncode == 2
@@ -107,7 +114,7 @@ def test_a_priority_above_the_non_root_limit_is_refused(gpuswapd: Start, probe: 
 def test_sigkill_during_the_grace_abandons_the_preemption(gpuswapd: Start, probe: Probe) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon={"preempt_grace": "30s"})
     assert daemon.ctl("acquire", "--holder", "chat", "--for", "2m").returncode == 0
-    urgent = _acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent")
+    urgent = acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent")
     wait_for(lambda: (daemon.status()["window"] or {}).get("preempted") is not None, "the notice")
     daemon.kill()
     urgent.communicate(timeout=30)

@@ -7,12 +7,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from tests.conftest import TEST_BOOT_DELAY
-from tests.integration.test_faults import _acquire_in_background, _wait_persisted
-from tests.integration.test_window import assert_resident_back
-from tests.stack.config import profile_sections
+from tests.integration.conftest import (
+    acquire_in_background,
+    assert_resident_back,
+    assert_switched_cleanly,
+    inactive_since,
+    wait_for,
+    wait_persisted,
+    with_profiles,
+)
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
 
@@ -20,28 +24,10 @@ Start = Callable[..., RunningDaemon]
 GPU_HOLD = Path(__file__).resolve().parents[1] / "stack" / "standins" / "gpu_hold.py"
 
 
-def with_profiles(gpuswapd: Start, probe: Probe, **sections: dict[str, Any]) -> RunningDaemon:
-    daemon_keys = sections.pop("daemon", {})
-    profiles = profile_sections(probe.stack)
-    profiles["profiles__eval__container"]["env"]["ENGINE_BOOT_DELAY"] = TEST_BOOT_DELAY
-    return gpuswapd(**profiles, daemon={"linger": "1s", **daemon_keys}, **sections)
-
-
 def hold_vram(probe: Probe, name: str, size: str, *command: str) -> list[str]:
     """A command line that claims ``size`` in the simulated GPU, then runs ``command`` holding it."""
     return [sys.executable, str(GPU_HOLD), "--dir", str(probe.stack.paths.gpu), "--name", name, "--bytes", size,
             "--", *command]
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def inactive_since(probe: Probe, unit: str) -> int:
-    return int(probe.prop(unit, "InactiveEnterTimestampMonotonic"))
 
 
 def test_run_on_a_bare_window_gets_the_cleared_card(gpuswapd: Start, probe: Probe, tmp_path: Path) -> None:
@@ -79,12 +65,6 @@ def test_a_bare_holder_that_keeps_its_memory_holds_the_resident_back(gpuswapd: S
     assert_resident_back(probe)
 
 
-def assert_switched_cleanly(daemon: RunningDaemon, probe: Probe) -> None:
-    """No window failed (no wont_fit, no rollback) and nothing ran out of memory on the card."""
-    assert [(e.get("code"), e.get("error")) for e in daemon.logged("window_failed")] == []
-    assert probe.stack.ooms() == []
-
-
 def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: Probe, honest_lag: float) -> None:
     # With the card's real lag: each engine's memory is still listed under its pids (docker top's)
     # for 1.5 s after it stopped, and the next window waits for it instead of calling it a stranger's.
@@ -92,10 +72,10 @@ def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: 
     up_since = probe.entered_active_us("strata.service")
     assert daemon.ctl("acquire", "--holder", "chat-1", "--for", "2m").returncode == 0
     down_since = inactive_since(probe, "strata.service")
-    evaluation = _acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
+    evaluation = acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "eval to queue")
     time.sleep(1.2)  # past fair_after: joins to the open profile now queue behind eval
-    chat2 = _acquire_in_background(daemon, "--holder", "chat-2", "--for", "2m")
+    chat2 = acquire_in_background(daemon, "--holder", "chat-2", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 2, "chat-2 to queue")
     queue = daemon.status()["queue"]
     assert [(q["holder"], q["profile"], q["position"]) for q in queue] == [("eval", "eval", 1),
@@ -137,7 +117,7 @@ def test_profiles_switch_directly_and_the_queue_is_fair(gpuswapd: Start, probe: 
 def test_sigkill_with_a_queue_and_during_a_switch_loses_nothing(gpuswapd: Start, probe: Probe) -> None:
     daemon = with_profiles(gpuswapd, probe)
     assert daemon.ctl("acquire", "--holder", "chat", "--for", "2m").returncode == 0
-    queued = _acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
+    queued = acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "eval to queue")
     daemon.kill()
     _, err = queued.communicate(timeout=30)
@@ -147,10 +127,10 @@ def test_sigkill_with_a_queue_and_during_a_switch_loses_nothing(gpuswapd: Start,
     assert status["queue"] == [] and status["window"]["leases"][0]["holder"] == "chat"
 
     # Now a switch, killed while the next engine boots: the restart restores like any window.
-    switching = _acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
+    switching = acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "eval to queue")
     assert daemon.ctl("release", "--holder", "chat").returncode == 0
-    _wait_persisted(daemon, "BOOTING")
+    wait_persisted(daemon, "BOOTING")
     daemon.kill()
     switching.communicate(timeout=30)
     assert switching.returncode == 3

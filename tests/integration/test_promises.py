@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,9 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import TEST_BOOT_DELAY
-from tests.integration.test_faults import _acquire_in_background, _assert_restored_and_verified
-from tests.integration.test_profiles import wait_for, with_profiles
-from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.integration.conftest import (
+    acquire_in_background,
+    assert_resident_back,
+    assert_restored_and_verified,
+    assert_window_open,
+    free_port,
+    wait_for,
+    with_profiles,
+)
 from tests.stack.config import profile_sections
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
@@ -72,7 +77,7 @@ def test_sigterm_whose_bound_runs_out_exits_non_zero_and_leaves_the_window_for_t
     assert probe.states(list(AGENT_TIMERS)) == dict.fromkeys(AGENT_TIMERS, "inactive")
     world.remove_dropins("strata.service")
     daemon.start(env={"GPUSWAPD_FAILPOINT_SHUTDOWN_BOUND": ""})
-    status = _assert_restored_and_verified(daemon, probe)  # the next start finishes the restore
+    status = assert_restored_and_verified(daemon, probe)  # the next start finishes the restore
     assert status["last"]["outcome"] == "recovered"
 
 
@@ -81,7 +86,7 @@ def test_a_preemptor_that_hangs_up_during_the_grace_lets_the_window_take_joins_a
     daemon = with_profiles(gpuswapd, probe, daemon={"preempt_grace": "30s"})
     assert daemon.ctl("acquire", "--holder", "chat", "--for", "2m").returncode == 0
     window = daemon.status()["window"]["id"]
-    urgent = _acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent")
+    urgent = acquire_in_background(daemon, "--profile", "bare", "--priority", "10", "--holder", "urgent")
     wait_for(lambda: (daemon.status()["window"] or {}).get("preempted") is not None, "the notice")
     early = daemon.ctl("acquire", "--no-wait", "--holder", "early", "--for", "1m")
     assert early.returncode == 5, early.stderr  # a window being preempted takes no joins
@@ -172,7 +177,7 @@ def test_two_sigkills_just_after_an_adoption_bring_the_resident_and_timers_back(
     daemon = with_profiles(gpuswapd, probe)
     assert daemon.ctl("acquire", "--holder", "chat", "--for", "5m").returncode == 0
     window = daemon.status()["window"]["id"]
-    queued = _acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
+    queued = acquire_in_background(daemon, "--profile", "eval", "--holder", "eval", "--for", "2m")
     wait_for(lambda: len(daemon.status()["queue"]) == 1, "eval to queue")
     daemon.kill()
     assert queued.wait(30) == 3
@@ -189,14 +194,8 @@ def test_two_sigkills_just_after_an_adoption_bring_the_resident_and_timers_back(
     assert daemon.logged("orphan_engine_removed") == []
     assert_window_open(probe)
     assert daemon.ctl("release", "--holder", "chat").returncode == 0
-    status = _assert_restored_and_verified(daemon, probe)  # the resident and all seven timers are back
+    status = assert_restored_and_verified(daemon, probe)  # the resident and all seven timers are back
     assert status["last"]["id"] == window and status["last"]["outcome"] == "closed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _metric(port: int, name: str, **labels: str) -> float:
@@ -222,7 +221,7 @@ def _held_down(daemon: RunningDaemon) -> dict[str, Any]:
 
 def test_a_resident_that_dies_while_idle_is_brought_back_within_reconcile(
         gpuswapd: Start, probe: Probe, world: Stack) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = gpuswapd(daemon={"reconcile": "1s"}, metrics={"listen": f"127.0.0.1:{port}"})
     since = probe.entered_active_us("strata.service")
     strata = next(h["pid"] for h in world.ledger()["holders"] if h["name"] == "strata" and h["dead_at"] is None)

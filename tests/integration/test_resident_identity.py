@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_metrics import free_port, scrape, value
-from tests.integration.test_park import SLEEPY, engine_holds
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import SLEEPY, assert_resident_back, engine_holds, free_port, scrape, value
 from tests.stack import llama, units
 from tests.stack.config import ENGINE_ENV
 from tests.stack.daemon import RunningDaemon

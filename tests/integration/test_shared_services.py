@@ -16,10 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.integration.test_bounded import _ctl_as
-from tests.integration.test_profiles import wait_for, with_profiles
-from tests.integration.test_systemd_leases import _wait_state
-from tests.integration.test_window import assert_resident_back
+from tests.integration.conftest import assert_resident_back, ctl_as, wait_for, wait_state, with_profiles
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
 from tests.stack.users import GROUP, MEMBERS, User
@@ -95,13 +92,13 @@ def test_jobs_of_several_users_in_one_service_hold_leases_of_their_own_and_preem
                                        f"ExecStartPre={BIN}/gpuswapctl acquire --for 5m --priority -5\n"
                                        "ExecStart=/bin/sleep 600\n")
     world.manager("StartUnit", "ss", "cron.service", "replace")
-    _wait_state(probe, "cron.service", {"active"})
+    wait_state(probe, "cron.service", {"active"})
     units = {x["holder"]: x["unit"] for x in daemon.status()["window"]["leases"]}
     assert units["cron.service"] == "cron.service", units
 
     # Bob asks for the card at priority 0: every lease (at -5) is preempted after the grace.
     done: dict[str, Any] = {}
-    bob = threading.Thread(target=lambda: done.update(reply=_ctl_as(
+    bob = threading.Thread(target=lambda: done.update(reply=ctl_as(
         users[BOB], daemon, "acquire", "--profile", "bare", "--for", "1m", "--json")))
     bob.start()
     bob.join(timeout=120)

@@ -10,8 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration.test_profiles import with_profiles
-from tests.integration.test_window import assert_resident_back, resident_busy
+from tests.integration.conftest import assert_resident_back, resident_busy, with_profiles
 from tests.stack import llama
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe

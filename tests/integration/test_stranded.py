@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_window import assert_resident_back, assert_window_open, metric
+from tests.integration.conftest import assert_resident_back, assert_window_open, metric
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
 from tests.stack.world import Stack

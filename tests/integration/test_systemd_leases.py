@@ -5,54 +5,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 
-from tests.integration.test_window import assert_resident_back, assert_window_open
+from tests.integration.conftest import DROPIN, as_nobody, assert_resident_back, assert_window_open, consumer, wait_state
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
-from tests.stack.world import REPO, Stack
+from tests.stack.world import Stack
 
 Start = Callable[..., RunningDaemon]
-DROPIN = (REPO / "units" / "examples" / "gpuswap-lease.conf").read_text()
-
-
-def _wait_state(probe: Probe, unit: str, states: set[str], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while (state := probe.active_state(unit)) not in states:
-        assert time.monotonic() < deadline, f"{unit} stayed {state}, wanted {states}"
-        time.sleep(0.1)
-    return state
-
-
-def _consumer(
-    world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN, **service: str
-) -> None:
-    """Install a consumer service with the shipped drop-in, pointed at this checkout's gpuswapctl."""
-    body = (
-        f"[Unit]\nDescription=a consumer of the GPU window\nDefaultDependencies=no\n\n[Service]\n"
-        f"Environment=GPUSWAPD_SOCKET={daemon.socket}\nExecStart={exec_start}\n"
-        + "".join(f"{k}={v}\n" for k, v in service.items())
-    )
-    world.install_unit(
-        name, body, {"gpuswap-lease.conf": dropin.replace("/usr/bin/gpuswapctl", str(BIN / "gpuswapctl"))}
-    )
-
-
 def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
     gpuswapd: Start, probe: Probe, world: Stack
 ) -> None:
     daemon = gpuswapd()
     seen = world.paths.control / "consumer.status"
-    _consumer(
+    consumer(
         world, daemon, "consumer.service", f"/bin/sh -c '{BIN}/gpuswapctl status --json > {seen}; exec sleep 300'"
     )
     world.manager("StartUnit", "ss", "consumer.service", "replace")
-    _wait_state(probe, "consumer.service", {"active"})
+    wait_state(probe, "consumer.service", {"active"})
     deadline = time.monotonic() + 10
     while not seen.exists() or not seen.read_text():
         assert time.monotonic() < deadline
@@ -71,11 +45,11 @@ def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
 def test_a_failed_consumer_without_exec_stop_post_loses_its_lease(gpuswapd: Start, probe: Probe, world: Stack) -> None:
     daemon = gpuswapd(daemon={"linger": "2s"})
     dropin = "\n".join(line for line in DROPIN.splitlines() if not line.startswith("ExecStopPost="))
-    _consumer(world, daemon, "consumer-crash.service", "/bin/sh -c 'sleep 1; exit 1'", dropin)
+    consumer(world, daemon, "consumer-crash.service", "/bin/sh -c 'sleep 1; exit 1'", dropin)
     world.manager("StartUnit", "ss", "consumer-crash.service", "replace")
-    _wait_state(probe, "consumer-crash.service", {"active"})
+    wait_state(probe, "consumer-crash.service", {"active"})
     assert daemon.status()["window"]["leases"][0]["unit"] == "consumer-crash.service"
-    _wait_state(probe, "consumer-crash.service", {"failed"})
+    wait_state(probe, "consumer-crash.service", {"failed"})
     failed_at = time.monotonic()
     while daemon.status()["window"]["leases"]:
         assert time.monotonic() - failed_at < 3, "the failed unit's lease outlived it"
@@ -132,43 +106,16 @@ def test_run_without_the_gpu_does_not_run_the_command(gpuswapd: Start, world: St
     assert not marker.exists()
 
 
-def _as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
-    """Run gpuswapctl as user nobody (optionally in supplementary groups), from a copy it can read."""
-    pkg = world.paths.root / "pkg"
-    # A fresh copy each time: one left by an earlier run of the world may be another version's.
-    shutil.rmtree(pkg, ignore_errors=True)
-    shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
-    group_args = [f"--groups={groups}"] if groups else ["--clear-groups"]
-    return subprocess.run(
-        [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            *group_args,
-            "/usr/bin/python3",
-            "-m",
-            "gpuswapd.ctl.main",
-            "--socket",
-            str(daemon.socket),
-            *args,
-        ],
-        env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_only_root_and_the_socket_group_may_acquire(gpuswapd: Start, world: Stack) -> None:
     daemon = gpuswapd(daemon={"socket_group": "users", "linger": "1s"})
     # status_public: anyone may connect (and read status); the daemon itself refuses the rest.
     assert oct(daemon.socket.stat().st_mode & 0o777) == "0o666"
-    refused = _as_nobody(daemon, world, "acquire", "--for", "1m")
+    refused = as_nobody(daemon, world, "acquire", "--for", "1m")
     assert refused.returncode == 4
     assert "user nobody (uid 65534) may not acquire" in refused.stderr and "users" in refused.stderr
     assert daemon.status()["phase"] == "IDLE"
-    assert _as_nobody(daemon, world, "status").returncode == 0  # read-only status is public
-    member = _as_nobody(daemon, world, "acquire", "--for", "1m", groups="100")
+    assert as_nobody(daemon, world, "status").returncode == 0  # read-only status is public
+    member = as_nobody(daemon, world, "acquire", "--for", "1m", groups="100")
     assert member.returncode == 0, member.stderr
     assert daemon.status()["window"]["leases"][0]["holder"].startswith("nobody[")
     assert daemon.ctl("release", "--holder", daemon.status()["window"]["leases"][0]["holder"]).returncode == 0
@@ -193,7 +140,7 @@ def test_socket_activation_serves_on_the_socket_systemd_hands_over(gpuswapd: Sta
         f"StandardOutput=append:{home}/gpuswapd.log\nStandardError=inherit\n",
     )
     world.manager("StartUnit", "ss", "gpuswapd-test.socket", "replace")
-    _wait_state(probe, "gpuswapd-test.socket", {"active"})
+    wait_state(probe, "gpuswapd-test.socket", {"active"})
     assert probe.active_state("gpuswapd-test.service") == "inactive"
     daemon = RunningDaemon(world, config, sock)
     out = daemon.ctl("status", "--json")
@@ -211,7 +158,7 @@ def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
             "env": {"PORT": "18020", "GPUSIM_DIR": "/gpu", "ENGINE_VRAM": "19.5GiB", "ENGINE_BOOT_DELAY": "8"}
         }
     )
-    _consumer(
+    consumer(
         world,
         daemon,
         "consumer-slow.service",
@@ -219,7 +166,7 @@ def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
         DROPIN.replace("TimeoutStartSec=20min", "TimeoutStartSec=3s"),
     )
     world.manager("StartUnit", "ss", "consumer-slow.service", "replace")
-    assert _wait_state(probe, "consumer-slow.service", {"failed"}, timeout=30) == "failed"
+    assert wait_state(probe, "consumer-slow.service", {"failed"}, timeout=30) == "failed"
     assert probe.prop("consumer-slow.service", "Result", "org.freedesktop.systemd1.Service") == "timeout"
     status = daemon.wait_phase("IDLE", timeout=90)
     assert status["last"]["outcome"] == "rolled_back"

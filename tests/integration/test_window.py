@@ -2,50 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.conftest import TEST_BOOT_DELAY
+from tests.integration.conftest import assert_resident_back, assert_window_open, engine_state, metric, resident_busy
 from tests.stack import llama
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
-from tests.stack.world import ENGINE_PORT, OTHER_TIMER, PROXY_PORT, RESIDENT_PORT, Stack
+from tests.stack.world import Stack
 
 Start = Callable[..., RunningDaemon]
-
-
-def engine_state() -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{ENGINE_PORT}/sim/state", timeout=5) as resp:
-        state: dict[str, Any] = json.loads(resp.read())
-    return state
-
-
-def metric(name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{RESIDENT_PORT}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
-def assert_window_open(probe: Probe) -> None:
-    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
-    assert probe.states(list(AGENT_TIMERS)) == dict.fromkeys(AGENT_TIMERS, "inactive")
-    assert probe.active_state(OTHER_TIMER) == "active"
-    assert [(c["Names"], c["State"]) for c in probe.containers()] == [("hyperqwen", "running")]
-    assert probe.stack.ooms() == []
-
-
-def assert_resident_back(probe: Probe) -> None:
-    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "active")
-    assert probe.states([*AGENT_TIMERS, OTHER_TIMER]) == dict.fromkeys([*AGENT_TIMERS, OTHER_TIMER], "active")
-    assert probe.containers() == []
-    assert probe.stack.ooms() == []
 
 
 def test_acquire_opens_the_window_only_after_a_real_completion(gpuswapd: Start, probe: Probe) -> None:
@@ -111,32 +81,6 @@ def test_a_lease_that_expires_closes_the_window_after_linger(gpuswapd: Start, pr
     closing = next(t for t in daemon.status()["last"]["timings"] if t["phase"] == "CLOSING")
     assert closing["started_at"] >= expires + 2.0 - 0.05
     assert_resident_back(probe)
-
-
-def _hold_a_request(stop: threading.Event) -> None:
-    body = json.dumps({"model": "strata", "messages": [{"role": "user", "content": "write a long story"}],
-                       "max_tokens": 2000, "stream": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{PROXY_PORT}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        while not stop.is_set() and resp.readline():
-            pass
-
-
-@contextlib.contextmanager
-def resident_busy() -> Iterator[None]:
-    """Keep the resident serving a long streamed request (the slow model's) while inside."""
-    stop = threading.Event()
-    holder = threading.Thread(target=_hold_a_request, args=(stop,), daemon=True)
-    holder.start()
-    try:
-        deadline = time.monotonic() + 20
-        while metric("llamacpp:requests_processing") < 1:
-            assert time.monotonic() < deadline, "the request never reached the resident"
-            time.sleep(0.05)
-        yield
-    finally:
-        stop.set()
 
 
 def test_busy_resident_fails_the_acquire_and_changes_nothing(gpuswapd: Start, probe: Probe, world: Stack) -> None:

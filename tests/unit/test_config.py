@@ -7,25 +7,9 @@ import pytest
 
 from gpuswapd.config import Config, load_config, parse_config
 from gpuswapd.errors import ConfigError
+from tests.unit.conftest import MINIMAL
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "units" / "gpuswapd.toml"
-
-MINIMAL = """
-[resident]
-units = ["strata.service"]
-[resident.verify]
-url = "http://127.0.0.1:8080/v1/chat/completions"
-model = "strata"
-[window]
-health_url = "http://127.0.0.1:18020/health"
-[window.container]
-name = "hyperqwen"
-image = "hyperqwen:latest"
-[window.verify]
-url = "http://127.0.0.1:18020/v1/chat/completions"
-model = "hyperqwen"
-"""
-
 
 def _keys(table: dict, prefix: str = "") -> set[str]:
     out = set()

@@ -16,7 +16,7 @@ from gpuswapd import instances
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET, BadInstance, socket_path
 from gpuswapd.errors import ConfigError
-from tests.unit.test_config import MINIMAL
+from tests.unit.conftest import MINIMAL
 
 
 @pytest.fixture

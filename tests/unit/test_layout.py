@@ -143,3 +143,55 @@ def test_dict_any_outside_wire_modules_is_bounded() -> None:
         f"{len(found)} dict[str, Any] outside the wire modules (at most {DICT_ANY_BOUND}): a value that "
         "crosses modules is a dataclass with to_dict/from_dict, a document only sent is a protocol.JsonObject:\n"
         + "\n".join(found))
+
+
+TESTS = REPO / "tests"
+
+
+def _is_test_module(dotted: str) -> bool:
+    return dotted.rsplit(".", 1)[-1].startswith("test_")
+
+
+def imports_of_test_modules(sources: dict[str, str]) -> list[str]:
+    """List where a module imports a test module (path:line -> module), relative imports included.
+
+    ``sources``: each module's text by its path under the repository ("tests/unit/test_x.py").
+    """
+    found: list[str] = []
+    for where, text in sources.items():
+        package = where.removesuffix(".py").split("/")[:-1]
+        for node in ast.walk(ast.parse(text, where)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from .x import y, from . import test_y
+                    base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found.extend(f"{where}:{node.lineno} -> {name}" for name in names if _is_test_module(name))
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    # What tests share lives in a conftest.py (or a helper module such as tests/fakes.py), under a
+    # public name: a test module's helpers are its own to change, and a test function imported
+    # into another module is collected and run there a second time.
+    scratch = imports_of_test_modules({
+        "tests/integration/test_a.py": "from tests.integration.test_window import metric\n"
+                                       "import tests.unit.test_config\nfrom tests.integration.conftest import x\n",
+        "tests/unit/server/test_b.py": "from .test_server import serve\nfrom . import test_watch, conftest\n"
+                                       "from tests.unit import test_config as c\n",
+    })
+    assert scratch == [
+        "tests/integration/test_a.py:1 -> tests.integration.test_window",
+        "tests/integration/test_a.py:2 -> tests.unit.test_config",
+        "tests/unit/server/test_b.py:1 -> tests.unit.server.test_server",
+        "tests/unit/server/test_b.py:2 -> tests.unit.server.test_watch",
+        "tests/unit/server/test_b.py:3 -> tests.unit.test_config",
+    ], scratch
+    found = imports_of_test_modules({p.relative_to(REPO).as_posix(): p.read_text()
+                                     for p in sorted(TESTS.rglob("*.py"))})
+    assert found == [], ("a test module imports another test module; move what it shares to that folder's "
+                         "conftest.py (tests/integration/conftest.py, tests/unit/conftest.py):\n" + "\n".join(found))

@@ -20,7 +20,7 @@ from gpuswapd.errors import ConfigError
 from gpuswapd.parts.engineview import EngineView, Mount, from_config, from_container, under_image
 from gpuswapd.record import Finished
 from gpuswapd.window.queueing import Times, boot_took
-from tests.unit.test_config import MINIMAL
+from tests.unit.conftest import MINIMAL
 
 SEED = "dflash-tokens-above-7-at-20k"
 CACHE_VOLUME = '"/var/cache/hq" = "/cache"'

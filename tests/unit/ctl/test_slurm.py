@@ -27,7 +27,7 @@ from gpuswapd.record import _lease
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.peers import Peer
 from tests.fakes import FakeWorld, running, settle
-from tests.unit.server.test_server import _ask, _serve, run
+from tests.unit.conftest import ask, run, serve
 
 
 def test_infinity_is_a_lease_span_but_no_timeout() -> None:
@@ -39,7 +39,7 @@ def test_infinity_is_a_lease_span_but_no_timeout() -> None:
 
 
 def test_only_root_may_hold_a_lease_for_infinity_and_it_is_never_capped(tmp_path: Path) -> None:
-    server, _ = _serve(FakeWorld(), tmp_path)
+    server, _ = serve(FakeWorld(), tmp_path)
     assert server._cap(math.inf, Peer(1, 0, 0)) == (math.inf, False)
     with pytest.raises(PermissionDenied, match="only root may take a lease for infinity"):
         server._cap(math.inf, Peer(2, 1000, 1000))
@@ -48,12 +48,12 @@ def test_only_root_may_hold_a_lease_for_infinity_and_it_is_never_capped(tmp_path
 
 def test_a_lease_for_infinity_holds_the_window_until_released(tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
 
     async def main() -> None:
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            reply = await _ask(path, {"op": "acquire", "for": "infinity", "holder": "slurm-job-7"})
+            reply = await ask(path, {"op": "acquire", "for": "infinity", "holder": "slurm-job-7"})
             if os.getuid() != 0:  # makepkg's check() runs as a build user: refused, as any non-root is
                 assert reply["error"]["code"] == "permission_denied" and "only root" in reply["error"]["message"]
                 await server.close()
@@ -61,9 +61,9 @@ def test_a_lease_for_infinity_holds_the_window_until_released(tmp_path: Path) ->
             assert reply["ok"] and reply["capped"] is False
             assert (reply["lease"]["expires_at"], reply["lease"]["remaining_s"]) == (None, None)
             await asyncio.sleep(0.2)
-            status = await _ask(path, {"op": "status"})
+            status = await ask(path, {"op": "status"})
             assert [lease["holder"] for lease in status["window"]["leases"]] == ["slurm-job-7"]
-            assert (await _ask(path, {"op": "release", "holder": "slurm-job-7"}))["ok"]
+            assert (await ask(path, {"op": "release", "holder": "slurm-job-7"}))["ok"]
             await settle(w)
             await server.close()
 

@@ -11,7 +11,7 @@ import pytest
 from gpuswapd.config import parse_config
 from gpuswapd.errors import ConfigError
 from gpuswapd.events import KNOWN_EVENTS
-from tests.unit.test_config import MINIMAL
+from tests.unit.conftest import MINIMAL
 
 
 def _config(text: str) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import grp
 import json
 import os
 import socket
@@ -18,13 +16,11 @@ from typing import Any
 
 import structlog
 
-from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.peers import Peer
-from gpuswapd.server.server import Server
 from gpuswapd.server.watch import MAX_BUFFERED
-from gpuswapd.window.plan import Plan
 from tests.fakes import PROFILE_CONFIG, FakeWorld, running, settle
+from tests.unit.conftest import ask, connect, run, serve
 
 FLOOD = """
 import signal, socket, sys
@@ -37,52 +33,11 @@ while True:
 """
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def _connect(path: Path) -> socket.socket:
-    # A blocking connect waits while the listen backlog is full (a non-blocking one fails).
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # blocking, no timeout: see above
-    sock.connect(str(path))
-    sock.setblocking(False)
-    return sock
-
-
-async def _ask(path: Path, message: dict[str, Any]) -> dict[str, Any]:
-    reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
-    writer.write(json.dumps(message).encode() + b"\n")
-    try:
-        while True:
-            reply: dict[str, Any] = json.loads(await reader.readline())
-            if "event" not in reply:
-                return reply
-    finally:
-        writer.close()
-
-
-# Deadlines of the order of the daemon's defaults: under a flood, on a loaded machine (inside
-# makepkg's check() beside the test world, say), the fakes' 0.15 s would fail the window itself.
-FLOOD_DEADLINES = Deadlines(systemd=5, docker=5, gpu=5, state=5, http=5, workers=4)
-
-
-def _serve(world: FakeWorld, tmp_path: Path, max_clients: int = 512) -> tuple[Server, Path]:
-    path = tmp_path / "gpuswapd.sock"
-    # Whoever runs the tests (root, or makepkg's build user) is in the socket's group.
-    config = dataclasses.replace(world.config, daemon=dataclasses.replace(
-        world.config.daemon, max_clients=max_clients, max_clients_per_uid=max_clients,
-        socket_group=grp.getgrgid(os.getgid()).gr_name))
-    window = world.window(Outside(FLOOD_DEADLINES))
-    server = Server(config, window, world.store, world.systemd, window.outside,  # type: ignore[arg-type]
-                    planner=lambda profile: asyncio.sleep(0, Plan.from_dict({})))
-    return server, path
-
-
 def test_a_stream_of_connections_does_not_starve_the_clients_already_served(tmp_path: Path) -> None:
     # Without caps in the way: sock_accept does not yield while connections are pending, so
     # only the accept loop's own yield lets the admitted clients (and the window) run.
     world = FakeWorld()
-    server, path = _serve(world, tmp_path, max_clients=65536)
+    server, path = serve(world, tmp_path, max_clients=65536)
     stop = threading.Event()
     connected = 0
 
@@ -103,11 +58,11 @@ def test_a_stream_of_connections_does_not_starve_the_clients_already_served(tmp_
                 latencies = []
                 for _ in range(5):
                     started = time.monotonic()
-                    assert (await _ask(path, {"op": "status"}))["ok"]
+                    assert (await ask(path, {"op": "status"}))["ok"]
                     latencies.append(time.monotonic() - started)
-                lease = await _ask(path, {"op": "acquire", "for": 60, "holder": "under-flood"})
+                lease = await ask(path, {"op": "acquire", "for": 60, "holder": "under-flood"})
                 assert lease["ok"], lease
-                assert (await _ask(path, {"op": "release", "lease": lease["lease"]["id"]}))["ok"]
+                assert (await ask(path, {"op": "release", "lease": lease["lease"]["id"]}))["ok"]
                 await settle(w)
             finally:
                 stop.set()
@@ -120,12 +75,12 @@ def test_a_stream_of_connections_does_not_starve_the_clients_already_served(tmp_
 
 def test_a_client_that_hangs_up_after_its_lease_was_granted_holds_nothing(tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
 
     async def main() -> None:
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            keeper = await _ask(path, {"op": "acquire", "for": 60, "holder": "keeper"})
+            keeper = await ask(path, {"op": "acquire", "for": 60, "holder": "keeper"})
             for n in range(50):
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     s.connect(str(path))
@@ -135,7 +90,7 @@ def test_a_client_that_hangs_up_after_its_lease_was_granted_holds_nothing(tmp_pa
                 assert time.monotonic() < deadline, [x.holder for x in w.leases()]
                 await asyncio.sleep(0.01)
             assert server.admission.open <= 1
-            assert (await _ask(path, {"op": "release", "lease": keeper["lease"]["id"]}))["ok"]
+            assert (await ask(path, {"op": "release", "lease": keeper["lease"]["id"]}))["ok"]
             await settle(w)
             await server.close()
 
@@ -144,10 +99,10 @@ def test_a_client_that_hangs_up_after_its_lease_was_granted_holds_nothing(tmp_pa
 
 def test_a_lease_bound_to_its_connection_ends_with_it_and_a_held_one_does_not(tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
 
     async def held(message: dict[str, Any]) -> tuple[asyncio.StreamWriter, dict[str, Any]]:
-        reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
+        reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(connect, path))
         writer.write(json.dumps(message).encode() + b"\n")
         while "event" in (reply := json.loads(await reader.readline())):
             pass
@@ -156,12 +111,12 @@ def test_a_lease_bound_to_its_connection_ends_with_it_and_a_held_one_does_not(tm
     async def main() -> None:
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            refused = await _ask(path, {"op": "acquire", "for": 60, "holder": "x", "bind": "forever"})
+            refused = await ask(path, {"op": "acquire", "for": 60, "holder": "x", "bind": "forever"})
             assert not refused["ok"] and "'bind' must be \"connection\"" in refused["error"]["message"]
             bound_conn, bound = await held({"op": "acquire", "for": 60, "holder": "gateway", "bind": "connection"})
             kept_conn, kept = await held({"op": "acquire", "for": 60, "holder": "run", "hold": True})
             assert bound["lease"]["bind"] == "connection" and kept["lease"]["bind"] is None
-            status = await _ask(path, {"op": "status"})
+            status = await ask(path, {"op": "status"})
             assert status["resident_back"]["in_s"] >= 59.9  # the last lease's expiry, the linger, the close
             bound_conn.close()  # the gateway died: its lease ends at once
             kept_conn.close()
@@ -169,9 +124,9 @@ def test_a_lease_bound_to_its_connection_ends_with_it_and_a_held_one_does_not(tm
             while [x.holder for x in w.leases()] != ["run"]:
                 assert time.monotonic() < deadline, [x.holder for x in w.leases()]
                 await asyncio.sleep(0.01)
-            assert (await _ask(path, {"op": "release", "lease": kept["lease"]["id"]}))["ok"]
+            assert (await ask(path, {"op": "release", "lease": kept["lease"]["id"]}))["ok"]
             await settle(w)
-            assert (await _ask(path, {"op": "status"}))["resident_back"] is None  # it serves now
+            assert (await ask(path, {"op": "status"}))["resident_back"] is None  # it serves now
             await server.close()
 
     run(main())
@@ -182,7 +137,7 @@ def test_a_queued_client_that_never_reads_is_dropped_and_its_request_withdrawn(t
     # the client asks for the bare profile behind an open window, reads nothing, and every change
     # of the queue sends it a line. gpuswapd keeps at most MAX_BUFFERED of them, then cuts it.
     world = FakeWorld(config=PROFILE_CONFIG)
-    server, _ = _serve(world, tmp_path)
+    server, _ = serve(world, tmp_path)
 
     async def churn(w: Any, n: int) -> None:
         """Queue a request of another client and withdraw it: two lines for every queued client."""

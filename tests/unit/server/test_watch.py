@@ -16,7 +16,7 @@ from gpuswapd.server.admission import Admission
 from gpuswapd.server.listen import own_socket
 from gpuswapd.server.watch import Watchers
 from tests.fakes import FakeWorld, running
-from tests.unit.server.test_server import _connect, _serve
+from tests.unit.conftest import connect, serve
 
 
 def run(coro: Any) -> Any:
@@ -24,7 +24,7 @@ def run(coro: Any) -> Any:
 
 
 async def _watch(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
+    reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(connect, path))
     writer.write(b'{"op": "watch"}\n')
     assert json.loads(await reader.readline()) == {"event": "subscribed"}
     return reader, writer
@@ -32,7 +32,7 @@ async def _watch(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
 
 def test_a_watcher_that_reads_gets_every_event_and_one_that_does_not_is_dropped(tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
     bus = EventBus()
     server.watchers = Watchers(bus, max_buffered=64 * 1024)
 

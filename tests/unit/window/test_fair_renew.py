@@ -13,7 +13,7 @@ import time
 from gpuswapd import clock
 from gpuswapd.record import Preemption
 from tests.fakes import FakeUnit, running, settle
-from tests.unit.window.test_profiles import resident_back, run, until, world
+from tests.unit.conftest import resident_back, run, until, world
 
 
 def test_a_lease_that_keeps_renewing_cannot_starve_a_waiting_profile() -> None:

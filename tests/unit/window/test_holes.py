@@ -28,7 +28,7 @@ from gpuswapd.server.watch import Watchers
 from gpuswapd.sizes import SizeError, parse_size
 from gpuswapd.state.store import StateStore
 from tests.fakes import CONFIG, FakeWorld, running, settle
-from tests.unit.server.test_server import _ask, _connect, _serve
+from tests.unit.conftest import ask, connect, serve
 
 SECRET = "hf_s3cr3tT0k3nValue"
 HUGE = "9" * 400
@@ -63,7 +63,7 @@ def bus() -> Iterator[EventBus]:
 def test_a_lease_for_infinity_is_null_in_the_watch_stream_and_on_a_hooks_stdin(
         bus: EventBus, tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
     server.watchers = Watchers(bus)
     out = tmp_path / "hook"
     out.mkdir()
@@ -77,10 +77,10 @@ def test_a_lease_for_infinity_is_null_in_the_watch_stream_and_on_a_hooks_stdin(
         bus.attach(asyncio.get_running_loop())
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(_connect, path))
+            reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(connect, path))
             writer.write(b'{"op": "watch"}\n')
             assert strict(await reader.readline()) == {"event": "subscribed"}
-            reply = await _ask(path, {"op": "acquire", "for": "infinity", "holder": "slurm-job-7"})
+            reply = await ask(path, {"op": "acquire", "for": "infinity", "holder": "slurm-job-7"})
             assert reply["ok"], reply
             while True:
                 event = strict(await asyncio.wait_for(reader.readline(), 10))
@@ -167,16 +167,16 @@ def test_a_window_failing_on_its_env_file_shows_no_secret_in_status(tmp_path: Pa
     env.write_text(f"HF_TOKEN: {SECRET}\n")
     config = parse_config(CONFIG.replace('env_file = "/dev/null"', f'env_file = "{env}"'), "<secret>")
     world = FakeWorld(config=config)
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
 
     async def main() -> None:
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            reply = await _ask(path, {"op": "acquire", "for": 60, "holder": "job"})
+            reply = await ask(path, {"op": "acquire", "for": 60, "holder": "job"})
             assert not reply["ok"] and "line 1" in reply["error"]["message"], reply
             await settle(w)
-            status = await _ask(path, {"op": "status"})
-            history = await _ask(path, {"op": "history"})
+            status = await ask(path, {"op": "status"})
+            history = await ask(path, {"op": "history"})
             await server.close()
         text = json.dumps([reply, status, history])
         assert "HF_TOKEN" in text and SECRET not in text
@@ -247,12 +247,12 @@ def test_a_request_with_a_huge_number_is_a_clear_refusal(request_line: str) -> N
 
 def test_the_server_answers_a_huge_span_with_an_error_and_changes_nothing(tmp_path: Path) -> None:
     world = FakeWorld()
-    server, path = _serve(world, tmp_path)
+    server, path = serve(world, tmp_path)
 
     async def main() -> None:
         async with running(server.window) as w:
             await server.start(own_socket(str(path), "", 0o600))
-            reply = await _ask(path, {"op": "acquire", "for": int(HUGE), "holder": "x"})
+            reply = await ask(path, {"op": "acquire", "for": int(HUGE), "holder": "x"})
             assert reply["error"]["code"] == "bad_request" and "'for'" in reply["error"]["message"], reply
             assert w.phase.name == "IDLE"
             await server.close()

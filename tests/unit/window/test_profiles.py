@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-import time
 from typing import Any
 
 import pytest
@@ -15,31 +14,10 @@ from gpuswapd.errors import ConfigError, NotReady, QueueFull, UnknownProfile
 from gpuswapd.phases import Phase
 from gpuswapd.state.store import Document
 from gpuswapd.window.recovery import recover_at_start
-from tests.fakes import BASELINE, CONFIG, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
+from tests.fakes import CONFIG, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
+from tests.unit.conftest import resident_back, run, until, world
 
 HOLDER_PID = 7777  # a process of the bare window's holder, outside every unit
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def world(**daemon: str) -> FakeWorld:
-    keys = "".join(f'{k} = "{v}"\n' if isinstance(v, str) else f"{k} = {v}\n" for k, v in daemon.items())
-    text = CONFIG.replace("[daemon]\n", f"[daemon]\n{keys}", 1) + PROFILES
-    return FakeWorld(config=parse_config(text, "<profiles>") if daemon else PROFILE_CONFIG)
-
-
-def resident_back(w: FakeWorld) -> bool:
-    snap = w.snapshot()
-    return snap["units"] == BASELINE["units"] and snap["timers"] == BASELINE["timers"]
-
-
-async def until(check: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.002)
 
 
 # -- configuration -------------------------------------------------------------------------------
