@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 import typing
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -549,27 +550,67 @@ def _origin(url: str) -> str:
     return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
-def _build(cls: type[T], table: Any, path: str) -> T:
-    """Build a section dataclass from a TOML table, naming the key of any error."""
+class Problems:
+    """Every error found in one configuration, each naming its key: the check goes on past each one.
+
+    A key's parser raises a ConfigError ("KEY: why"); ``_build`` keeps it here and goes on with the
+    next key, so a new key is reported with all the others without doing anything for it.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.found: list[str] = []
+        self.absent: list[str] = []  # required keys the file leaves out
+
+    def __len__(self) -> int:
+        return len(self.found) + len(self.absent)
+
+    def add(self, key: str, why: str) -> None:
+        """Keep an error of ``key``."""
+        self.found.append(f"{key}: {why}")
+
+    def missing(self, key: str) -> None:
+        """Keep a required key that the file leaves out."""
+        self.absent.append(f"{key}: missing (this key has no default)")
+
+    @contextlib.contextmanager
+    def keep(self) -> Iterator[None]:
+        """Run a block whose ConfigError is kept: it ends that block only."""
+        try:
+            yield
+        except ConfigError as err:
+            self.found.append(err.message)
+
+    def raise_any(self) -> None:
+        """Raise one ConfigError naming every error kept, one a line, each after the file's name."""
+        if self.found or self.absent:
+            raise ConfigError("\n".join(f"{self.source}: {line}" for line in [*self.absent, *self.found]))
+
+
+def _build(cls: type[T], table: Any, path: str, problems: Problems) -> T | None:
+    """Build a section dataclass from a TOML table; keep the error of every key (None if there was one)."""
     if not isinstance(table, dict):
-        raise _fail(path or "config", f"expected a table, got {type(table).__name__}")
+        problems.add(path or "config", f"expected a table, got {type(table).__name__}")
+        return None
     fields = {f.name: f for f in dataclasses.fields(cls)  # type: ignore[arg-type]
               if f.name not in ("source", "profiles", "gateway_configured")}
+    before = len(problems)
     for key in table:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise _fail(_join(path, key), f"unknown key (known here: {known})")
+            problems.add(_join(path, key), f"unknown key (known here: {known})")
     values: dict[str, Any] = {}
     for name, f in fields.items():
         where = _join(path, name)
         if "parse" in f.metadata:
             if name in table:
-                values[name] = f.metadata["parse"](table[name], where)
+                with problems.keep():
+                    values[name] = f.metadata["parse"](table[name], where)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _fail(where, "missing (this key has no default)")
+                problems.missing(where)
         else:  # a sub-table
-            values[name] = _build(_section_type(cls, name), table.get(name, {}), where)
-    return cls(**values)
+            values[name] = _build(_section_type(cls, name), table.get(name, {}), where, problems)
+    return cls(**values) if len(problems) == before else None
 
 
 def _section_type(cls: type[Any], name: str) -> type[Any]:
@@ -582,115 +623,132 @@ def _join(path: str, key: str) -> str:
 
 
 def parse_config(text: str, source: str = "<string>") -> Config:
-    """Parse and validate configuration text."""
+    """Parse and validate configuration text; a ConfigError names every error found, one a line."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
     except ValueError as err:  # an integer of more digits than Python converts
         raise ConfigError(f"{source}: a value gpuswapd will not read: {err}") from None
-    try:
-        tables = data.pop("profiles", {})
-        config = _build(Config, data, "")
-        config = dataclasses.replace(config, profiles=_profiles(config, tables), gateway_configured="gateway" in data)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err.message}") from None
-    _check(config, source)
+    problems = Problems(source)
+    tables = data.pop("profiles", {})
+    config = _build(Config, data, "", problems)
+    profiles = _profiles(config.gpu.window_needs if config else 0, tables, problems)
+    # Each key first; how keys relate is checked only once every key has a value it may have.
+    problems.raise_any()
+    assert config is not None
+    config = dataclasses.replace(config, profiles=profiles, gateway_configured="gateway" in data)
+    _check(config, problems)
+    problems.raise_any()
     return dataclasses.replace(config, source=source)
 
 
-def _profiles(config: Config, tables: Any) -> dict[str, Profile]:
-    """Build ``[profiles.NAME]`` ("default" is ``[window]``, not among them)."""
+def _profiles(window_needs: int, tables: Any, problems: Problems) -> dict[str, Profile]:
+    """Build ``[profiles.NAME]`` ("default" is ``[window]``, not among them), keeping every error."""
     if not isinstance(tables, dict):
-        raise _fail("profiles", f"expected tables such as [profiles.bare], got {type(tables).__name__}")
+        problems.add("profiles", f"expected tables such as [profiles.bare], got {type(tables).__name__}")
+        return {}
     out: dict[str, Profile] = {}
     for name, table in tables.items():
-        path = f"profiles.{name}"
-        if name == DEFAULT_PROFILE:
-            raise _fail(path, "the name \"default\" is reserved for [window]")
-        if not _PROFILE_NAME.match(name):
-            raise _fail(path, "a profile name is lowercase letters, digits and '-', starting with a letter or digit")
-        if not isinstance(table, dict):
-            raise _fail(path, f"expected a table, got {type(table).__name__}")
-        rest = dict(table)
-        if "kind" not in rest:
-            raise _fail(f"{path}.kind", "missing: \"engine\" (a container, the same keys as [window]) or \"bare\"")
-        kind = ProfileKind(_choice(*(k.value for k in ProfileKind))(rest.pop("kind"), f"{path}.kind"))
-        needs = _size(rest.pop("needs"), f"{path}.needs") if "needs" in rest else config.gpu.window_needs
-        window = None
-        if kind == ProfileKind.ENGINE:
-            window = _build(WindowConfig, rest, path)
-        elif rest:
-            key = sorted(rest)[0]
-            raise _fail(f"{path}.{key}", "unknown key (a bare profile knows only: kind, needs)")
-        out[name] = Profile(name=name, kind=kind, needs=needs, window=window)
+        with problems.keep():
+            profile = _profile(name, table, window_needs, problems)
+            if profile is not None:
+                out[name] = profile
     return out
 
 
-def _check(config: Config, source: str) -> None:
-    """Check what no single key can: how keys relate."""
+def _profile(name: str, table: Any, window_needs: int, problems: Problems) -> Profile | None:
+    """Build one ``[profiles.NAME]``: a ConfigError for what ends it, ``problems`` for its keys."""
+    path = f"profiles.{name}"
+    if name == DEFAULT_PROFILE:
+        raise _fail(path, "the name \"default\" is reserved for [window]")
+    if not _PROFILE_NAME.match(name):
+        raise _fail(path, "a profile name is lowercase letters, digits and '-', starting with a letter or digit")
+    if not isinstance(table, dict):
+        raise _fail(path, f"expected a table, got {type(table).__name__}")
+    rest = dict(table)
+    if "kind" not in rest:
+        raise _fail(f"{path}.kind", "missing: \"engine\" (a container, the same keys as [window]) or \"bare\"")
+    kind = ProfileKind(_choice(*(k.value for k in ProfileKind))(rest.pop("kind"), f"{path}.kind"))
+    needs = window_needs
+    if "needs" in rest:
+        with problems.keep():
+            needs = _size(rest.pop("needs"), f"{path}.needs")
+    window = None
+    if kind == ProfileKind.ENGINE:
+        window = _build(WindowConfig, rest, path, problems)
+        if window is None:
+            return None
+    elif rest:
+        key = sorted(rest)[0]
+        raise _fail(f"{path}.{key}", "unknown key (a bare profile knows only: kind, needs)")
+    return Profile(name=name, kind=kind, needs=needs, window=window)
+
+
+def _check(config: Config, problems: Problems) -> None:
+    """Check what no single key can: how keys relate (every relation, each error kept)."""
     d, idle = config.daemon, config.resident.idle
     if d.default_lease > d.max_lease:
-        raise ConfigError(f"{source}: daemon.default_lease is longer than daemon.max_lease")
+        problems.add("daemon.default_lease", "is longer than daemon.max_lease")
     if idle.kind == "command" and not idle.command:
-        raise ConfigError(f"{source}: resident.idle.command: required when kind = \"command\"")
+        problems.add("resident.idle.command", "required when kind = \"command\"")
     if config.resident.server == "llama.cpp" and not config.resident.props_url:
-        raise ConfigError(f"{source}: resident.props_url: required when resident.server = \"llama.cpp\": the "
-                          "llama-server's own /props, not through a proxy (e.g. \"http://127.0.0.1:8081/props\"); "
-                          "or set resident.server = \"other\" to compare its models only")
+        problems.add("resident.props_url", "required when resident.server = \"llama.cpp\": the llama-server's "
+                     "own /props, not through a proxy (e.g. \"http://127.0.0.1:8081/props\"); or set "
+                     "resident.server = \"other\" to compare its models only")
     if not os.path.isabs(d.state_dir):
-        raise ConfigError(f"{source}: daemon.state_dir: must be an absolute path")
+        problems.add("daemon.state_dir", "must be an absolute path")
     if d.priority_min_nonroot > d.priority_max_nonroot:
-        raise ConfigError(f"{source}: daemon.priority_min_nonroot ({d.priority_min_nonroot}) is above "
-                          f"daemon.priority_max_nonroot ({d.priority_max_nonroot})")
+        problems.add("daemon.priority_min_nonroot", f"{d.priority_min_nonroot} is above "
+                     f"daemon.priority_max_nonroot ({d.priority_max_nonroot})")
     if d.max_clients_per_uid > d.max_clients:
-        raise ConfigError(f"{source}: daemon.max_clients_per_uid is larger than daemon.max_clients")
+        problems.add("daemon.max_clients_per_uid", "is larger than daemon.max_clients")
     containers: dict[str, str] = {}
     ports: dict[tuple[str, int | None], tuple[str, bool]] = {}
     for p in config.all_profiles():
         where = "window" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}"
         if p.kind == ProfileKind.BARE:
             if config.gpu.probe == "none":
-                raise ConfigError(f"{source}: {where}: a bare profile needs a GPU probe (gpu.probe): only a reading "
-                                  "of free VRAM proves the card is clear before the lease is granted")
+                problems.add(where, "a bare profile needs a GPU probe (gpu.probe): only a reading of free VRAM "
+                             "proves the card is clear before the lease is granted")
             continue
         name = p.engine.container.name
         if name in containers:
-            raise ConfigError(f"{source}: {where}.container.name: {name!r} is also the container of "
-                              f"{containers[name]}: each engine profile needs its own container")
-        containers[name] = where
+            problems.add(f"{where}.container.name", f"{name!r} is also the container of {containers[name]}: "
+                         "each engine profile needs its own container")
+        containers.setdefault(name, where)
         if p.engine.park.mode == "sleep" and config.gpu.probe == "none":
-            raise ConfigError(f"{source}: {where}.park.mode = \"sleep\" needs a GPU probe (gpu.probe): only a "
-                              "reading of free VRAM proves the resident fits beside a sleeping engine")
+            problems.add(f"{where}.park.mode", "\"sleep\" needs a GPU probe (gpu.probe): only a reading of free "
+                         "VRAM proves the resident fits beside a sleeping engine")
         # A parked engine keeps listening: another profile's engine could not take its port.
         url = urllib.parse.urlsplit(p.engine.health_url)
         port = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
         parks = p.engine.park.mode == "sleep"
         if port in ports and (parks or ports[port][1]):
             other, _ = ports[port]
-            raise ConfigError(f"{source}: {where}.health_url: port {port[1]} of {port[0]} is also {other}'s, and "
-                              "with park.mode = \"sleep\" a parked engine keeps it while the other boots: give each "
-                              "engine profile its own port")
+            problems.add(f"{where}.health_url", f"port {port[1]} of {port[0]} is also {other}'s, and with "
+                         "park.mode = \"sleep\" a parked engine keeps it while the other boots: give each engine "
+                         "profile its own port")
         ports.setdefault(port, (where, parks))
-    _check_metrics(config.metrics, source)
-    _check_hooks(config.hooks, source)
-    _check_serves(config, source)
-    _check_gateway_bypass(config, source)
+    _check_metrics(config.metrics, problems)
+    _check_hooks(config.hooks, problems)
+    _check_serves(config, problems)
+    _check_gateway_bypass(config, problems)
 
 
-def _check_serves(config: Config, source: str) -> None:
+def _check_serves(config: Config, problems: Problems) -> None:
     """Refuse a model name that two tenants serve: the gateway could not route it."""
     owner: dict[str, str] = {config.resident.verify.model: "the resident (resident.verify.model)"}
     for p in config.engine_profiles():
         where = "window.serves" if p.name == DEFAULT_PROFILE else f"profiles.{p.name}.serves"
         for name in p.engine.serves:
             if name in owner:
-                raise ConfigError(f"{source}: {where}: {name!r} is also served by {owner[name]}: a model name "
-                                  "opens one tenant only (rename it, or serve it from one place)")
-            owner[name] = f"{where} (profile {p.name!r})"
+                problems.add(where, f"{name!r} is also served by {owner[name]}: a model name opens one tenant "
+                             "only (rename it, or serve it from one place)")
+            owner.setdefault(name, f"{where} (profile {p.name!r})")
 
 
-def _check_gateway_bypass(config: Config, source: str) -> None:
+def _check_gateway_bypass(config: Config, problems: Problems) -> None:
     """Refuse resident probes that go through the gateway: RESTORING would wait on a window that waits on it."""
     if not config.gateway_configured:
         return
@@ -702,10 +760,9 @@ def _check_gateway_bypass(config: Config, source: str) -> None:
         checks.append(("resident.idle.url", config.resident.idle.url))
     for key, url in checks:
         if _host_port(url) == listen:
-            raise ConfigError(f"{source}: {key}: {url!r} is the gateway's own address (gateway.listen = "
-                              f"{config.gateway.listen!r}): the resident's probes must bypass the gateway; point "
-                              f"them at llama-swap or the resident directly (gateway.resident = "
-                              f"{config.gateway.resident!r})")
+            problems.add(key, f"{url!r} is the gateway's own address (gateway.listen = {config.gateway.listen!r}): "
+                         "the resident's probes must bypass the gateway; point them at llama-swap or the resident "
+                         f"directly (gateway.resident = {config.gateway.resident!r})")
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -719,30 +776,29 @@ def _host_port(url: str) -> tuple[str, int]:
     return ("127.0.0.1" if host in ("localhost", "") else host), int(port)
 
 
-def _check_metrics(metrics: MetricsConfig, source: str) -> None:
+def _check_metrics(metrics: MetricsConfig, problems: Problems) -> None:
     """Refuse a textfile gpuswapd could not write: its directory must exist and be writable."""
     if not metrics.textfile:
         return
     target = Path(metrics.textfile)
     if not target.name.endswith(".prom"):
-        raise ConfigError(f"{source}: metrics.textfile: node_exporter reads only files ending in .prom: "
-                          f"{metrics.textfile!r}")
-    if not target.parent.is_dir():
-        raise ConfigError(f"{source}: metrics.textfile: no directory {str(target.parent)!r} (create it, and let "
-                          "gpuswapd write there: ReadWritePaths= in a drop-in, see gpuswapd.toml(5))")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{source}: metrics.textfile: {str(target.parent)!r} is not writable by gpuswapd (read-only "
-                          "under ProtectSystem=strict without ReadWritePaths=, or owned by another user: gpuswapd "
-                          "runs as root without CAP_DAC_OVERRIDE)")
+        problems.add("metrics.textfile", f"node_exporter reads only files ending in .prom: {metrics.textfile!r}")
+    elif not target.parent.is_dir():
+        problems.add("metrics.textfile", f"no directory {str(target.parent)!r} (create it, and let gpuswapd write "
+                     "there: ReadWritePaths= in a drop-in, see gpuswapd.toml(5))")
+    elif not os.access(target.parent, os.W_OK | os.X_OK):
+        problems.add("metrics.textfile", f"{str(target.parent)!r} is not writable by gpuswapd (read-only under "
+                     "ProtectSystem=strict without ReadWritePaths=, or owned by another user: gpuswapd runs as root "
+                     "without CAP_DAC_OVERRIDE)")
 
 
-def _check_hooks(hooks: HooksConfig, source: str) -> None:
+def _check_hooks(hooks: HooksConfig, problems: Problems) -> None:
     """Refuse a hook command that is not an executable file."""
     if not hooks.command:
         return
     program = hooks.command[0]
     if not os.path.isfile(program) or not os.access(program, os.X_OK):
-        raise ConfigError(f"{source}: hooks.command[0]: {program!r} is not an executable file")
+        problems.add("hooks.command[0]", f"{program!r} is not an executable file")
 
 
 def warnings(config: Config) -> list[str]:

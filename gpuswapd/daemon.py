@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             config = instances.load_instance_config(path, instance)
         table = knownbad.load_table()
     except ConfigError as err:
-        print(f"gpuswapd: {err.message}", file=sys.stderr)
+        for line in err.message.splitlines():  # every error found, one a line
+            print(f"gpuswapd: {line}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
         checks = bootchecks.check_config(config, table)

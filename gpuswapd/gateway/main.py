@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as err:
-        print(f"gpuswapd-gateway: {err.message}", file=sys.stderr)
+        for line in err.message.splitlines():  # every error found, one a line
+            print(f"gpuswapd-gateway: {line}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
         print(f"{args.config}: ok")

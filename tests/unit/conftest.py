@@ -16,7 +16,10 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+import pytest
 
 from gpuswapd.config import parse_config
 from gpuswapd.logs import setup_logging
@@ -51,6 +54,15 @@ image = "hyperqwen:latest"
 url = "http://127.0.0.1:18020/v1/chat/completions"
 model = "hyperqwen"
 """
+
+
+@pytest.fixture
+def daemon(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """gpuswapd.daemon (it needs pydbus: the package's check() runs this layer without it)."""
+    module = pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
+    # main() would set up logging for a daemon: onto this test's captured stderr, for good.
+    monkeypatch.setattr(module, "setup_logging", lambda *args, **kwargs: None)
+    return module
 
 
 def run(coro: Any) -> Any:

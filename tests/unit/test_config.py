@@ -2,6 +2,7 @@ import dataclasses
 import tomllib
 import typing
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -86,6 +87,56 @@ def test_missing_image_names_it() -> None:
         parse_config(MINIMAL.replace('image = "hyperqwen:latest"', ""))
 
 
+def test_a_file_with_three_errors_names_all_three_each_by_its_key() -> None:
+    text = (MINIMAL.replace('image = "hyperqwen:latest"', "")  # missing
+            .replace("[window]\n", "[window]\nboot_timeout = 'ten minutes'\n")  # a bad value
+            + "[daemon]\nlingr = '1s'\n")  # a typo: an unknown key
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "three.toml")
+    lines = err.value.message.splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["window.container.image", "daemon.lingr",
+                                                       "window.boot_timeout"], lines
+    assert all(line.startswith("three.toml: ") for line in lines)
+
+
+def test_check_config_of_either_program_prints_every_error_a_line_and_exits_78(
+        tmp_path: Path, daemon: ModuleType, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuswapd.gateway import main as gateway
+
+    monkeypatch.setattr(gateway, "setup_logging", lambda *args, **kwargs: None)  # as the daemon fixture does
+    path = tmp_path / "three.toml"
+    path.write_text(MINIMAL.replace('model = "strata"', "model = 7") + "[gpu]\nwindow_needs = 'lots'\n"
+                    "[metrics]\nx = 1\n")
+    for program, main in (("gpuswapd", daemon.main), ("gpuswapd-gateway", gateway.main)):
+        assert main(["--config", str(path), "--check-config"]) == 78
+        lines = capsys.readouterr().err.splitlines()
+        assert [line.split(": ")[2] for line in lines] == ["gpu.window_needs", "resident.verify.model", "metrics.x"]
+        assert all(line.startswith(f"{program}: {path}: ") for line in lines), lines
+
+
+def test_every_relation_between_keys_is_named_once_every_key_is_valid() -> None:
+    relations = MINIMAL + "[daemon]\ndefault_lease = '5h'\npriority_min_nonroot = 5\nmax_clients_per_uid = 600\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(relations, "r.toml")
+    assert [line.split(": ")[1] for line in err.value.message.splitlines()] == [
+        "daemon.default_lease", "daemon.priority_min_nonroot", "daemon.max_clients_per_uid"]
+    # A key that is itself wrong is named alone: a relation with a value it may not have means nothing.
+    with pytest.raises(ConfigError) as err:
+        parse_config(relations.replace("max_clients_per_uid = 600", "max_clients_per_uid = 0"), "r.toml")
+    assert [line.split(": ")[1] for line in err.value.message.splitlines()] == ["daemon.max_clients_per_uid"]
+
+
+def test_every_profile_is_checked_and_each_error_named() -> None:
+    text = MINIMAL + "[gpu]\nprobe = 'none'\n[profiles.Bad]\nkind = 'bare'\n[profiles.x]\nkind = 'vm'\n" \
+        "[profiles.y]\nkind = 'engine'\nhealth_url = 'http://127.0.0.1:18021/health'\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "p.toml")
+    named = [line.split(": ")[1] for line in err.value.message.splitlines()]
+    assert named == ["profiles.y.container.name", "profiles.y.container.image", "profiles.y.verify.url",
+                     "profiles.y.verify.model", "profiles.Bad", "profiles.x.kind"], named
+
+
 def test_default_lease_longer_than_max() -> None:
     with pytest.raises(ConfigError, match="default_lease"):
         parse_config(MINIMAL + "\n[daemon]\ndefault_lease = '5h'\n")
@@ -100,7 +151,7 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
 
 def test_park_sleep_needs_a_gpu_probe() -> None:
     text = MINIMAL + '[gpu]\nprobe = "none"\n[window.park]\nmode = "sleep"\n'
-    with pytest.raises(ConfigError, match=r"window.park.mode = \"sleep\" needs a GPU probe"):
+    with pytest.raises(ConfigError, match=r"window.park.mode: \"sleep\" needs a GPU probe"):
         parse_config(text)
 
 

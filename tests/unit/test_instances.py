@@ -80,15 +80,6 @@ def test_an_instance_config_naming_another_socket_or_state_is_refused(dirs: Path
     assert f"daemon.{key}" in err.value.message and "instance 1" in err.value.message
 
 
-@pytest.fixture
-def daemon(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """gpuswapd.daemon (it needs pydbus: the package's check() runs this layer without it)."""
-    module = pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
-    # main() would set up logging for a daemon: onto this test's captured stderr, for good.
-    monkeypatch.setattr(module, "setup_logging", lambda *args, **kwargs: None)
-    return module
-
-
 def test_gpuswapd_refuses_bad_instances_and_foreign_paths_with_78(dirs: Path, daemon: ModuleType,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     good = _write(dirs)

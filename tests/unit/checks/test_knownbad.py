@@ -43,15 +43,6 @@ def checked(cfg: Config, table: Table | None = None) -> bootchecks.ProfileCheck:
     return found
 
 
-@pytest.fixture
-def daemon(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """gpuswapd.daemon (it needs pydbus: the package's check() runs this layer without it)."""
-    module = pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
-    # main() would set up logging for a daemon: onto this test's captured stderr, for good.
-    monkeypatch.setattr(module, "setup_logging", lambda *args, **kwargs: None)
-    return module
-
-
 class Lines:
     """A logger that keeps what it is told (structlog's own capture misses a logger cached earlier)."""
 
