@@ -819,6 +819,19 @@ def warnings(config: Config) -> list[str]:
     return out
 
 
+def gateway_problems(config: Config) -> list[str]:
+    """Say what leaves gpuswapd-gateway nothing to do: no ``[gateway]`` table, no model name any window serves."""
+    out = []
+    if not config.gateway_configured:
+        out.append("gateway: missing: gpuswapd-gateway is configured by the [gateway] table (listen, resident, "
+                   "...); add it, see gpuswapd.toml(5)")
+    if not any(p.engine.serves for p in config.engine_profiles()):
+        out.append("window.serves: no engine profile serves a model name (window.serves, profiles.NAME.serves): "
+                   "every request would go to the resident and no window would ever open; name the models each "
+                   "engine answers to")
+    return out
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate the configuration file at ``path``."""
     try:

@@ -20,6 +20,7 @@ from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.pagecache import Files, PageCache
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.checks import bootchecks, knownbad
+from gpuswapd.checks.machine import check_machine
 from gpuswapd.config import DEFAULT_PATH, DEFAULT_PROFILE, Config, load_config
 from gpuswapd.config import warnings as config_warnings
 from gpuswapd.errors import ConfigError, DockerUnavailable, GpuswapError
@@ -317,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     if args.check_config:
         checks = bootchecks.check_config(config, table)
+        machine = check_machine(config)
         found = config_warnings(config) + (instances.warnings(config, instance) if args.instance else [])
-        for warning in found + [w for c in checks for w in c.warnings()]:
+        for warning in found + [w for c in checks for w in c.warnings()] + machine.warnings:
             print(f"gpuswapd: warning: {warning}", file=sys.stderr)
-        refusals = [r for c in checks for r in c.refusals()]
+        refusals = [r for c in checks for r in c.refusals()] + machine.errors
         for refusal in refusals:
             print(f"gpuswapd: {refusal}", file=sys.stderr)
         if refusals:

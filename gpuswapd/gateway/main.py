@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from gpuswapd import __version__
-from gpuswapd.config import DEFAULT_PATH, Config, load_config
+from gpuswapd.config import DEFAULT_PATH, Config, gateway_problems, load_config
 from gpuswapd.errors import ConfigError
 from gpuswapd.gateway.app import Gateway
 from gpuswapd.gateway.demand import Demand
@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpuswapd-gateway: {line}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        problems = gateway_problems(config)
+        for problem in problems:
+            print(f"gpuswapd-gateway: {args.config}: {problem}", file=sys.stderr)
+        if problems:
+            return EX_CONFIG
         print(f"{args.config}: ok")
         return 0
     try:

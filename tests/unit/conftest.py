@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from gpuswapd.adapters.gpu import make_probe
+from gpuswapd.checks import machine
 from gpuswapd.config import parse_config
 from gpuswapd.logs import setup_logging
 from gpuswapd.outside import Deadlines, Outside
@@ -62,6 +64,9 @@ def daemon(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     module = pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
     # main() would set up logging for a daemon: onto this test's captured stderr, for good.
     monkeypatch.setattr(module, "setup_logging", lambda *args, **kwargs: None)
+    # --check-config reads the card: never this machine's through NVML (a test that wants a card
+    # gives gpu.probe = "nvidia-smi" a script of its own).
+    monkeypatch.setattr(machine, "make_probe", lambda gpu: None if gpu.probe == "nvml" else make_probe(gpu))
     return module
 
 

@@ -104,7 +104,8 @@ def test_check_config_of_an_instance_warns_about_every_gpu_and_another_index(
                                     'volumes = { "/var/cache/hyperqwen" = "/root/.cache" }')
                     + "\n[gpu]\nindex = 1\n")
     assert daemon.main(["--instance", "1", "--config", str(path), "--check-config"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    assert [line for line in capsys.readouterr().err.splitlines()
+            if "warning" in line and "the card's memory cannot be read" not in line] == []
 
 
 def test_the_daemon_labels_its_engines_with_its_instance(dirs: Path, daemon: ModuleType) -> None:
