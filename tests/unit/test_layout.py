@@ -59,7 +59,7 @@ def _parsed(node: ast.AST) -> ast.AST:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         try:
             return ast.parse(node.value, mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, ValueError):  # ValueError: a NUL in the string, on older Pythons (Debian 12's 3.11.2)
             return node
     return node
 
