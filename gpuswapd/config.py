@@ -587,6 +587,13 @@ class Problems:
             raise ConfigError("\n".join(f"{self.source}: {line}" for line in [*self.absent, *self.found]))
 
 
+# What a file that configures no resident is told (the shipped one, whose keys are all commented out).
+NOT_CONFIGURED = ("not configured: gpuswapd hands the GPU from a resident model to an engine and back, and needs "
+                  "both; set resident.units, resident.verify.url and resident.verify.model, and the engine's "
+                  "[window] (health_url, container.name, container.image, verify.url, verify.model): the shipped "
+                  "/etc/gpuswapd/gpuswapd.toml has a commented example, see gpuswapd.toml(5)")
+
+
 def _build(cls: type[T], table: Any, path: str, problems: Problems) -> T | None:
     """Build a section dataclass from a TOML table; keep the error of every key (None if there was one)."""
     if not isinstance(table, dict):
@@ -634,6 +641,8 @@ def parse_config(text: str, source: str = "<string>") -> Config:
     tables = data.pop("profiles", {})
     config = _build(Config, data, "", problems)
     profiles = _profiles(config.gpu.window_needs if config else 0, tables, problems)
+    if "resident" not in data:  # nothing configured: one line that says what to set, not each key it lacks
+        problems.absent = [f"resident: {NOT_CONFIGURED}"]
     # Each key first; how keys relate is checked only once every key has a value it may have.
     problems.raise_any()
     assert config is not None

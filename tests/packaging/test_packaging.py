@@ -23,6 +23,7 @@ from gpuswapd import __version__, daemon, instances
 from gpuswapd.config import DEFAULT_PATH, DaemonConfig, GatewayConfig
 from gpuswapd.ctl import main as ctl
 from gpuswapd.ctl.client import DEFAULT_SOCKET
+from gpuswapd.errors import ConfigError
 from gpuswapd.timespan import parse_span
 from gpuswapd.window import driver
 
@@ -443,11 +444,12 @@ def test_toml_page_is_what_the_generator_writes() -> None:
     assert keys.render_page(page) == page, "run: python packaging/man/config_keys.py --write"
 
 
-def test_default_config_sets_only_known_keys() -> None:
-    """The reference config shipped as /etc/gpuswapd/gpuswapd.toml parses (its image check aside)."""
+def test_the_shipped_config_sets_nothing_and_says_what_to_set() -> None:
+    """/etc/gpuswapd/gpuswapd.toml as installed starts nothing: gpuswapd names the keys to set."""
     from gpuswapd.config import load_config
 
-    assert load_config(UNITS / "gpuswapd.toml").daemon.socket == DEFAULT_SOCKET
+    with pytest.raises(ConfigError, match=r"resident: not configured: .*resident\.units"):
+        load_config(UNITS / "gpuswapd.toml")
 
 
 # --- shell completions ------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 import dataclasses
+import re
 import tomllib
 import typing
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -10,7 +12,7 @@ from gpuswapd.config import Config, load_config, parse_config
 from gpuswapd.errors import ConfigError
 from tests.unit.conftest import MINIMAL
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "units" / "gpuswapd.toml"
+SHIPPED = Path(__file__).resolve().parents[2] / "units" / "gpuswapd.toml"
 
 def _keys(table: dict, prefix: str = "") -> set[str]:
     out = set()
@@ -35,14 +37,85 @@ def _fields(cls: type, prefix: str = "") -> set[str]:
     return out
 
 
-def test_the_shipped_example_loads_and_names_every_key() -> None:
-    config = load_config(EXAMPLE)
-    assert config.resident.units == ["strata.service"]
+def shipped_parts() -> dict[str, str]:
+    """The shipped file's parts by their title's first word, each uncommented from its first table on."""
+    parts: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for line in SHIPPED.read_text().splitlines():
+        if title := re.match(r"^# ==== (\S+)", line):
+            lines = parts.setdefault(title.group(1).rstrip(":,"), [])
+        elif lines is not None and (lines or line.startswith("# [")):
+            assert line.startswith("# ") or line in ("#", ""), f"not a commented line: {line!r}"
+            lines.append(line[2:])
+    return {title: "\n".join(lines) + "\n" for title, lines in parts.items()}
+
+
+def _leaves(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and key not in ("env", "ports", "volumes"):
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _field(dotted: str) -> dataclasses.Field[Any]:
+    cls: Any = Config
+    *tables, key = dotted.split(".")
+    for table in tables:
+        cls = typing.get_type_hints(cls)[table]
+    return next(f for f in dataclasses.fields(cls) if f.name == key)
+
+
+def test_the_shipped_configuration_sets_nothing_and_gpuswapd_says_what_to_set(
+        daemon: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    assert all(line.startswith("#") or not line.strip() for line in SHIPPED.read_text().splitlines())
+    for source in (SHIPPED, "<empty>"):
+        with pytest.raises(ConfigError) as err:
+            load_config(SHIPPED) if source == SHIPPED else parse_config("", source)
+        [line] = err.value.message.splitlines()  # one line, not every key it lacks
+        assert line.startswith(f"{source}: resident: not configured"), line
+        assert "resident.units" in line and "resident.verify.url" in line and "gpuswapd.toml(5)" in line
+    assert daemon.main(["--config", str(SHIPPED)]) == daemon.EX_CONFIG  # it does not start
+    assert daemon.main(["--config", str(SHIPPED), "--check-config"]) == daemon.EX_CONFIG
+    assert capsys.readouterr().err.count(f"gpuswapd: {SHIPPED}: resident: not configured") == 2
+    # A file that names the resident but lacks a key is told each key, as before.
+    with pytest.raises(ConfigError, match=r"resident\.verify\.model: missing"):
+        parse_config(MINIMAL.replace('model = "strata"', ""))
+
+
+def test_the_shipped_configuration_names_every_key_at_its_default() -> None:
+    parts = shipped_parts()
+    assert list(parts) == ["Example", "Every", "gpuswapd-gateway", "Other"]
+    reference = parts["Every"] + parts["gpuswapd-gateway"]
+    shown = _leaves(tomllib.loads(reference))
+    assert set(shown) == _fields(Config), "keys the shipped file lacks (or names but gpuswapd does not know)"
+    lines, table = {}, ""
+    for line in reference.splitlines():
+        if header := re.match(r"^\[([\w.-]+)\]", line):
+            table = header.group(1)
+        elif key := re.match(r"^(\w+) = ", line):
+            lines[f"{table}.{key.group(1)}"] = line
+    for key, value in shown.items():
+        f = _field(key)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            assert "# required" in lines[key], f"{key} has no default: mark it required"
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert f.metadata["parse"](value, key) == default, f"{key} is shown at {value!r}, not at its default"
+
+
+def test_the_shipped_example_is_a_whole_setup_and_so_are_its_profiles() -> None:
+    parts = shipped_parts()
+    config = parse_config(parts["Example"], "example")
+    assert config.resident.units == ["strata.service"] and config.resident.server == "llama.cpp"
+    assert config.timers.pause == ["agent-*.timer"]
     assert config.window.container.ports == {"8000/tcp": 18020}
-    assert config.daemon.max_lease == 4 * 3600
+    assert config.window.container.env_file == "/etc/gpuswapd/hyperqwen.env"
     assert config.gpu.window_needs == 21 * 2**30
-    example_keys = _keys(tomllib.loads(EXAMPLE.read_text()))
-    assert example_keys <= _fields(Config)
+    with_profiles = parse_config(parts["Example"] + parts["Other"], "example")
+    assert [p.name for p in with_profiles.all_profiles()] == ["default", "bare", "qwen-eval"]
 
 
 def test_minimal_config_takes_defaults() -> None:
