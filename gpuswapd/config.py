@@ -703,8 +703,9 @@ def _check(config: Config, problems: Problems) -> None:
         problems.add("resident.idle.command", "required when kind = \"command\"")
     if config.resident.server == "llama.cpp" and not config.resident.props_url:
         problems.add("resident.props_url", "required when resident.server = \"llama.cpp\": the llama-server's "
-                     "own /props, not through a proxy (e.g. \"http://127.0.0.1:8081/props\"); or set "
-                     "resident.server = \"other\" to compare its models only")
+                     "own /props, not through a proxy (e.g. \"http://127.0.0.1:8081/props\", or llama-swap's "
+                     "\"/upstream/MODEL/props\" when it starts the server); or set resident.server = \"other\" to "
+                     "compare its models only")
     if not os.path.isabs(d.state_dir):
         problems.add("daemon.state_dir", "must be an absolute path")
     if d.priority_min_nonroot > d.priority_max_nonroot:

@@ -148,7 +148,9 @@ MEANINGS: dict[str, str] = {
                        "ends \"restored, smaller\" (status and history say what changed and what holds the "
                        "memory, gpuswapd_resident_degraded is 1, the next close tries again).",
     "resident.props_url": "For server = \"llama.cpp\" (required then): the llama-server's own GET /props, not "
-                          "through a proxy or the gateway, e.g. \"http://127.0.0.1:8081/props\".",
+                          "through a proxy or the gateway, e.g. \"http://127.0.0.1:8081/props\"; when llama-swap "
+                          "starts the server itself (its cmd), llama-swap passes it on unchanged at "
+                          "/upstream/MODEL/props.",
     "resident.idle.kind": "How to tell whether a request is in flight on the resident: \"llama.cpp-slots\" (GET url, "
                           "busy while any slot is_processing), \"prometheus\" (GET url, busy while metric > 0), "
                           "\"command\" (run command, idle when it exits 0), \"gateway\" (ask gpuswapd-gateway at "

@@ -55,6 +55,9 @@ EXPECTED = {
     "usr/share/doc/gpuswapd/gpuswap-lease.conf": "units/examples/gpuswap-lease.conf",
     "usr/share/doc/gpuswapd/examples/metrics-textfile.conf": "packaging/examples/metrics-textfile.conf",
     "usr/share/doc/gpuswapd/examples/gpuswap-notify": "packaging/examples/gpuswap-notify",
+    **{f"usr/share/doc/gpuswapd/examples/{name}": f"units/examples/{name}" for name in (
+        "vllm-openai.toml", "strata.service", "llama-swap.service", "llama-swap.yaml", "llama-swap-cmd/README.md",
+        "llama-swap-cmd/llama-swap.service", "llama-swap-cmd/config.yaml", "llama-swap-cmd/gpuswapd.toml")},
     "usr/share/gpuswapd/grafana/gpuswapd.json": "packaging/grafana/gpuswapd.json",
     "usr/share/gpuswapd/known-bad.toml": "gpuswapd/data/known-bad.toml",
 }

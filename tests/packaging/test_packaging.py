@@ -208,6 +208,37 @@ def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout + proc.stderr
 
 
+EXAMPLES = UNITS / "examples"
+
+
+@pytest.mark.parametrize("layout", [("strata.service", "llama-swap.service"), ("llama-swap-cmd/llama-swap.service",)],
+                         ids=["strata-under-llama-swap", "llama-swap-runs-llama-server"])
+def test_systemd_analyze_verify_passes_on_the_example_units_and_the_lease_drop_in(
+        tmp_path: Path, layout: tuple[str, ...]) -> None:
+    need("systemd-analyze")
+    # The host's units, ours, the examples as an operator copies them to /etc/systemd/system, a
+    # consumer service with the shipped lease drop-in, and stand-ins for the binaries they run.
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    for name in ("gpuswapd.service", "gpuswapd.socket"):
+        shutil.copy(UNITS / name, root / "usr/lib/systemd/system" / name)
+    etc = root / "etc/systemd/system"
+    (etc / "my-eval.service.d").mkdir(parents=True)
+    for example in layout:
+        shutil.copy(EXAMPLES / example, etc / Path(example).name)
+    (etc / "my-eval.service").write_text("[Service]\nExecStart=/usr/bin/my-eval\n")
+    shutil.copy(EXAMPLES / "gpuswap-lease.conf", etc / "my-eval.service.d" / "gpuswap-lease.conf")
+    for binary in ("gpuswapd", "gpuswapctl", "llama-server", "llama-swap", "my-eval"):
+        stub = root / "usr/bin" / binary
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
+    units = [Path(example).name for example in layout]
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}", *units, "my-eval.service"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout + proc.stderr
+
+
 def test_systemd_analyze_verify_notices_a_missing_binary(tmp_path: Path) -> None:
     """The verify above would catch an ExecStart= that does not exist (no false comfort)."""
     need("systemd-analyze")

@@ -70,6 +70,14 @@ def daemon(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+def card_of(tmp_path: Path, mib: int = 24576) -> str:
+    """Write an nvidia-smi that reads a card of ``mib`` MiB; return ``[gpu]`` keys that use it."""
+    smi = tmp_path / "nvidia-smi"  # as `--query-gpu=memory.used,memory.total,memory.free` answers
+    smi.write_text(f"#!/bin/sh\necho '1000, {mib}, {mib - 1000}'\n")
+    smi.chmod(0o755)
+    return f'probe = "nvidia-smi"\nnvidia_smi = "{smi}"\n'
+
+
 def run(coro: Any) -> Any:
     """Run ``coro`` on a fresh event loop, failing after 30 s."""
     return asyncio.run(asyncio.wait_for(coro, 30))

@@ -13,7 +13,7 @@ from gpuswapd.adapters.gpu import VramReading
 from gpuswapd.checks.machine import check_machine
 from gpuswapd.config import gateway_problems, parse_config
 from gpuswapd.errors import GpuProbeError
-from tests.unit.conftest import MINIMAL
+from tests.unit.conftest import MINIMAL, card_of
 
 GiB = 1 << 30
 CARD_24GB = 24 * GiB
@@ -103,11 +103,8 @@ def test_a_card_that_cannot_be_read_leaves_the_sizes_unchecked_with_a_warning(hu
 
 def test_check_config_reads_the_card_through_its_probe_and_exits_78(tmp_path: Path, daemon: ModuleType,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    smi = tmp_path / "nvidia-smi"  # a 24 GB card, as `--query-gpu=memory.used,memory.total,memory.free` says it
-    smi.write_text("#!/bin/sh\necho '1000, 24576, 23576'\n")
-    smi.chmod(0o755)
     path = tmp_path / "gpuswapd.toml"
-    gpu = f'probe = "nvidia-smi"\nnvidia_smi = "{smi}"\n'
+    gpu = card_of(tmp_path)  # 24 GB
     path.write_text(with_keys(gpu + 'resident_needs = "200GiB"', container=f'env_file = "{tmp_path}/absent.env"'))
     assert daemon.main(["--config", str(path), "--check-config"]) == daemon.EX_CONFIG
     err = capsys.readouterr().err
