@@ -1,7 +1,9 @@
 """Model servers over HTTP (httpx): health, streamed chat completions, the resident's idle probe.
 
-Speaks to what real servers do (DESIGN.md §7): vLLM's OpenAI API and llama.cpp's
-``llama-server``, directly or behind llama-swap. One ``ModelHttp`` holds one ``httpx.AsyncClient``
+Speaks to what real servers do: vLLM's OpenAI API (``/health`` 503 after an EngineDeadError, the
+usage in a stream's last chunk with ``stream_options.include_usage``, reasoning as
+``delta.reasoning``) and llama.cpp's ``llama-server`` (``/health`` 503 while loading, ``/slots``,
+``/metrics``), directly or behind llama-swap. One ``ModelHttp`` holds one ``httpx.AsyncClient``
 (made on first use, so it belongs to the event loop that first uses it); ``aclose()`` ends it.
 Every httpx error leaves this module as the most specific ``EndpointError``.
 """

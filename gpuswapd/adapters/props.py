@@ -1,6 +1,6 @@
 """What a model server says it is: llama.cpp's ``GET /props`` and any OpenAI server's ``GET /v1/models``.
 
-llama-server (DESIGN.md §7) answers ``/props`` with, among much else::
+llama-server (llama.cpp's tools/server, its README's "GET /props") answers with, among much else::
 
     {"default_generation_settings": {"n_ctx": 4096, ...}, "total_slots": 2,
      "model_path": "/models/coder.gguf", "model_alias": "strata", ...}

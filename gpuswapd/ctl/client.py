@@ -56,6 +56,18 @@ def _who_may_connect(path: str) -> str:
             f"an administrator can add you: usermod -aG {group} {getpass.getuser()}")
 
 
+def _how_to_listen(path: str) -> str:
+    """Say which socket unit listens on ``path`` and how to start it (socket activation starts gpuswapd)."""
+    name = os.path.basename(path).removesuffix(".sock")
+    if path == instance_socket(DEFAULT_INSTANCE):
+        unit = "gpuswapd.socket"
+    elif valid_name(name) and path == instance_socket(name):
+        unit = f"gpuswapd@{name}.socket"
+    else:
+        return f"is gpuswapd running with daemon.socket = {path!r}? (systemctl status gpuswapd)"
+    return f"gpuswapd's socket is not listening; start it, and gpuswapd with it: systemctl enable --now {unit}"
+
+
 class Client:
     """One connection to gpuswapd."""
 
@@ -67,7 +79,7 @@ class Client:
             self._sock.connect(path)
         except FileNotFoundError:
             self._sock.close()
-            raise Unreachable(f"{path} does not exist: is gpuswapd running? (systemctl status gpuswapd)") from None
+            raise Unreachable(f"{path} does not exist: {_how_to_listen(path)}") from None
         except PermissionError:
             self._sock.close()
             raise Unreachable(f"permission denied on {path}: {_who_may_connect(path)}") from None

@@ -242,8 +242,8 @@ MEANINGS: dict[str, str] = {
                      "ntfy-style URL. Empty: no hooks.",
     "hooks.events": "The events that run the hook, by their log names (see gpuswapd(8), EVENTS, METRICS AND HOOKS): "
                     "e.g. window_failed, degraded, recovered, engine_restarted, engine_failed, phase_entered, "
-                    "lease_expired, window_finished. A name gpuswapd does not know stops the start (exit 78); "
-                    "preempted is accepted for the window queue to come.",
+                    "lease_expired, window_finished, preempted. A name gpuswapd does not know stops the start "
+                    "(exit 78).",
     "hooks.timeout": "A hook still running after this long is killed with its process group; that is logged "
                      "(hook_timed_out), and nothing else happens.",
     "gateway.listen": "host:port of gpuswapd-gateway(8), the one OpenAI-compatible address of every model. Ignored "

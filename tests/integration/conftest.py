@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -157,12 +158,23 @@ def ctl_output(daemon: RunningDaemon, args: tuple[str, ...]) -> tuple[int, str, 
     return code, out.getvalue(), err.getvalue()
 
 
-def as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
-    """Run gpuswapctl as user nobody (optionally in supplementary groups), from a copy it can read."""
+def readable_package(world: Stack) -> Path:
+    """Copy this checkout's package where any user can read it (this checkout's .venv is root's); return it."""
     pkg = world.paths.root / "pkg"
     # A fresh copy each time: one left by an earlier run of the world may be another version's.
     shutil.rmtree(pkg, ignore_errors=True)
     shutil.copytree(REPO / "gpuswapd", pkg / "gpuswapd", ignore=shutil.ignore_patterns("__pycache__"))
+    return pkg
+
+
+def ctl_for_anyone(world: Stack) -> str:
+    """Return a gpuswapctl command line that any user may run: the system Python on a readable copy."""
+    return f"/usr/bin/env PYTHONPATH={readable_package(world)} /usr/bin/python3 -m gpuswapd.ctl.main"
+
+
+def as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
+    """Run gpuswapctl as user nobody (optionally in supplementary groups), from a copy it can read."""
+    pkg = readable_package(world)
     group_args = [f"--groups={groups}"] if groups else ["--clear-groups"]
     return subprocess.run(
         [
@@ -185,17 +197,23 @@ def as_nobody(daemon: RunningDaemon, world: Stack, *args: str, groups: str = "")
 
 
 def consumer(
-    world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN, **service: str
+    world: Stack, daemon: RunningDaemon, name: str, exec_start: str, dropin: str = DROPIN, group: str = "",
+    ctl: str = "", **service: str
 ) -> None:
-    """Install a consumer service with the shipped drop-in, pointed at this checkout's gpuswapctl."""
+    """Install a consumer service with the shipped drop-in, pointed at this checkout's gpuswapctl.
+
+    The drop-in's ``SupplementaryGroups=gpuswap`` names ``group`` instead (the world's gpuswapd has
+    a socket group of its own; none by default); ``ctl`` is the gpuswapctl to run (this checkout's
+    by default: root's only).
+    """
+    dropin = dropin.replace("/usr/bin/gpuswapctl", ctl or str(BIN / "gpuswapctl"))
+    dropin = dropin.replace("SupplementaryGroups=gpuswap\n", f"SupplementaryGroups={group}\n")
     body = (
         f"[Unit]\nDescription=a consumer of the GPU window\nDefaultDependencies=no\n\n[Service]\n"
         f"Environment=GPUSWAPD_SOCKET={daemon.socket}\nExecStart={exec_start}\n"
         + "".join(f"{k}={v}\n" for k, v in service.items())
     )
-    world.install_unit(
-        name, body, {"gpuswap-lease.conf": dropin.replace("/usr/bin/gpuswapctl", str(BIN / "gpuswapctl"))}
-    )
+    world.install_unit(name, body, {"gpuswap-lease.conf": dropin})
 
 
 @contextlib.contextmanager

@@ -170,7 +170,7 @@ def test_pkginfo_marks_the_config_as_backup_and_lists_the_dependencies(built: Bu
     assert set(info["depend"]) == {"python", "python-gobject", "python-pydbus", "python-httpx", "python-docker",
                                    "python-structlog", "python-nvidia-ml-py", "python-prometheus_client",
                                    "python-uvicorn", "python-httptools", "python-uvloop"}
-    assert {d.split(":")[0] for d in info["optdepend"]} == {"docker", "nvidia-utils"}
+    assert {d.split(":")[0] for d in info["optdepend"]} == {"docker", "nvidia-utils", "nvidia-container-toolkit"}
 
 
 def test_installed_units_verify_against_the_package_tree(built: Built, tmp_path: Path) -> None:

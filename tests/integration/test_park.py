@@ -28,6 +28,8 @@ from tests.stack.world import ENGINE_PORT, OTHER_TIMER, Stack
 
 Start = Callable[..., RunningDaemon]
 GiB = 1 << 30
+
+
 def parking(gpuswapd: Start, env: dict[str, str] | None = None, park: dict[str, Any] | None = None,
             **sections: dict[str, Any]) -> RunningDaemon:
     """Start gpuswapd with park mode "sleep" and an engine that offers sleep mode."""

@@ -10,13 +10,24 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from tests.integration.conftest import DROPIN, as_nobody, assert_resident_back, assert_window_open, consumer, wait_state
+from tests.integration.conftest import (
+    DROPIN,
+    as_nobody,
+    assert_resident_back,
+    assert_window_open,
+    consumer,
+    ctl_for_anyone,
+    wait_state,
+)
 from tests.stack.config import stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
+from tests.stack.users import GROUP, STRANGER, User
 from tests.stack.world import Stack
 
 Start = Callable[..., RunningDaemon]
+
+
 def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
     gpuswapd: Start, probe: Probe, world: Stack
 ) -> None:
@@ -39,6 +50,27 @@ def test_consumer_unit_holds_the_window_from_exec_start_pre_until_it_stops(
     world.manager("StopUnit", "ss", "consumer.service", "replace")
     status = daemon.wait_phase("IDLE", timeout=60)
     assert status["last"]["outcome"] == "closed"
+    assert_resident_back(probe)
+
+
+def test_a_service_with_user_may_acquire_through_the_drop_ins_group_and_not_without_it(
+    gpuswapd: Start, probe: Probe, world: Stack, users: dict[str, User]
+) -> None:
+    daemon = gpuswapd(daemon={"socket_group": GROUP})
+    anyone = ctl_for_anyone(world)  # the service runs as a user who is not in the socket's group
+    without = DROPIN.replace("SupplementaryGroups=gpuswap\n", "")
+    consumer(world, daemon, "consumer-user.service", "/bin/sleep 300", without, ctl=anyone, User=STRANGER)
+    world.manager("StartUnit", "ss", "consumer-user.service", "replace")
+    assert wait_state(probe, "consumer-user.service", {"failed", "active"}, timeout=30) == "failed"  # exit 4
+    assert daemon.status()["window"] is None and probe.containers() == []
+    consumer(world, daemon, "consumer-user.service", "/bin/sleep 300", group=GROUP, ctl=anyone, User=STRANGER)
+    world.manager("StartUnit", "ss", "consumer-user.service", "replace")
+    wait_state(probe, "consumer-user.service", {"active"})
+    [lease] = daemon.status()["window"]["leases"]
+    assert lease["unit"] == "consumer-user.service" and lease["uid"] == users[STRANGER].uid
+    assert_window_open(probe)
+    world.manager("StopUnit", "ss", "consumer-user.service", "replace")
+    daemon.wait_phase("IDLE", timeout=60)
     assert_resident_back(probe)
 
 

@@ -14,16 +14,6 @@ from tests.unit.conftest import MINIMAL
 
 SHIPPED = Path(__file__).resolve().parents[2] / "units" / "gpuswapd.toml"
 
-def _keys(table: dict, prefix: str = "") -> set[str]:
-    out = set()
-    for key, value in table.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and key not in ("env", "ports", "volumes"):
-            out |= _keys(value, path + ".")
-        else:
-            out.add(path)
-    return out
-
 
 def _fields(cls: type, prefix: str = "") -> set[str]:
     out = set()

@@ -144,6 +144,12 @@ def test_a_bad_instance_in_the_environment_is_a_usage_error(dirs: Path, monkeypa
 def test_instance_option_before_and_after_the_command(dirs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ctl.main(["--instance", "3", "status"]) == ctl.EXIT_UNREACHABLE
     assert f"{dirs}/run/3.sock does not exist" in capsys.readouterr().err
+    # What to do about a socket that is not there: start the socket unit that listens on it.
+    for args, says in ((["--instance", "3"], "systemctl enable --now gpuswapd@3.socket"),
+                       ([], "systemctl enable --now gpuswapd.socket"),
+                       (["--socket", str(dirs / "elsewhere.sock")], "is gpuswapd running with daemon.socket = ")):
+        assert ctl.main([*args, "status"]) == ctl.EXIT_UNREACHABLE
+        assert says in capsys.readouterr().err
     assert ctl.main(["status", "--instance", "4"]) == ctl.EXIT_UNREACHABLE
     assert f"{dirs}/run/4.sock does not exist" in capsys.readouterr().err
 
