@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import free_port, scrape, value
 from tests.stack.cards import RESIDENT1, instance_sections
 from tests.stack.config import stack_config
 from tests.stack.daemon import RunningDaemon
 from tests.stack.probe import AGENT_TIMERS, RESIDENT_UNITS, Probe
 from tests.stack.world import Stack
 
-StartInstance = Callable[[str], RunningDaemon]
+StartInstance = Callable[..., RunningDaemon]
 
 
 @pytest.fixture
@@ -34,9 +35,10 @@ def instance(two_cards: Stack) -> Iterator[StartInstance]:
     env = {"GPUSWAPD_RUNTIME_DIR": str(run), "GPUSWAPD_STATE_ROOT": str(state)}
     started: dict[str, RunningDaemon] = {}
 
-    def start(name: str) -> RunningDaemon:
+    def start(name: str, **sections: dict[str, Any]) -> RunningDaemon:
         if name not in started:
-            config = stack_config(two_cards, f"instance-{name}", **instance_sections(two_cards, name, run, state))
+            config = stack_config(two_cards, f"instance-{name}",
+                                  **{**instance_sections(two_cards, name, run, state), **sections})
             started[name] = RunningDaemon(two_cards, config, run / f"{name}.sock", env, ["--instance", name])
         return started[name].start()
 
@@ -67,7 +69,8 @@ def status_all(daemon: RunningDaemon) -> tuple[int, list[dict[str, Any]], str]:
 def test_two_instances_hand_out_two_cards_independently(instance: StartInstance, two_cards: Stack,
                                                         probe: Probe) -> None:
     world = two_cards
-    gpu0, gpu1 = instance("0"), instance("1")
+    ports = {"0": free_port(), "1": free_port()}
+    gpu0, gpu1 = (instance(name, metrics={"listen": f"127.0.0.1:{ports[name]}"}) for name in ("0", "1"))
 
     # Windows open on both cards at the same time.
     with ThreadPoolExecutor(2) as pool:
@@ -85,6 +88,12 @@ def test_two_instances_hand_out_two_cards_independently(instance: StartInstance,
     assert probe.states([*RESIDENT_UNITS, RESIDENT1]) == dict.fromkeys([*RESIDENT_UNITS, RESIDENT1], "inactive")
     # Each pauses its own timers: instance 0 the agents', instance 1 none.
     assert set(probe.states(list(AGENT_TIMERS)).values()) == {"inactive"}
+
+    # Each scrape carries its own instance on every series (gpuswapd@NAME: instance="NAME").
+    for name, port in ports.items():
+        families = scrape(port)
+        assert {s.labels.get("instance") for f in families.values() for s in f.samples} == {name}, name
+        assert value(families, "gpuswapd_leases") == 1
 
     code, found, _ = status_all(gpu0)
     assert code == 0
