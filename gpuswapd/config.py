@@ -317,6 +317,9 @@ class ResidentConfig:
     # Its model files, read into the page cache during a close ([]: found from the units' ExecStart=).
     files: list[str] = _key(_abs_paths, [])
     prefetch: bool = _key(_bool, True)
+    # gpuswapd starts only what it stopped; with this, the reconcile also starts a resident unit
+    # that failed (never a masked or disabled one). Restarting a crashed service is Restart='s job.
+    restart_crashed: bool = _key(_bool, False)
     idle: IdleConfig
     verify: CompletionCheck
 

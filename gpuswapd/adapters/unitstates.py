@@ -19,6 +19,7 @@ class UnitState:
     load_state: str
     active_state: str
     sub_state: str
+    unit_file_state: str = ""  # enabled, disabled, masked, static... ("": unknown)
 
     @property
     def active(self) -> bool:

@@ -131,6 +131,12 @@ MEANINGS: dict[str, str] = {
                       "LLAMA_ARG_MODEL, LLAMA_ARG_MMPROJ, LLAMA_ARG_MODEL_DRAFT). A model llama.cpp downloads "
                       "itself (-hf) has no path to find: name it here. gpuswapctl plan lists the files with the "
                       "fraction of each in the page cache.",
+    "resident.restart_crashed": "Whether the idle reconcile (daemon.reconcile) starts a resident unit found failed. "
+                                "gpuswapd otherwise starts a unit or timer only to undo its own stop: a unit down "
+                                "for another reason (crashed, stopped, masked or disabled by its operator) is reported "
+                                "(status, the gpuswapd_resident_down gauge, a resident_down event), never started; "
+                                "restarting a crashed service is Restart='s job. Even on, a masked or disabled unit "
+                                "is never started, nor a dependent or a timer.",
     "resident.prefetch": "Whether a close that restores the resident reads its files into the page cache in the "
                          "background, from the start of the close, while the engine stops or sleeps and the VRAM "
                          "comes free. Nothing waits for it and it ends with the close; it is skipped (and logged) "
