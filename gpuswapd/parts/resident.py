@@ -11,7 +11,15 @@ from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.unitstates import TimerState, UnitState
 from gpuswapd.config import Config
-from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
+from gpuswapd.errors import (
+    EndpointError,
+    EndpointUnreachable,
+    GpuswapError,
+    ResidentBusy,
+    RestoreFailed,
+    StateError,
+    VerifyFailed,
+)
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.state.marks import Marks
@@ -102,19 +110,25 @@ class Resident:
 
     async def mark(self, names: list[str]) -> None:
         """Record, before the stop, that gpuswapd stops these units or timers (a failure stops nothing)."""
-        await self.outside.state.call("mark", self.marks.add, list(names))
+        try:
+            await self.outside.state.call("mark", self.marks.add, list(names))
+        except OSError as err:
+            raise StateError(f"cannot record what gpuswapd stops: {err.strerror or err}; nothing was stopped") from err
 
     async def unmark(self, names: list[str]) -> None:
         """Forget that gpuswapd stopped these: they run again. A failure is noted, not raised."""
         try:
             await self.outside.state.call("unmark", self.marks.remove, list(names))
-        except GpuswapError as err:
-            log.warning("stopped_record_not_cleared", names=names, error=err.message,
+        except (GpuswapError, OSError) as err:
+            log.warning("stopped_record_not_cleared", names=names, error=getattr(err, "message", None) or str(err),
                         consequence="a later baseline restore may start them again")
 
     async def stopped(self) -> list[str]:
         """List the units and timers gpuswapd stopped and has not started again."""
-        return await self.outside.state.call("read_marks", self.marks.read)
+        try:
+            return await self.outside.state.call("read_marks", self.marks.read)
+        except OSError as err:
+            raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
