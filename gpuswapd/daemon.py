@@ -177,6 +177,10 @@ class Daemon:
             loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
+        try:  # before any signal matters: a resident unit configured by an alias is signalled by its Id
+            self.window.learn_names(await self.resident.unit_states(self.config.resident.units))
+        except GpuswapError as err:
+            log.warning("resident_names_unread", error=err.message, consequence="learned at the next reconcile")
         docker_up = await self._check_image()
         await self._check_engines(docker_up)
 

@@ -218,6 +218,7 @@ class FakeUnit:
     fit: FakeFit | None = None  # fits itself to the free memory as llama.cpp does (opt-in)
     n_ctx: int = 4096  # its context per slot, as /props says
     masked: bool = False  # systemctl mask: nothing starts it
+    names: tuple[str, ...] = ()  # its Id and aliases, as Names says (empty: its name alone)
     unit_file_state: str = "enabled"
 
 
@@ -356,7 +357,7 @@ class FakeSystemd:
                 return UnitState(unit, "not-found", "inactive", "dead")
             return UnitState(unit, "masked" if u.masked else "loaded", u.active_state,
                              "running" if u.active_state == "active" else "dead",
-                             "masked" if u.masked else u.unit_file_state)
+                             "masked" if u.masked else u.unit_file_state, u.names or (unit,))
 
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)

@@ -153,7 +153,8 @@ class Systemd:
     def state(self, unit: str) -> UnitState:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
-        return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")))
+        return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
+                         tuple(str(n) for n in p.get("Names", ())))
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)

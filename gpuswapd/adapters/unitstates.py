@@ -20,6 +20,7 @@ class UnitState:
     active_state: str
     sub_state: str
     unit_file_state: str = ""  # enabled, disabled, masked, static... ("": unknown)
+    names: tuple[str, ...] = ()  # every name of the unit (its Id and its aliases); signals carry the Id
 
     @property
     def active(self) -> bool:

@@ -97,6 +97,7 @@ class Window:
         self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
         self.resident_down: dict[str, str] = {}  # resident units the reconcile found down, and why (reported only)
+        self.resident_names: dict[str, str] = {}  # another name of a resident unit (its Id, an alias) -> the configured
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
@@ -650,6 +651,7 @@ class Window:
         stop with neither is its operator's (``systemctl stop strata``). gpuswapd never starts a
         unit it did not stop, so the hold only says so in ``status`` (any other state lifts it).
         """
+        unit = self.resident_names.get(unit, unit)  # a signal names its Id; the configuration may name an alias
         if unit not in self.config.resident.units:
             return  # a dependent (llama-swap) follows its resident: it is never held down by itself
         if state != "inactive" and unit in self.held_down:  # started again (or tried to): no longer held
@@ -676,6 +678,7 @@ class Window:
                 or self.driver.task is not None:
             return
         states = await self.resident.unit_states(self.config.resident.units)
+        self.learn_names(states)
         if self.record is not None or self.driver.task is not None:
             return  # a window opened meanwhile: what it finds is its own business
         for unit, st in states.items():
@@ -686,6 +689,13 @@ class Window:
             await identity.recheck(self)  # a resident left smaller may be back as it was
         elif self.config.resident.restart_crashed:
             await self._restart_crashed(states)
+
+    def learn_names(self, states: dict[str, UnitState]) -> None:
+        """Learn every name of the resident's units (``Names``): one configured by an alias is still followed."""
+        for unit, st in states.items():
+            for name in st.names:
+                if name != unit:
+                    self.resident_names[name] = unit
 
     def note_down(self, down: dict[str, str]) -> None:
         """Keep what the reconcile found down (unit -> cause), and say so when it changes."""

@@ -162,3 +162,18 @@ def test_the_second_record_on_disk(tmp_path: Path) -> None:
     assert Marks(tmp_path / "default.stopped").read() == ["agent-triage.timer", "strata.service"]  # another process
     marks.remove(["strata.service", "never-marked.service"])
     assert marks.read() == ["agent-triage.timer"]
+
+
+def test_a_resident_unit_configured_by_an_alias_is_followed_by_the_name_signals_carry() -> None:
+    world = FakeWorld()
+    world.systemd.units["strata.service"].names = ("llm-server.service", "strata.service")  # Id, then the alias
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.reconcile()  # learns the unit's names
+            w.resident_state("llm-server.service", "inactive")  # systemctl stop, as the signal names it
+            assert w.held_down.keys() == {"strata.service"}
+            w.resident_state("llm-server.service", "active")
+            assert w.held_down == {}
+
+    run(main())
