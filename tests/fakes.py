@@ -219,6 +219,7 @@ class FakeUnit:
     n_ctx: int = 4096  # its context per slot, as /props says
     masked: bool = False  # systemctl mask: nothing starts it
     names: tuple[str, ...] = ()  # its Id and aliases, as Names says (empty: its name alone)
+    invocation: int = 1  # its InvocationID, new at each start
     unit_file_state: str = "enabled"
 
 
@@ -323,6 +324,7 @@ class FakeSystemd:
                 unit.active_state = "failed"
                 return "failed"
             unit.active_state = "active"
+            unit.invocation += 1
             self.started.append(name)
             self.started_at.append((next(self.moments), name))
             return "done"
@@ -357,7 +359,8 @@ class FakeSystemd:
                 return UnitState(unit, "not-found", "inactive", "dead")
             return UnitState(unit, "masked" if u.masked else "loaded", u.active_state,
                              "running" if u.active_state == "active" else "dead",
-                             "masked" if u.masked else u.unit_file_state, u.names or (unit,))
+                             "masked" if u.masked else u.unit_file_state, u.names or (unit,),
+                             f"{u.invocation:032x}" if u.active_state == "active" else "")
 
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)

@@ -154,7 +154,7 @@ class Systemd:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
         return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
-                         tuple(str(n) for n in p.get("Names", ())))
+                         tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex())
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)

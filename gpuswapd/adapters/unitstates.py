@@ -21,6 +21,7 @@ class UnitState:
     sub_state: str
     unit_file_state: str = ""  # enabled, disabled, masked, static... ("": unknown)
     names: tuple[str, ...] = ()  # every name of the unit (its Id and its aliases); signals carry the Id
+    invocation: str = ""  # InvocationID: new at each start of the unit, by whoever started it ("": none, unknown)
 
     @property
     def active(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -137,6 +138,22 @@ class Resident:
     async def states(self, units: list[str]) -> dict[str, str]:
         """Read each unit's ActiveState."""
         return {u: s.active_state for u, s in (await self.unit_states(units)).items()}
+
+    async def how_it_runs(self) -> tuple[str | None, str | None]:
+        """Say how its operator runs the resident: a digest of its units' ExecStart= and Environment=, its InvocationID.
+
+        Either is None when systemd cannot say now (nothing is compared then).
+        """
+        lane, digest = self.outside.systemd, hashlib.sha256()
+        try:
+            for unit in self.config.resident.units:
+                c = await lane.call("commands", self.systemd.commands, unit)
+                digest.update(repr((unit, c.argvs, c.environment)).encode())
+            first = self.config.resident.units[0]
+            invocation = (await self.unit_states([first]))[first].invocation
+        except GpuswapError:
+            return None, None
+        return digest.hexdigest()[:16], invocation or None
 
     async def unit_states(self, units: list[str]) -> dict[str, UnitState]:
         """Read each unit's load, active and sub state."""

@@ -686,7 +686,8 @@ class Window:
                 self.resident_state(unit, st.active_state)
         self.note_down({u: cause for u, st in states.items() if (cause := down_cause(st)) is not None})
         if not self.resident_down:
-            await identity.recheck(self)  # a resident left smaller may be back as it was
+            # A resident left smaller may be back as it was; one its operator restarted is theirs.
+            await identity.recheck(self, states[self.config.resident.units[0]].invocation or None)
         elif self.config.resident.restart_crashed:
             await self._restart_crashed(states)
 

@@ -17,6 +17,7 @@ import pytest
 from gpuswapd.errors import DockerUnavailable
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
+from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, FakeWorld, running, settle
 from tests.unit.conftest import run
@@ -175,5 +176,51 @@ def test_a_resident_unit_configured_by_an_alias_is_followed_by_the_name_signals_
             assert w.held_down.keys() == {"strata.service"}
             w.resident_state("llm-server.service", "active")
             assert w.held_down == {}
+
+    run(main())
+
+
+def _reconfigure(world: FakeWorld, ctx: str, n_ctx: int) -> None:
+    """Its operator lowers the context on purpose (a drop-in's ExecStart=) and restarts it."""
+    world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf", "-c", ctx)
+    world.systemd._stop("strata.service")
+    world.systemd.units["strata.service"].n_ctx = n_ctx
+    assert world.systemd._start("llama-swap.service") == "done"
+
+
+def test_a_resident_its_operator_reconfigured_becomes_the_baseline_and_is_never_repaired() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 4096
+            _reconfigure(world, "2048", 2048)
+            w.held_down.clear()
+            for _ in range(2):  # every close, not only the first
+                lease = await w.acquire("job", 60)
+                await w.release(lease.id)
+                await settle(w)
+                assert w.last is not None and w.last.restored == "as_it_was" and w.last.resident_changed is None
+            assert w.known.baseline.n_ctx == 2048 and w.known.changed is None
+
+    run(main())
+
+
+def test_a_resident_its_operator_restarted_while_idle_is_the_new_baseline() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            world.systemd._stop("strata.service")
+            world.systemd.units["strata.service"].n_ctx = 2048  # what it came back as: theirs, not llama.cpp's fit
+            assert world.systemd._start("llama-swap.service") == "done"
+            await w.reconcile()
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 2048
+            lease = await w.acquire("job", 60)
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.restored == "as_it_was" and w.last.resident_changed is None
 
     run(main())
