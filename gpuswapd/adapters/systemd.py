@@ -154,7 +154,8 @@ class Systemd:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
         return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
-                         tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex())
+                         tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex(),
+                         bool((p.get("Job") or (0, "/"))[0]))
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)

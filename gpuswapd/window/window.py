@@ -752,6 +752,8 @@ def down_cause(state: UnitState) -> str | None:
     """Say why a resident unit is down (masked, failed, stopped), or None if it is up or on its way."""
     if state.load_state == "masked":
         return "masked"
+    if state.job:
+        return None  # a job is queued for it (a start at boot): it is on its way, or its operator's doing
     if state.active_state == "failed":
         return "failed"
     if state.active_state == "inactive":

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.errors import DockerUnavailable
+from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
 from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.recovery import recover_at_start
+from gpuswapd.window.window import down_cause
 from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, FakeWorld, running, settle
 from tests.unit.conftest import run
 
@@ -224,3 +227,31 @@ def test_a_resident_its_operator_restarted_while_idle_is_the_new_baseline() -> N
             assert w.last is not None and w.last.restored == "as_it_was" and w.last.resident_changed is None
 
     run(main())
+
+
+def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            world.systemd.fail_starts["strata.service"] = 10**6  # it never starts again
+            await w.release(lease.id)
+            while w.phase is not Phase.DEGRADED:
+                await asyncio.sleep(0.001)
+            world.systemd.units["strata.service"].masked = True  # systemctl mask strata
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed" and w.last.units == []
+            assert memory_marks(world.store).read() == []
+            lease = await w.acquire("next", 60)  # not refused DEGRADED: the card is not held for it
+            await w.release(lease.id)
+            await settle(w)
+
+    run(main())
+    assert world.snapshot()["timers"] == BASELINE["timers"]  # gpuswapd's own pause undone
+
+
+def test_a_resident_whose_start_job_is_queued_is_not_reported_down() -> None:
+    assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead", job=True)) is None
+    assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead")) == "stopped"
+    assert down_cause(UnitState("strata.service", "masked", "inactive", "dead", job=True)) == "masked"
