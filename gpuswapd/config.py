@@ -260,7 +260,7 @@ class DaemonConfig:
     priority_min_nonroot: int = _key(_int(-1000, 1000), -10)
     aging: float = _key(_span(0.0), 600.0)
     preempt_grace: float = _key(_span(0.0), 30.0)
-    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd checks the resident is up (0: never)
+    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd reports the resident down (0: never)
     never_stop: list[str] = _key(_unit_patterns, NEVER_STOP)
 
 

@@ -97,14 +97,12 @@ MEANINGS: dict[str, str] = {
                          "lease is bound to a unit only when the unit is the caller's own (see gpuswapctl(1), \"Who "
                          "may ask\" in the docs), and this list keeps those services running whatever a lease says. "
                          "Setting the key replaces the whole list: keep the defaults in it.",
-    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
-                        "never). A configured resident unit found inactive or failed is brought back with its "
-                        "dependents, verified, and the matching timers resumed: a baseline restore, logged "
-                        "(baseline_restore, cause found_down) and counted in gpuswapd_baseline_restores_total. The "
-                        "one exception is the operator's own stop: a resident unit that goes inactive while no window "
-                        "is open and no job of gpuswapd's runs (systemctl stop strata) is held down, in the state "
-                        "document across restarts, until it is started again (or tried: any other state lifts the "
-                        "hold). A unit that fails (its process crashed or was killed) is not held down.",
+    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) looks at the resident (0: never). "
+                        "gpuswapd starts a unit or timer only to undo its own stop: a configured resident unit "
+                        "found down for another reason (stopped, failed, masked) is reported in status "
+                        "(resident_down), the gpuswapd_resident_down gauge and a resident_down event, never "
+                        "started (see resident.restart_crashed). A resident its operator restarted since "
+                        "gpuswapd last saw it (a new InvocationID) is taken as the resident's new baseline.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",

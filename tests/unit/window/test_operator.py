@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 from pathlib import Path
 
 import pytest
 
 from gpuswapd.adapters.unitstates import UnitState
+from gpuswapd.ctl.render import print_status
 from gpuswapd.errors import DockerUnavailable
 from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
 from gpuswapd.window.identity import record_at_start
+from gpuswapd.window.plan import make_plan
 from gpuswapd.window.recovery import recover_at_start
 from gpuswapd.window.window import down_cause
 from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, FakeWorld, running, settle
@@ -255,3 +258,20 @@ def test_a_resident_whose_start_job_is_queued_is_not_reported_down() -> None:
     assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead", job=True)) is None
     assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead")) == "stopped"
     assert down_cause(UnitState("strata.service", "masked", "inactive", "dead", job=True)) == "masked"
+
+
+def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
+    world = FakeWorld()
+    _operator_stops(world)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.reconcile()
+            out = io.StringIO()
+            print_status(w.status(), out)
+            assert "resident down, left to systemd and its operator: strata.service (stopped)" in out.getvalue()
+            plan = await make_plan(world.config, w.resident, w.engine, w.vram)
+            assert any(x.startswith("resident down: strata.service") for x in plan.warnings)
+            assert not plan.problems
+
+    run(main())
