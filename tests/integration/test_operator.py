@@ -91,17 +91,23 @@ def test_a_stop_that_ends_failed_and_a_mask_are_left_as_they_are(
     wait_for(lambda: _down(daemon).get("strata.service") == "failed", "status to report it failed", timeout=20)
     time.sleep(TWO_PERIODS_S)
     assert probe.active_state("strata.service") == "failed"
-    # systemctl mask --runtime strata: a unit file that is /dev/null.
-    world.manager("MaskUnitFiles", "asbb", "1", "strata.service", "true", "true")
-    world.manager("Reload")
-    wait_for(lambda: probe.prop("strata.service", "LoadState") == "masked", "strata to be masked")
-    wait_for(lambda: _down(daemon).get("strata.service") == "masked", "status to report it masked", timeout=20)
-    time.sleep(TWO_PERIODS_S)
-    assert probe.entered_active_us("strata.service") == since  # never started again
-    _started_nothing(daemon)
-    assert daemon.status()["phase"] == "IDLE" and daemon.logged("restore_failed") == []
-    world.manager("UnmaskUnitFiles", "asb", "1", "strata.service", "true")
-    world.manager("Reload")
+    # systemctl mask strata: its unit file is /dev/null (this world's systemd reads only its own unit directory).
+    unit_file = world.paths.units / "strata.service"
+    original = unit_file.read_bytes()
+    try:
+        unit_file.unlink()
+        unit_file.symlink_to("/dev/null")
+        world.manager("Reload")
+        wait_for(lambda: probe.prop("strata.service", "LoadState") == "masked", "strata to be masked")
+        wait_for(lambda: _down(daemon).get("strata.service") == "masked", "status to report it masked", timeout=20)
+        time.sleep(TWO_PERIODS_S)
+        assert probe.entered_active_us("strata.service") == since  # never started again
+        _started_nothing(daemon)
+        assert daemon.status()["phase"] == "IDLE" and daemon.logged("restore_failed") == []
+    finally:
+        unit_file.unlink(missing_ok=True)
+        unit_file.write_bytes(original)
+        world.manager("Reload")
 
 
 def test_a_crash_under_restart_on_failure_is_systemds_to_undo(
