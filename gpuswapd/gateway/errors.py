@@ -6,6 +6,7 @@ GpuswapError (gpuswapd.errors)
     ├── BodyTooLarge             413 invalid_request_error  (over gateway.max_body)
     ├── UnknownModel             404 invalid_request_error  (no tenant serves it)
     ├── NoRoute                  404 invalid_request_error  (no such path)
+    ├── Refused                  403 permission_error       (a route the front door does not pass: /unload)
     ├── TooManyWaiting           429 rate_limit_error       (gateway.max_waiting wait already)
     ├── ClientTooSlow            408 invalid_request_error  (the body did not arrive in time)
     ├── Unavailable              503 service_unavailable    (the window failed, hold passed, the card is held)
@@ -67,6 +68,14 @@ class NoRoute(GatewayError):
     code = "not_found"
     status = 404
     kind = "invalid_request_error"
+
+
+class Refused(GatewayError):
+    """A route the gateway does not pass on (llama-swap's ``/unload``)."""
+
+    code = "refused"
+    status = 403
+    kind = "permission_error"
 
 
 class TooManyWaiting(GatewayError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ import uvicorn
 from gpuswapd import __version__
 from gpuswapd.config import DEFAULT_PATH, Config, gateway_problems, load_config
 from gpuswapd.errors import ConfigError
-from gpuswapd.gateway.app import Gateway
+from gpuswapd.gateway.app import DROPPED, Gateway
 from gpuswapd.gateway.demand import Demand
 from gpuswapd.gateway.follow import Follow
 from gpuswapd.gateway.link import Link
@@ -46,6 +47,11 @@ def build(config: Config, socket_path: str | None = None, holder: str | None = N
     meters = Meters()
     demand = Demand(config.gateway, link, follow, meters, holder=holder if holder is not None else _holder())
     return Gateway(config, demand, follow, Tenants.from_environment(config), Upstream(), meters)
+
+
+def _dropped_on_purpose(record: logging.LogRecord) -> bool:
+    """Keep out of the log the connections the gateway drops on purpose (the app logged why already)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], DROPPED))
 
 
 def _holder() -> str | None:
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuswapd-gateway: {err.message}", file=sys.stderr)
         return EX_CONFIG
     app = build(config, args.socket)
+    logging.getLogger("uvicorn.error").addFilter(_dropped_on_purpose)
     server = uvicorn.Server(uvicorn.Config(
         app, lifespan="on", log_config=None, log_level=args.log_level, access_log=False, server_header=False,
         date_header=False, limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=KEEP_ALIVE_S,

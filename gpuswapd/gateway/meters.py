@@ -8,7 +8,11 @@
 | ``gpuswapd_gateway_window_wait_seconds`` | histogram: the time a request waited for its window | ``tenant`` |
 
 A model name no tenant serves is counted as ``model="(unknown)"``: a client cannot grow the
-series without bound.
+series without bound; a request passed to llama-swap as it is (``/running``, ``/logs``, ...), as
+``model="(passed)"``. The outcomes: ``ok``, ``client_error`` (a 4xx, the gateway's or the
+upstream's), ``client_slow`` (its body did not come in time), ``not_reading`` (cut: it stopped
+reading its answer), ``gone`` (it hung up), ``too_many`` (429), ``unavailable`` (503),
+``upstream_error`` (the upstream failed or broke off), ``cut`` (a preemption ended it).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0)
-OUTCOMES = ("ok", "client_error", "unavailable", "too_many", "upstream_error", "cut", "gone")
+OUTCOMES = ("ok", "client_error", "client_slow", "unavailable", "too_many", "upstream_error", "cut", "gone",
+            "not_reading")
 UNKNOWN_MODEL = "(unknown)"
+PASSED = "(passed)"  # a request passed to llama-swap as it is (not routed by model)
 
 
 class Meters:

@@ -66,7 +66,9 @@ class Upstream:
     async def open(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Answer:
         """Send a request; return the answer once its status and headers have come."""
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-        request = self.client.build_request(method, url, headers=sent, content=body)
+        # A GET, HEAD or OPTIONS without a body goes on without one (not with "content-length: 0").
+        content = body if body or method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None
+        request = self.client.build_request(method, url, headers=sent, content=content)
         with _mapped(url):
             response = await self.client.send(request, stream=True)
         kept = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -75,10 +77,11 @@ class Upstream:
             kept.append((b"content-length", length.encode()))
         return Answer(response.status_code, kept, response)
 
-    async def get_json(self, url: str, timeout: float) -> object:
-        """GET a JSON document (the resident's model list)."""
+    async def get_json(self, url: str, timeout: float, authorization: bytes = b"") -> object:
+        """GET a JSON document (the resident's model list), with a client's ``Authorization`` if given."""
         with _mapped(url):
-            response = await self.client.get(url, timeout=timeout)
+            response = await self.client.get(url, timeout=timeout,
+                                             headers={b"authorization": authorization} if authorization else None)
         if response.status_code != 200:
             raise UpstreamFailed(f"GET {url}: HTTP {response.status_code}")
         try:

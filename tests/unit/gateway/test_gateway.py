@@ -152,9 +152,16 @@ class Rig:
 
 def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
     async def handler(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":  # the resident's model list
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "strata", "object": "model"}]})
+        if request.method == "GET" and request.url.path == "/v1/models":  # the resident's model list
+            names = ["strata"]
+            if request.headers.get("authorization") == "Bearer sk-llama-swap":  # llama-swap's apiKeys
+                names += ["coder-7b", "coder"]  # a model added while running, and its alias
+            return httpx.Response(200, json={"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
         calls.append(request)
+        if not request.headers.get("content-type", "").startswith("application/json"):
+            said = json.dumps({"method": request.method, "url": str(request.url), "length": len(request.content)})
+            return httpx.Response(200, headers={"content-type": "application/json"},
+                                  stream=httpx.ByteStream(said.encode()))
         body = json.loads(request.content)
         if body.get("stream"):
             async def chunks() -> AsyncIterator[bytes]:
@@ -230,11 +237,13 @@ def test_bad_input_gets_a_clear_error_and_opens_no_window(body: bytes, status: i
     run(main())
 
 
-def test_unknown_paths_and_methods_are_404() -> None:
+def test_other_paths_and_methods_go_to_llama_swap_unchanged() -> None:
     async def main() -> None:
         r = rig()
-        assert (await r.client.get("/v1/chat/completions")).status_code == 404
-        assert (await r.client.post("/v1/rerank", json=chat("strata"))).status_code == 404
+        assert (await r.client.get("/v1/chat/completions?x=1")).json()["url"] == \
+            "http://127.0.0.1:8090/v1/chat/completions?x=1"
+        assert (await r.client.post("/v1/rerank", json=chat("qwen-eval"))).json()["port"] == 18021
+        await r.demand.close()
     run(main())
 
 
