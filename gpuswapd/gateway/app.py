@@ -33,6 +33,7 @@ from gpuswapd.config import GATEWAY_IN_FLIGHT_PATH, Config
 from gpuswapd.errors import GpuswapError
 from gpuswapd.gateway.demand import Demand, Flight
 from gpuswapd.gateway.errors import (
+    BodiesFull,
     BodyTooLarge,
     ClientTooSlow,
     GatewayError,
@@ -70,6 +71,7 @@ MODELS_FRESH_S = 10.0  # the resident's model list is read again at most this of
 UNKNOWN_FRESH_S = 1.0  # an unknown name asks llama-swap's list again at most this often (per Authorization)
 RETRY_S = 5  # Retry-After of a 429 or 503 that knows no better
 LISTED = 20  # a 404 names at most this many models
+HELD = "gpuswapd.held"  # in an ASGI scope: the bytes of its body counted against gateway.max_bodies
 SAVE_S = 5.0
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -121,6 +123,7 @@ class Gateway:
         self._models_read = -MODELS_FRESH_S
         self._unknown_asked: dict[bytes, float] = {}  # Authorization -> when an unknown name last asked
         self._asking = asyncio.Lock()
+        self.bodies = 0  # the bytes of request bodies held now (gateway.max_bodies)
         self._following: asyncio.Task[None] | None = None
         follow.listeners.append(self._event)
 
@@ -176,6 +179,8 @@ class Gateway:
             if not isinstance(err, UnknownModel):
                 self.meters.requests.labels(UNKNOWN_MODEL if by_model else PASSED, "none", _outcome(err)).inc()
             await _error(send, err, anthropic(path))
+        finally:
+            self.bodies -= scope.pop(HELD, 0)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -307,7 +312,7 @@ class Gateway:
         assert task is not None
         flight.on_cut = task.cancel
         try:
-            async for piece in answer.pieces():
+            async for piece in answer.pieces(self.config.gateway.upstream_idle):
                 await call.body(piece)
         except asyncio.CancelledError:
             if flight.cut is None:
@@ -349,6 +354,9 @@ class Gateway:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"the body is {int(declared)} bytes, over gateway.max_body = {limit} bytes")
+        budget = self.config.gateway.max_bodies
+        if declared is not None and declared.isdigit():
+            self._hold(scope, int(declared), budget)  # the whole of it, before a byte is read
         pieces: list[bytes] = []
         size = 0
         try:
@@ -361,11 +369,21 @@ class Gateway:
                     size += len(piece)
                     if size > limit:
                         raise BodyTooLarge(f"the body is over gateway.max_body = {limit} bytes")
+                    if size > scope.get(HELD, 0):
+                        self._hold(scope, size - scope.get(HELD, 0), budget)
                     pieces.append(piece)
                     if not message.get("more_body"):
                         return b"".join(pieces)
         except TimeoutError:
             raise ClientTooSlow(f"the request body did not arrive within {BODY_S:g}s") from None
+
+    def _hold(self, scope: Scope, size: int, budget: int) -> None:
+        """Count ``size`` more bytes of this request's body against gateway.max_bodies, or refuse it (503)."""
+        if self.bodies + size > budget:
+            raise BodiesFull(f"the gateway holds {self.bodies} bytes of request bodies already (gateway.max_bodies = "
+                             f"{budget} bytes): try again shortly", retry_after=RETRY_S)
+        self.bodies += size
+        scope[HELD] = scope.get(HELD, 0) + size
 
     # -- the gateway's own routes --------------------------------------------------------------
 

@@ -10,6 +10,7 @@ GpuswapError (gpuswapd.errors)
     ├── TooManyWaiting           429 rate_limit_error       (gateway.max_waiting wait already)
     ├── ClientTooSlow            408 invalid_request_error  (the body did not arrive in time)
     ├── Unavailable              503 service_unavailable    (the window failed, hold passed, the card is held)
+    │   └── BodiesFull           503 service_unavailable    (gateway.max_bodies are held in memory already)
     └── UpstreamFailed           502 upstream_error         (the model server broke off or is unreachable)
 """
 
@@ -100,6 +101,12 @@ class Unavailable(GatewayError):
     code = "unavailable"
     status = 503
     kind = "service_unavailable"
+
+
+class BodiesFull(Unavailable):
+    """The request bodies held in memory would go past ``gateway.max_bodies``."""
+
+    code = "bodies_full"
 
 
 class UpstreamFailed(GatewayError):

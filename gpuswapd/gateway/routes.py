@@ -105,21 +105,42 @@ def _form(raw: bytes, content_type: bytes) -> Asked:
             boundary = value.strip().strip(b'"')
     if not boundary:
         raise BadBody("the multipart form has no boundary in its Content-Type")
+    # Walked in place: only each part's head and the small fields are copied, never the files.
     fields: dict[str, bytes] = {}
-    for part in raw.split(b"--" + boundary)[1:]:
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep:
-            continue
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-disposition:") and b"filename=" not in line:
-                for item in line.split(b";")[1:]:
-                    key, _, name = item.strip().partition(b"=")
-                    if key.lower() == b"name" and name.strip(b'"') in (b"model", b"stream"):
-                        fields[name.strip(b'"').decode()] = value.removesuffix(b"\r\n")
+    delimiter = b"\r\n--" + boundary
+    at = 0 if raw.startswith(delimiter[2:]) else raw.find(delimiter)
+    while at != -1:
+        start = raw.find(b"\r\n", at + 2)  # the end of the delimiter line
+        end_head = raw.find(b"\r\n\r\n", start) if start != -1 else -1
+        if end_head == -1:
+            break
+        following = raw.find(delimiter, end_head)
+        name = _field_name(raw[start:end_head])
+        value_end = following if following != -1 else len(raw)
+        if name in ("model", "stream") and value_end - end_head <= 4 + 1024:  # a field, not a file
+            fields[name] = raw[end_head + 4:value_end]
+        at = following
     model = fields.get("model", b"").decode(errors="replace").strip()
     if not model:
         raise BadBody("the multipart form has no \"model\" field: GET /v1/models lists them", param="model")
     return Asked(model, fields.get("stream", b"").strip().lower() == b"true")
+
+
+def _field_name(head: bytes) -> str | None:
+    """Return the ``name`` of a form part whose head is ``head`` (None for a file or no name)."""
+    for line in head.split(b"\r\n"):
+        kind, _, params = line.partition(b":")
+        if kind.strip().lower() != b"content-disposition":
+            continue
+        found = None
+        for item in params.split(b";")[1:]:
+            key, _, value = item.strip().partition(b"=")
+            if key.strip().lower() == b"filename":
+                return None
+            if key.strip().lower() == b"name":
+                found = value.strip().strip(b'"').decode(errors="replace")
+        return found
+    return None
 
 
 def error_body(err: GatewayError, anthropic_shape: bool) -> dict[str, Any]:

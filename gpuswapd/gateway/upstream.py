@@ -7,6 +7,7 @@ this module as ``UpstreamFailed``, the most specific message first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -37,10 +38,19 @@ class Answer:
         """Tell whether the body is an SSE stream."""
         return b"text/event-stream" in dict(self.headers).get(b"content-type", b"")
 
-    async def pieces(self) -> AsyncIterator[bytes]:
-        """Yield the body as it arrives; an upstream that breaks off raises UpstreamFailed."""
-        with _mapped(str(self.response.request.url)):
-            async for piece in self.response.aiter_raw():
+    async def pieces(self, idle: float | None = None) -> AsyncIterator[bytes]:
+        """Yield the body as it arrives; an upstream that breaks off or sends nothing for ``idle`` s: UpstreamFailed."""
+        url = str(self.response.request.url)
+        with _mapped(url):
+            stream = self.response.aiter_raw()
+            while True:
+                try:
+                    async with asyncio.timeout(idle):
+                        piece = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise UpstreamFailed(f"{url}: sent nothing for {idle:g}s (gateway.upstream_idle)") from None
                 yield piece
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -195,4 +196,45 @@ def test_upstream_errors_without_retry_after_get_one() -> None:
         r.app.upstream.client._transport = httpx.MockTransport(handler)
         reply = await r.client.post("/v1/chat/completions", json=chat("strata"))
         assert reply.status_code == 503 and reply.headers["retry-after"] == "5"
+    run(main())
+
+
+def test_bodies_held_at_once_are_bounded_as_a_whole_and_given_back() -> None:
+    async def main() -> None:
+        r = rig(max_bodies=1500)  # max_body is 1 KiB: one body fits, two do not
+        r.daemon.gate.clear()
+        body = json.dumps({**chat("qwen-eval"), "pad": "x" * 800}).encode()
+        first = asyncio.create_task(r.client.post("/v1/chat/completions", content=body))
+        await asyncio.sleep(0.1)
+        assert r.app.bodies == len(body)  # held while it waits for its window
+        second = await r.client.post("/v1/chat/completions", content=body)
+        assert second.status_code == 503 and second.headers["retry-after"] == "5"
+        assert "gateway.max_bodies" in second.json()["error"]["message"]
+        r.daemon.gate.set()
+        assert (await first).status_code == 200
+        assert r.app.bodies == 0  # given back
+        assert (await r.client.post("/v1/chat/completions", content=body)).status_code == 200
+        assert r.app.bodies == 0
+        await r.demand.close()
+    run(main())
+
+
+def test_an_upstream_that_goes_quiet_ends_the_stream_with_an_error_event() -> None:
+    async def main() -> None:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            async def stalls() -> Any:
+                yield b'data: {"choices": []}\n\n'
+                await asyncio.sleep(30)
+                yield b"data: [DONE]\n\n"
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stalls())
+        r = rig(upstream_idle=0.3)
+        r.app.upstream.client._transport = httpx.MockTransport(handler)
+        started = asyncio.get_running_loop().time()
+        reply = await r.client.post("/v1/messages", json=chat("strata", stream=True))
+        assert asyncio.get_running_loop().time() - started < 5
+        events = reply.text.split("\n\n")
+        assert events[0] == 'data: {"choices": []}' and events[1].startswith("event: error\ndata: ")
+        error = json.loads(events[1].split("data: ", 1)[1])
+        assert error["type"] == "error" and "upstream_idle" in error["error"]["message"]
+        assert b'outcome="upstream_error"' in r.app.meters.render()
     run(main())
