@@ -6,6 +6,7 @@
 | ``gpuswapd_gateway_waiting`` | gauge: requests waiting for a window now | |
 | ``gpuswapd_gateway_in_flight`` | gauge: requests being answered now | ``tenant`` |
 | ``gpuswapd_gateway_window_wait_seconds`` | histogram: the time a request waited for its window | ``tenant`` |
+| ``gpuswapd_gateway_connections_cut_total`` | counter: connections cut before their request was read | ``reason`` |
 
 A model name no tenant serves is counted as ``model="(unknown)"``: a client cannot grow the
 series without bound; a request passed to llama-swap as it is (``/running``, ``/logs``, ...), as
@@ -39,6 +40,14 @@ class Meters:
         self.window_wait = Histogram("gpuswapd_gateway_window_wait_seconds",
                                      "Time a request waited for its model's window", ["tenant"],
                                      buckets=WAIT_BUCKETS, registry=self.registry)
+
+        self.connections_cut = Counter("gpuswapd_gateway_connections_cut", "Connections cut before their request "
+                                       "was read: slow, large (headers), crowded (too many heads coming), full",
+                                       ["reason"], registry=self.registry)
+
+    def cut(self, reason: str) -> None:
+        """Count a connection cut before its request was read."""
+        self.connections_cut.labels(reason).inc()
 
     def render(self) -> bytes:
         """Return the metrics in Prometheus's text format."""
