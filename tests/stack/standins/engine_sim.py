@@ -38,7 +38,8 @@ Endpoints: ``GET /health`` (200, 503 once dead), ``GET /v1/models``, ``GET /metr
 ``GET /version``, ``POST /v1/chat/completions`` (stream or not), as vLLM does Anthropic's
 ``POST /v1/messages`` (stream or not; the same words, reasoning and answer, as one text block)
 and ``/v1/messages/count_tokens``, and OpenAI's Responses API ``POST /v1/responses`` (stream or
-not: ``input`` a string or a list of messages), sleep mode, and for tests
+not: ``input`` a string or a list of messages), ``POST /v1/audio/transcriptions`` (a form, answered
+with its size), sleep mode, and for tests
 ``POST /sim/die`` ``{"failing_boots": N}`` (die now; the next N boots die too: a boot counts
 down the fault file, serves ENGINE_DEAD_AFTER seconds, then dies) and ``GET /sim/state``.
 Every start adds one to ``$GPUSIM_DIR/engine-boots``. SIGTERM: exit 0 at once.
@@ -627,6 +628,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._chat(raw)
             elif url.path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
                 self._other_api(url.path, raw)
+            elif url.path == "/v1/audio/transcriptions":  # vLLM serves it for a speech model: the form, heard
+                engine.check_alive()
+                self._json(200, {"text": f"{len(raw)} bytes heard"})
             elif url.path == "/sleep" and cfg.dev_mode:
                 engine.sleep(sleep_level(url.query))
                 self._send(200, b"", "application/json")
