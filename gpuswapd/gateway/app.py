@@ -355,8 +355,9 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"the body is {int(declared)} bytes, over gateway.max_body = {limit} bytes")
         budget = self.config.gateway.max_bodies
+        # Counted twice: the pieces as they come, and the body they are joined into.
         if declared is not None and declared.isdigit():
-            self._hold(scope, int(declared), budget)  # the whole of it, before a byte is read
+            self._hold(scope, 2 * int(declared), budget)  # the whole of it, before a byte is read
         pieces: list[bytes] = []
         size = 0
         try:
@@ -369,8 +370,8 @@ class Gateway:
                     size += len(piece)
                     if size > limit:
                         raise BodyTooLarge(f"the body is over gateway.max_body = {limit} bytes")
-                    if size > scope.get(HELD, 0):
-                        self._hold(scope, size - scope.get(HELD, 0), budget)
+                    if 2 * size > scope.get(HELD, 0):
+                        self._hold(scope, 2 * size - scope.get(HELD, 0), budget)
                     pieces.append(piece)
                     if not message.get("more_body"):
                         return b"".join(pieces)

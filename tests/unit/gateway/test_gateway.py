@@ -666,12 +666,12 @@ def test_upstream_errors_without_retry_after_get_one() -> None:
 
 def test_bodies_held_at_once_are_bounded_as_a_whole_and_given_back() -> None:
     async def main() -> None:
-        r = rig(max_bodies=1500)  # max_body is 1 KiB: one body fits, two do not
+        r = rig(max_bodies=3000)  # max_body is 1 KiB, each counted twice: one body fits, two do not
         r.daemon.gate.clear()
         body = json.dumps({**chat("qwen-eval"), "pad": "x" * 800}).encode()
         first = asyncio.create_task(r.client.post("/v1/chat/completions", content=body))
         await asyncio.sleep(0.1)
-        assert r.app.bodies == len(body)  # held while it waits for its window
+        assert r.app.bodies == 2 * len(body)  # held while it waits for its window
         second = await r.client.post("/v1/chat/completions", content=body)
         assert second.status_code == 503 and second.headers["retry-after"] == "5"
         assert "gateway.max_bodies" in second.json()["error"]["message"]
