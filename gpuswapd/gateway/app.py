@@ -303,6 +303,14 @@ class Gateway:
                 body = await _read_some(answer)
                 raise UpstreamFailed(f"{call.tenant.name if call.tenant else '?'} answered HTTP {answer.status}: "
                                      f"{body.decode(errors='replace')[:500]}")
+        elif answer.status >= 500 and not (answer.event_stream or b"json" in _content_type(answer)):
+            # An upstream's own error page (HTML, text): the client gets an error it can parse.
+            body = await _read_some(answer)
+            failed = UpstreamFailed(f"{call.tenant.name if call.tenant else '?'} answered HTTP {answer.status}: "
+                                    f"{body.decode(errors='replace')[:500]}",
+                                    retry_after=RETRY_S if answer.status == 503 else None)
+            failed.status = answer.status
+            raise failed
         else:
             headers = answer.headers
             if answer.status in (429, 503) and not any(k == b"retry-after" for k, _ in headers):
@@ -471,6 +479,10 @@ async def _until_gone(receive: Receive, call: Call, task: asyncio.Task[Any]) -> 
                 call.gone = True
                 task.cancel()
             return
+
+
+def _content_type(answer: Answer) -> bytes:
+    return next((v.lower() for k, v in answer.headers if k == b"content-type"), b"")
 
 
 def _header(scope: Scope, name: bytes) -> bytes:

@@ -703,3 +703,18 @@ def test_an_upstream_that_goes_quiet_ends_the_stream_with_an_error_event() -> No
         assert error["type"] == "error" and "upstream_idle" in error["error"]["message"]
         assert b'outcome="upstream_error"' in r.app.meters.render()
     run(main())
+
+
+def test_an_upstreams_html_error_page_reaches_the_client_as_an_error_object() -> None:
+    async def main() -> None:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(500, headers={"content-type": "text/html"},
+                                  stream=httpx.ByteStream(b"<html><h1>Internal Server Error</h1></html>"))
+        r = rig()
+        r.app.upstream.client._transport = httpx.MockTransport(handler)
+        reply = await r.client.post("/v1/messages", json=chat("strata"))
+        assert reply.status_code == 500 and reply.headers["content-type"] == "application/json"
+        error = reply.json()
+        assert error["type"] == "error" and "Internal Server Error" in error["error"]["message"]
+        assert b'outcome="upstream_error"' in r.app.meters.render()
+    run(main())
