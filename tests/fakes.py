@@ -841,9 +841,10 @@ class FakeHttp:
         while True:
             try:
                 reply = await self.chat(check.url, check.model, check.prompt, check.max_tokens, check.timeout)
-                slot = (fields or {}).get("id_slot")
-                self.verify_slots.append(slot)
-                self._slots()[slot if slot is not None else 0] = 20
+                if check.url == RESIDENT_URL:  # llama-server answers in the slot asked for, else the first
+                    slot = (fields or {}).get("id_slot")
+                    self.verify_slots.append(slot)
+                    self._slots()[slot if slot is not None else 0] = 20
                 return reply
             except EndpointUnreachable:
                 if retry_until is None or time.monotonic() >= retry_until:
