@@ -179,7 +179,10 @@ async def _save(w: Context, rec: WindowRecord, report: JsonObject) -> None:
     mine = prefix(w)
     stale = await w.resident.slot_listing(where, mine)
     if stale:
-        await w.resident.remove_slot_files(where, sorted(stale))
+        try:
+            await w.resident.remove_slot_files(where, sorted(stale))
+        except GpuswapError as err:  # the room they take is counted below, as the disk's
+            log.warning("resident_cache_files_left", dir=where, error=err.message, consequence="tried again next time")
     short, what, total = await _identity(w)
     report.update(fingerprint=short, resident=what, slots_total=total)
     slots = sorted((s for s in await w.resident.slots(LOOK_S) if s.tokens > 0), key=lambda s: -s.tokens)
