@@ -31,6 +31,7 @@ counts the tokens restored, which the agents need not prefill again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from typing import TYPE_CHECKING, Any
 
@@ -333,6 +334,17 @@ async def discard(w: Context, rec: WindowRecord) -> None:
     if report is None or report.get("removed") is True:
         return
     await _remove_all(w, rec, report)
+    if report.get("removed") is False:
+        await _settled(w)
+        await _remove_all(w, rec, report)
+
+
+async def _settled(w: Context) -> None:
+    """Wait, up to the lane's deadline, until the disk's calls that outlived theirs have returned."""
+    lane = w.outside.files
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(lane.deadline):
+            await lane.drained()
 
 
 async def _sweep(w: Context) -> None:
@@ -351,3 +363,5 @@ async def _sweep(w: Context) -> None:
             if attempt == 2:
                 log.warning("resident_cache_files_left", error=err.message,
                             consequence="removed before the next save")
+            else:
+                await _settled(w)
