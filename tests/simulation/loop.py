@@ -56,6 +56,20 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         """Return the virtual time: asyncio's sleeps and timeouts follow it."""
         return self.clock.now
 
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        """Schedule ``callback`` at ``when``; time reaches ``when`` before it runs.
+
+        asyncio runs a timer due within its clock's resolution (1 ns) at once; on a real clock the
+        next look at the time is later, on this one it is not: a loop that waits out the last
+        picoseconds of a deadline would spin at one instant for ever.
+        """
+        return super().call_at(when, self._due, when, callback, args, context=context)
+
+    def _due(self, when: float, callback: Any, args: tuple[Any, ...]) -> None:
+        if when > self.clock.now:
+            self.clock.now = when
+        callback(*args)
+
     def _write_to_self(self) -> None:
         """Nothing to wake: every callback comes from this thread."""
 
