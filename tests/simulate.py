@@ -10,8 +10,8 @@ still breaks it (events are dropped while it keeps failing). ``--save DIR`` keep
 history there as a case (tests/simulate_cases/ is replayed by the fast layer). The invariants
 are listed in tests/simulation/runner.py.
 
-Run with a fixed PYTHONHASHSEED (this module sets it for its worker processes) so that a
-replay is exact.
+A replay is exact only under a fixed PYTHONHASHSEED: this module sets it for its worker
+processes, and a run without one starts itself again with PYTHONHASHSEED=0.
 """
 
 from __future__ import annotations
@@ -106,6 +106,19 @@ def print_outcome(outcome: Outcome) -> None:
         print(f"violation: {v}")
 
 
+def fixed_hash_seed() -> None:
+    """Start this process again under PYTHONHASHSEED=0 unless it runs under that seed already.
+
+    Set iteration order follows the hash seed: the pool's workers run under 0, so a replay must.
+    """
+    if os.environ.get("PYTHONHASHSEED") == "0":
+        return
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "tests.simulate", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulation as asked."""
     parser = argparse.ArgumentParser(prog="python -m tests.simulate", description=__doc__.split("\n\n")[0])
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --replay or --history: first shrink the history against this invariant")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
+    if argv is None:
+        fixed_hash_seed()
     if args.history is not None or args.replay is not None:
         if args.history is not None:
             saved = json.loads(args.history.read_text())
@@ -152,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     failing: list[tuple[int, list[Violation]]] = []
     virtual = windows = 0.0
     if args.jobs > 1 and len(seeds) > 1:
-        os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
+        os.environ["PYTHONHASHSEED"] = "0"  # as a replay runs (fixed_hash_seed)
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             results = pool.imap_unordered(run_seed, seeds, chunksize=4)
             for seed, violations, v_s, n_windows, _ in results:
