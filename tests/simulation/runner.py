@@ -33,6 +33,10 @@ Beyond the seven:
 10. "Won't fit" is said only of memory that others than gpuswapd's own processes hold.
 11. A shutdown with on_shutdown = "restore" exits 0 only with the resident back, the timers
     resumed and no window on disk (or when its operator holds the resident down).
+12. A timer gpuswapd starts runs again only once the resident serves and, if it was started
+    again, has answered a completion since that start (agents never meet a dead resident).
+13. A lease on an engine is granted only after a completion from that engine since its last
+    start or wake (READY is never granted on /health alone).
 """
 
 from __future__ import annotations
@@ -576,6 +580,7 @@ class Run:
         self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
         self.leases[c.lease] = c
         self.note(f"  {c.id}: lease {c.lease} on window {c.window} ({message.get('profile')})")
+        self._check_engine_answered(c, str(message.get("profile")))
         if self.ending and c.spec.get("for") == "infinity" and c.kind == "acquire":
             c.releasing = c.release_sent = True  # its Epilog, once the history is over
             self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
@@ -589,6 +594,16 @@ class Run:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._command_ends(c))
         elif c.unit is not None:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._unit_ends(c))
+
+    def _check_engine_answered(self, c: Client, profile: str) -> None:
+        """Invariant 13: a lease on an engine is granted only after a completion from it since its last start or wake."""
+        name = self.container_of(profile)
+        container = self.world.docker.containers.get(name) if name is not None else None
+        if container is None:
+            return  # a bare window: no engine to answer
+        if not any(t >= container.since and who == name for t, who in self.world.http.completions):
+            self.violate("13", f"client {c.id} was granted lease {c.lease} on engine {name} (window {c.window}), "
+                               f"which has answered no completion since its start or wake at {container.since:.2f}s")
 
     def _check_wont_fit(self, c: Client, why: str) -> None:
         """Invariant 10: "won't fit" is said only of memory that others than gpuswapd's own hold."""
@@ -920,6 +935,8 @@ class Run:
         world = self.world
         if world.card.ooms:
             self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
+        if world.timer_violations:
+            self.violate("12", world.timer_violations[0])
         if world.short_starts and self.config.gpu.resident_needs >= RESIDENT_NEEDS:
             # With gpu.resident_needs right, gpuswapd never starts the resident into less than it needs.
             self.violate("3", f"the resident was started short of memory: {world.short_starts[0]}")

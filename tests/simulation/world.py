@@ -261,6 +261,8 @@ class Timer:
     runs_s: float
     next_run: int | None = None
     job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
+    stopped_at: float | None = None  # when it was last stopped (paused)
+    resident_was_up: bool = False  # whether the resident served when it was stopped
 
 
 class Systemd:
@@ -547,6 +549,11 @@ class Systemd:
         timer = self.timer_units[name]
         assert timer.job is not None
         paths, timer.job = timer.job[2], None
+        if method == "StartUnit" and not timer.active:
+            self._timer_resumed(timer)
+        if method != "StartUnit" and timer.active:
+            timer.stopped_at = self.world.clock.now
+            timer.resident_was_up = self.world.resident_serves()
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None
@@ -555,6 +562,31 @@ class Systemd:
         self.history.append((self.world.clock.now, name, "active" if timer.active else "inactive"))
         for path in paths:
             self.jobs.removed(path, "done")
+
+    def _timer_resumed(self, timer: Timer) -> None:
+        """Invariant 12: a timer runs again only once the resident started while it was stopped has answered.
+
+        A resident that served when the timer stopped must serve again, and one started again since
+        the timer stopped (gpuswapd's restore) must have answered a completion since that start: the
+        agents the timer runs use the resident. One already down when the timer stopped (its
+        operator's stop, a crash) is not this rule's: the timer ran with it down before.
+        """
+        world = self.world
+        if timer.stopped_at is None:
+            return
+        if timer.resident_was_up and not world.resident_serves():
+            states = {u: self.units[u].active_state for u in world.resident_units}
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident, up when it was stopped "
+                f"at {timer.stopped_at:.2f}s, is not serving ({states})")
+            return
+        since = max((t for u in world.resident_units for t in self.units[u].started_at), default=0.0)
+        if since < timer.stopped_at:
+            return
+        if not any(t >= since and who == "resident" for t, who in world.http.completions):
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident started at {since:.2f}s "
+                "has answered no completion since")
 
     def _schedule_timer(self, timer: Timer) -> None:
         timer.next_run = self.world.scheduler.after(timer.every_s, lambda: self._run_agent(timer))
@@ -594,6 +626,7 @@ class Container:
     sleeping: int | None = None
     garbled: bool = False
     starts: int = 0
+    since: float = 0.0  # its last start or wake: a lease needs a completion from it after this
 
     def state(self) -> ContainerState:
         """Inspect it."""
@@ -663,6 +696,7 @@ class Docker:
         c.starts += 1
         c.pid = next(self._pids)
         c.key = f"engine:{name}#{c.starts}"
+        c.since = self.world.clock.now
         c.sleeping, c.garbled, c.dead = None, False, False
         self.world.files.evict()  # the engine's weights push the resident's model out of the page cache
         if self.world.card.claim(c.key, c.pid, c.vram):
@@ -761,6 +795,7 @@ class Docker:
         if not self.world.card.grow(c.key, c.vram):
             return False
         c.sleeping = None
+        c.since = self.world.clock.now
         self.woke.append((name, self.world.clock.now))
         c.garbled = self.garble_wakes > 0
         self.garble_wakes -= c.garbled
@@ -1085,6 +1120,7 @@ class World:
         self.agent_runs = 0
         self.agent_failures: list[str] = []
         self.short_starts: list[str] = []  # the resident fit itself smaller: it was started short of memory
+        self.timer_violations: list[str] = []  # invariant 12: a timer started before the resident answered
 
     def resident_serves(self) -> bool:
         """Tell whether the resident answers completions now (its units active)."""
