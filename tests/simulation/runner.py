@@ -596,7 +596,7 @@ class Run:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._unit_ends(c))
 
     def _check_engine_answered(self, c: Client, profile: str) -> None:
-        """Invariant 13: a lease on an engine is granted only after a completion from it since its last start or wake."""
+        """Invariant 13: a lease on an engine only after a completion from it since its last start or wake."""
         name = self.container_of(profile)
         container = self.world.docker.containers.get(name) if name is not None else None
         if container is None:
