@@ -411,6 +411,7 @@ class Run:
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
         self.held: list[list[float]] = []  # [stopped, started]: the operator held the resident down
+        self.held_for_good = False  # its operator stopped the resident and never starts it again
         self.crashes: list[float] = []
         self.baseline_restores: list[float] = []
         self.images_gone: list[tuple[float, float, str]] = []
@@ -802,12 +803,12 @@ class Run:
         if self.host.state != "up" or daemon is None or daemon.window.record is not None \
                 or not self.world.resident_serves():
             return
-        self.world.systemd.queue_jobs("StopUnit", ["strata.service"])
+        self._operator("StopUnit", ["strata.service"])
         self.held.append([self.clock.now, math.inf])
         self.world.scheduler.after(float(e["for"]), self._operator_starts)
 
     def _operator_starts(self) -> None:
-        if not self.held or not math.isinf(self.held[-1][1]):
+        if not self.held or not math.isinf(self.held[-1][1]) or self.held_for_good:
             return
         daemon = self.host.daemon
         if daemon is None or daemon.window.record is not None or self._disk_window() or \
@@ -817,9 +818,35 @@ class Run:
             self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
             return
         self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
-        self.world.systemd.queue_jobs("StartUnit", ["llama-swap.service"])
+        self._operator("StartUnit", ["llama-swap.service"])
         # Its start takes a moment, and if it fails the reconcile brings it back in its own time.
         self.held[-1][1] = self.clock.now + self.config.daemon.reconcile + 60.0
+
+    def _operator(self, method: str, units: list[str]) -> None:
+        """The operator's own systemctl start or stop."""
+        sd = self.world.systemd
+        sd.operator_hand = True
+        try:
+            sd.queue_jobs(method, units)
+        finally:
+            sd.operator_hand = False
+
+    def _do_operator_stop_while_down(self, e: dict[str, Any]) -> None:
+        """gpuswapd is down (an upgrade, the Restart= gap) and its operator stops the resident meanwhile, for good.
+
+        Awaiting a fix (issue 34 item 1): drawn only with --draw-all.
+        """
+        if self.host.state != "up" or not self.world.resident_serves():
+            return
+        daemon = self.host.daemon
+        if daemon is None or daemon.window.record is not None or self._disk_window():
+            return
+        self.note("  the operator stops the resident while gpuswapd is down")
+        self.host.kill("SIGKILL (an upgrade)")
+        self._operator("StopUnit", ["strata.service"])
+        self.held.append([self.clock.now, math.inf])
+        self.held_for_good = True
+        self.world.scheduler.after(float(e["restart_after"]), self.host.start)
 
     def _do_resident_crash(self, e: dict[str, Any]) -> None:
         """The resident's server dies by itself (it fails); gpuswapd's reconcile brings it back."""
@@ -937,6 +964,8 @@ class Run:
             self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
         if world.timer_violations:
             self.violate("12", world.timer_violations[0])
+        if world.systemd.start_violations and "start_only_what_it_stopped" in self.setup.awaiting:
+            self.violate("14", world.systemd.start_violations[0])
         if world.short_starts and self.config.gpu.resident_needs >= RESIDENT_NEEDS:
             # With gpu.resident_needs right, gpuswapd never starts the resident into less than it needs.
             self.violate("3", f"the resident was started short of memory: {world.short_starts[0]}")
@@ -1128,11 +1157,12 @@ class Run:
         world, daemon = self.world, self.host.daemon
         assert daemon is not None
         self._check_leases(daemon, final=True)
-        if not world.resident_serves():
+        if not world.resident_serves() and not self.held_for_good:
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("1", f"quiet, but the resident is not up: {states}")
         restarted = world.last_resident_start()
-        if restarted > 0 and not any(t >= restarted and who == "resident" for t, who in world.http.completions):
+        answered = any(t >= restarted and who == "resident" for t, who in world.http.completions)
+        if restarted > 0 and not self.held_for_good and not answered:
             self.violate("1", f"quiet, but the resident was not verified after its last start at {restarted:.1f}s")
         self._check_as_it_was(daemon)
         timers = {name: t.active for name, t in world.systemd.timer_units.items()}

@@ -281,6 +281,13 @@ class Systemd:
         self.operator_jobs: set[str] = set()  # units whose pending start their operator asked for
         self.operator_started: list[float] = []
         self.history: list[tuple[float, str, str]] = []  # (time, unit, state): what went on
+        # Invariant 14: who last stopped each unit and timer that is down ("gpuswapd", "its operator",
+        # "a crash", "nobody": it never ran); gpuswapd may start only what it stopped itself.
+        self.operator_hand = False  # set while the history's operator calls systemd
+        self.stopped_by: dict[str, str] = {}
+        self._stopping: dict[str, str] = {}  # stops under way: who asked
+        self._cause: str | None = None  # who stops what a stop takes down with it
+        self.start_violations: list[str] = []
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -301,6 +308,8 @@ class Systemd:
         self.units[service] = Unit(service)
         if active:
             self._schedule_timer(self.timer_units[name])
+        else:
+            self.stopped_by[name] = "nobody (it never ran)"
 
     def _key(self, unit: Unit) -> str:
         return f"{unit.name}#{unit.starts}"
@@ -415,8 +424,27 @@ class Systemd:
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)
 
+    def _whose_start(self, name: str) -> None:
+        """Invariant 14: a start gpuswapd asks for is of a unit or timer that is up, or that it stopped itself."""
+        if self.operator_hand:
+            return
+        timer = self.timer_units.get(name)
+        unit = self.units.get(name)
+        down = (not timer.active) if timer is not None else (
+            unit is not None and unit.active_state in ("inactive", "failed", "deactivating"))
+        who = self.stopped_by.get(name, "nobody (it never ran)")
+        if down and who != "gpuswapd":
+            self.start_violations.append(f"gpuswapd started {name} at {self.world.clock.now:.2f}s, "
+                                         f"which {who} stopped, not gpuswapd")
+
     def _queue(self, method: str, name: str) -> str:
         path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
+        who = "its operator" if self.operator_hand else "gpuswapd"
+        if method == "StartUnit":
+            self._whose_start(name)
+        elif (name in self.timer_units and self.timer_units[name].active) or (
+                name in self.units and self.units[name].active_state in ("active", "activating")):
+            self._stopping[name] = who
         if name in self.timer_units:
             timer = self.timer_units[name]
             if timer.job is not None and timer.job[0] == method:
@@ -496,6 +524,7 @@ class Systemd:
             self._finish(unit, "failed")
             return
         unit.started_at.append(self.world.clock.now)
+        self.stopped_by.pop(unit.name, None)
         if unit.name in self.operator_jobs:
             self.operator_jobs.discard(unit.name)
             self.operator_started.append(self.world.clock.now)
@@ -515,9 +544,16 @@ class Systemd:
     def _exit(self, unit: Unit, state: str = "inactive") -> None:
         if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
             self.world.card.release(self._key(unit))
-        for dep in self._dependents(unit.name):
-            if self.units[dep].active_state in ("active", "activating", "deactivating"):
-                self._stop_now(self.units[dep])
+        outer = self._cause
+        cause = self._stopping.pop(unit.name, None) or outer or "a crash"
+        self.stopped_by[unit.name] = cause
+        self._cause = cause  # what it takes down goes for the same reason
+        try:
+            for dep in self._dependents(unit.name):
+                if self.units[dep].active_state in ("active", "activating", "deactivating"):
+                    self._stop_now(self.units[dep])
+        finally:
+            self._cause = outer
         self._set(unit, state)
 
     def _set(self, unit: Unit, state: str) -> None:
@@ -541,6 +577,7 @@ class Systemd:
             unit.starts += 1
             unit.pid = next(self._pids)
             unit.started_at.append(self.world.clock.now)
+            self.stopped_by.pop(unit.name, None)
             self._set(unit, "active")
 
     # -- timers and their agent jobs ----------------------------------------------------------
@@ -554,6 +591,10 @@ class Systemd:
         if method != "StartUnit" and timer.active:
             timer.stopped_at = self.world.clock.now
             timer.resident_was_up = self.world.resident_serves()
+        if method == "StartUnit":
+            self.stopped_by.pop(name, None)
+        elif timer.active:
+            self.stopped_by[name] = self._stopping.pop(name, "gpuswapd")
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None
