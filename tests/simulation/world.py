@@ -484,9 +484,13 @@ class Systemd:
             if unit.active_state in ("inactive", "failed"):
                 self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
                 return path
-            for dep in self._dependents(name):  # a stop propagates to what Requires= it
-                if self.units[dep].active_state in ("active", "activating"):
-                    self._stop_now(self.units[dep])
+            outer, self._cause = self._cause, who  # a stop propagates to what Requires= it, for the same reason
+            try:
+                for dep in self._dependents(name):
+                    if self.units[dep].active_state in ("active", "activating"):
+                        self._stop_now(self.units[dep])
+            finally:
+                self._cause = outer
             self._set(unit, "deactivating")
             action = self.world.scheduler.after(unit.stop_s, lambda: self._stopped(unit))
         unit.job, unit.job_paths = (verb, action), [path]
