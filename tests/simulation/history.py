@@ -33,6 +33,9 @@ AWAITING_FIX: dict[str, str] = {
     # The operator stops the resident while gpuswapd is down (an upgrade, the Restart= gap): the
     # first reconcile brings it back as a baseline restore (issue 34 item 1).
     "operator_stop_while_down": "issue 34 item 1",
+    # The wall clock steps an hour either way: a lease's expiry follows it (stepped forward, a
+    # lease ends early, which invariant 4 names; issue 35 "Nothing on the box can fool it" item 2).
+    "clock_steps": "issue 35 item 2",
 }
 
 
@@ -285,5 +288,9 @@ def draw_awaiting(seed: int, setup: Setup, events: list[dict[str, Any]]) -> list
         for _ in range(rng.choice((0, 1, 1, 2))):
             extra.append({"do": "operator_stop_while_down", "at": round(rng.uniform(1.0, end), 2),
                           "restart_after": rng.choice((2.0, 5.0, 30.0))})
+    if "clock_steps" in setup.awaiting:
+        for _ in range(rng.choice((0, 1, 2))):
+            extra.append({"do": "clock_step", "at": round(rng.uniform(1.0, end), 2),
+                          "by": rng.choice((3600.0, -3600.0, 600.0))})
     return sorted([*events, *extra], key=lambda e: float(e["at"]))
 

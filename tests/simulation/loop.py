@@ -18,6 +18,7 @@ class VirtualClock:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.wall_offset = 0.0  # what the wall clock was stepped by (an operator's date, NTP)
 
     def monotonic(self) -> float:
         """Return the virtual monotonic time."""
@@ -25,7 +26,7 @@ class VirtualClock:
 
     def wall(self) -> float:
         """Return the virtual wall-clock time."""
-        return EPOCH + self.now
+        return EPOCH + self.now + self.wall_offset
 
 
 class _Selector(selectors.SelectSelector):
