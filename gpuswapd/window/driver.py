@@ -41,7 +41,7 @@ class Driver:
 
     def recover(self, rec: WindowRecord) -> None:
         """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
-        self.w.record = rec
+        self.w.record = self.w.adopting = rec
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
         self.drive(recovery.adopt_or_roll_back(self.w, rec))
 

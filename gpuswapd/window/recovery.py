@@ -116,7 +116,18 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
 
 
 async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
-    """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
+    """Adopt a window left READY whose engine still serves and whose leases last; else close it.
+
+    Until it is decided, the window grants no lease (``Context.adopting``): its requests queue.
+    """
+    try:
+        await _adopt_or_roll_back(w, rec)
+    finally:
+        if w.adopting is rec:
+            w.adopting = None
+
+
+async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     preempting.resume_stops(w, rec)  # a preemption's stops that were not confirmed before the restart
     if rec.phase is Phase.IDLE and not rec.pending_switch:  # it had finished; the cleared document was not written
@@ -156,9 +167,12 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         log.info("window_adopted", leases=len(rec.leases))
         if rec.kind == ProfileKind.ENGINE:
             await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
+        w.adopting = None
+        await w.grant_adopted(rec)
         w.notify_status()
         await holding.hold_then_close(w, rec)
         return
+    w.adopting = None  # closing: what queued meanwhile waits for the next window
     await closing.close(w, rec, "recovered")
 
 

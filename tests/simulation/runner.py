@@ -33,6 +33,12 @@ Beyond the seven:
 10. "Won't fit" is said only of memory that others than gpuswapd's own processes hold.
 11. A shutdown with on_shutdown = "restore" exits 0 only with the resident back, the timers
     resumed and no window on disk (or when its operator holds the resident down).
+12. A timer gpuswapd starts runs again only once the resident serves and, if it was started
+    again, has answered a completion since that start (agents never meet a dead resident).
+13. A lease on an engine is granted only after a completion from that engine since its last
+    start or wake (READY is never granted on /health alone).
+14. gpuswapd starts a unit (14) or a timer (14t) only to undo its own stop, whatever its
+    operator did and whenever (awaiting its fix: checked only with --draw-all).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ SERVER_CAP = 16 * 1024  # the socket server's cap on what one client leaves unre
 BUFFER_BOUND = SERVER_CAP + 4 * 1024  # the cap and one line more
 UIDS = {"root": (0, 0), "alice": (50001, 0), "bob": (50002, 0), "eve": (50003, 50003)}
 FAULT_HEALS_S = 120.0
+LATE_EXPIRY_S = 60.0  # a lease still held this long after its expiry was not ended by it
 HANG_LATE_S = 90.0  # a hung blocking call answers this late: past every lane's deadline
 BUGS = ("task_failed", "window_driver_failed", "window_open_crashed", "request_crashed", "client_handler_crashed",
         "window_driver_interrupted")
@@ -408,6 +415,7 @@ class Run:
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
         self.held: list[list[float]] = []  # [stopped, started]: the operator held the resident down
+        self.held_for_good = False  # its operator stopped the resident and never starts it again
         self.crashes: list[float] = []
         self.baseline_restores: list[float] = []
         self.images_gone: list[tuple[float, float, str]] = []
@@ -574,9 +582,10 @@ class Run:
         daemon = self.host.daemon
         c.window = daemon.window.record.id if daemon is not None and daemon.window.record is not None else None
         expires = lease.get("expires_at")
-        self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+        self.lease_expiry[c.lease] = math.inf if expires is None else self._on_virtual(float(expires))
         self.leases[c.lease] = c
         self.note(f"  {c.id}: lease {c.lease} on window {c.window} ({message.get('profile')})")
+        self._check_engine_answered(c, str(message.get("profile")))
         if self.ending and c.spec.get("for") == "infinity" and c.kind == "acquire":
             c.releasing = c.release_sent = True  # its Epilog, once the history is over
             self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
@@ -590,6 +599,16 @@ class Run:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._command_ends(c))
         elif c.unit is not None:
             c.ender = self.world.scheduler.after(float(c.spec["cmd_s"]), lambda: self._unit_ends(c))
+
+    def _check_engine_answered(self, c: Client, profile: str) -> None:
+        """Invariant 13: a lease on an engine only after a completion from it since its last start or wake."""
+        name = self.container_of(profile)
+        container = self.world.docker.containers.get(name) if name is not None else None
+        if container is None:
+            return  # a bare window: no engine to answer
+        if not any(t >= container.since and who == name for t, who in self.world.http.completions):
+            self.violate("13", f"client {c.id} was granted lease {c.lease} on engine {name} (window {c.window}), "
+                               f"which has answered no completion since its start or wake at {container.since:.2f}s")
 
     def _check_wont_fit(self, c: Client, why: str) -> None:
         """Invariant 10: "won't fit" is said only of memory that others than gpuswapd's own hold."""
@@ -637,7 +656,7 @@ class Run:
     def _renewed(self, c: Client, reply: dict[str, Any]) -> None:
         if reply.get("ok") and c.lease is not None:
             expires = reply["lease"].get("expires_at")
-            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+            self.lease_expiry[c.lease] = math.inf if expires is None else self._on_virtual(float(expires))
 
     def _command_ends(self, c: Client) -> None:
         if not c.running:
@@ -788,12 +807,12 @@ class Run:
         if self.host.state != "up" or daemon is None or daemon.window.record is not None \
                 or not self.world.resident_serves():
             return
-        self.world.systemd.queue_jobs("StopUnit", ["strata.service"])
+        self._operator("StopUnit", ["strata.service"])
         self.held.append([self.clock.now, math.inf])
         self.world.scheduler.after(float(e["for"]), self._operator_starts)
 
     def _operator_starts(self) -> None:
-        if not self.held or not math.isinf(self.held[-1][1]):
+        if not self.held or not math.isinf(self.held[-1][1]) or self.held_for_good:
             return
         daemon = self.host.daemon
         if daemon is None or daemon.window.record is not None or self._disk_window() or \
@@ -803,9 +822,46 @@ class Run:
             self.world.scheduler.after(10.0, self._operator_starts)  # the operator waits for the card to be free
             return
         self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
-        self.world.systemd.queue_jobs("StartUnit", ["llama-swap.service"])
+        self._operator("StartUnit", ["llama-swap.service"])
         # Its start takes a moment, and if it fails the reconcile brings it back in its own time.
         self.held[-1][1] = self.clock.now + self.config.daemon.reconcile + 60.0
+
+    def _operator(self, method: str, units: list[str]) -> None:
+        """The operator's own systemctl start or stop."""
+        sd = self.world.systemd
+        sd.operator_hand = True
+        try:
+            sd.queue_jobs(method, units)
+        finally:
+            sd.operator_hand = False
+
+    def _do_operator_stop_while_down(self, e: dict[str, Any]) -> None:
+        """gpuswapd is down (an upgrade, the Restart= gap) and its operator stops the resident meanwhile, for good.
+
+        Awaiting a fix (issue 34 item 1): drawn only with --draw-all.
+        """
+        if self.host.state != "up" or not self.world.resident_serves():
+            return
+        daemon = self.host.daemon
+        if daemon is None or daemon.window.record is not None or self._disk_window():
+            return
+        self.note("  the operator stops the resident while gpuswapd is down")
+        self.host.kill("SIGKILL (an upgrade)")
+        self._operator("StopUnit", ["strata.service"])
+        self.held.append([self.clock.now, math.inf])
+        self.held_for_good = True
+        self.world.scheduler.after(float(e["restart_after"]), self.host.start)
+
+    def _on_virtual(self, wall: float) -> float:
+        """The virtual moment a wall-clock time stands for now (the wall clock may have been stepped)."""
+        return wall - EPOCH - self.clock.wall_offset
+
+    def _do_clock_step(self, e: dict[str, Any]) -> None:
+        """The wall clock steps (date -s, NTP after a long drift); durations must not move with it.
+
+        Awaiting a fix (issue 35 item 2): drawn only with --draw-all.
+        """
+        self.clock.wall_offset += float(e["by"])
 
     def _do_resident_crash(self, e: dict[str, Any]) -> None:
         """The resident's server dies by itself (it fails); gpuswapd's reconcile brings it back."""
@@ -921,6 +977,12 @@ class Run:
         world = self.world
         if world.card.ooms:
             self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
+        if world.timer_violations:
+            self.violate("12", world.timer_violations[0])
+        if world.systemd.start_violations and "start_only_what_it_stopped" in self.setup.awaiting:
+            # 14 for units, 14t for timers: each is its own finding (issue 34 items 1 and 3).
+            for found in world.systemd.start_violations:
+                self.violate("14t" if ".timer " in found else "14", found)
         if world.short_starts and self.config.gpu.resident_needs >= RESIDENT_NEEDS:
             # With gpu.resident_needs right, gpuswapd never starts the resident into less than it needs.
             self.violate("3", f"the resident was started short of memory: {world.short_starts[0]}")
@@ -963,6 +1025,13 @@ class Run:
         now = self.clock.now
         rec = daemon.window.record
         current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
+        if "clock_steps" in self.setup.awaiting:  # awaiting a fix: a lease also ends at its expiry, not much later
+            for lease_id in current:
+                late = now - self.lease_expiry.get(lease_id, math.inf)
+                if late > LATE_EXPIRY_S:
+                    self.violate("4", f"lease {lease_id} is still held {late:.0f}s after it expired "
+                                      f"(at {self.lease_expiry[lease_id]:.1f}s); the wall clock was stepped by "
+                                      f"{self.clock.wall_offset:+.0f}s")
         for lease_id, c in list(self.leases.items()):
             if lease_id in current:
                 continue
@@ -1112,11 +1181,12 @@ class Run:
         world, daemon = self.world, self.host.daemon
         assert daemon is not None
         self._check_leases(daemon, final=True)
-        if not world.resident_serves():
+        if not world.resident_serves() and not self.held_for_good:
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("1", f"quiet, but the resident is not up: {states}")
         restarted = world.last_resident_start()
-        if restarted > 0 and not any(t >= restarted and who == "resident" for t, who in world.http.completions):
+        answered = any(t >= restarted and who == "resident" for t, who in world.http.completions)
+        if restarted > 0 and not self.held_for_good and not answered:
             self.violate("1", f"quiet, but the resident was not verified after its last start at {restarted:.1f}s")
         self._check_as_it_was(daemon)
         timers = {name: t.active for name, t in world.systemd.timer_units.items()}
