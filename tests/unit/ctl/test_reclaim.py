@@ -38,8 +38,8 @@ def _stand_in(path: Path, answers: list[str]) -> tuple[threading.Thread, list[di
                     if answer == "lease":
                         f.write(json.dumps({"ok": True, "lease": {"id": "l1"}}).encode() + b"\n")
                     elif answer == "stopping":
-                        f.write(json.dumps({"ok": False, "error": {"code": "stopping",
-                                                                   "message": "gpuswapd is stopping"}}).encode() + b"\n")
+                        error = {"code": "stopping", "message": "gpuswapd is stopping"}
+                        f.write(json.dumps({"ok": False, "error": error}).encode() + b"\n")
                     f.flush()
 
     thread = threading.Thread(target=serve, daemon=True)
