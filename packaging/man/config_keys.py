@@ -110,7 +110,7 @@ MEANINGS: dict[str, str] = {
                          "ExecStopPost= runs as usual. The defaults are gpuswapd's own units (the gateway's too) and "
                          "the services that run the work of many users (cron, atd, sshd, slurmd, systemd's own): a "
                          "lease is bound to a unit only when the unit is the caller's own (see gpuswapctl(1), \"Who "
-                         "may ask\" in the README), and this list keeps those services running whatever a lease says. "
+                         "may ask\" in the docs), and this list keeps those services running whatever a lease says. "
                          "Setting the key replaces the whole list: keep the defaults in it.",
     "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
                         "never). A configured resident unit found inactive or failed is brought back with its "
