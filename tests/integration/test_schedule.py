@@ -12,17 +12,19 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import TEST_BOOT_DELAY
-from tests.integration.conftest import assert_resident_back, wait_for, wait_state
+from tests.integration.conftest import assert_resident_back, wait_for, wait_state, with_profiles
 from tests.stack.config import ENGINE_ENV, profile_sections, stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import Probe
 from tests.stack.world import Stack
 
 SERVICE = "gpuswapd-schedule.service"
+Start = Callable[..., RunningDaemon]
 
 
 def _activated(world: Stack, probe: Probe, **sections: dict[str, Any]) -> RunningDaemon:
@@ -122,3 +124,34 @@ def test_a_client_that_hangs_up_during_boot_and_retries_rejoins_the_same_boot(wo
     finally:
         _stop(world, probe)
 
+
+
+def test_the_tenant_keeps_the_card_for_its_requests_until_another_has_waited_its_share(
+        gpuswapd: Start, probe: Probe) -> None:
+    # A share of 3 s whatever the price (residency_factor = 0): fair_after alone.
+    daemon = with_profiles(gpuswapd, probe, daemon={"fair_after": "3s", "residency_factor": 0})
+    assert daemon.ctl("acquire", "--holder", "agent-1", "--for", "30s").returncode == 0
+    window = daemon.status()["window"]["id"]
+    other = _ctl(daemon, "acquire", "--profile", "eval", "--holder", "eval", "--for", "1m")
+    wait_for(lambda: daemon.status()["schedule"]["queue"] == {"eval": 1}, "eval to queue")
+    # Within eval's share, the tenant's next request joins the card: no swap.
+    assert daemon.ctl("acquire", "--holder", "agent-2", "--for", "30s").returncode == 0
+    status = daemon.status()
+    assert status["window"]["id"] == window and status["schedule"]["swaps_avoided"] == 1
+    assert status["schedule"]["tenant"] == "default" and status["schedule"]["next"] == "eval"
+    wait_for(lambda: daemon.status()["schedule"]["residency_left_s"] == 0, "eval's share to pass", 30)
+    # Past it, new requests for the tenant queue behind eval, and a renewal cannot outlast the claim.
+    late = _ctl(daemon, "acquire", "--holder", "agent-3", "--for", "30s")
+    wait_for(lambda: [q["holder"] for q in daemon.status()["queue"]] == ["eval", "agent-3"], "agent-3 to queue")
+    renewed = daemon.ctl_json("renew", "--holder", "agent-1", "--for", "1h")
+    assert renewed["capped_by"] == "fair_after" and renewed["lease"]["remaining_s"] < 60
+    for holder in ("agent-1", "agent-2"):  # the requests in flight finish; then the card moves
+        assert daemon.ctl("release", "--holder", holder).returncode == 0
+    assert other.wait(60) == 0, other.stderr.read() if other.stderr else ""
+    assert daemon.status()["window"]["profile"] == "eval" and late.poll() is None
+    assert daemon.ctl("release", "--holder", "eval").returncode == 0
+    assert late.wait(60) == 0
+    assert daemon.status()["window"]["profile"] == "default"
+    assert daemon.ctl("release", "--holder", "agent-3").returncode == 0
+    daemon.wait_phase("IDLE", timeout=90)
+    assert_resident_back(probe)
