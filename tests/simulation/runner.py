@@ -697,6 +697,8 @@ class Run:
         if not c.revoked and not c.hung_up and c.lease is not None:
             self.release(c)
         if c.conn is not None:
+            if c.finals == 0:  # it still waited for its reclaim's answer: gpuswapctl run exits, hanging up
+                c.hung_up = True
             c.conn.hang_up()
 
     def _unit_ends(self, c: Client) -> None:
