@@ -187,8 +187,9 @@ class Driver:
         and the record stays for the next start. Tell whether the GPU was given back.
         """
         self.w.stopping.set()
-        self.w.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
-                                   "acquire again once it is back"))
+        self.w.queue.keep_waiters()  # for their clients to reclaim from the next start, with their tokens
+        self.w.fail_waiters(Stopping("gpuswapd is stopping: a request with a token (gpuswapctl, the gateway) keeps "
+                                     "its place for daemon.reclaim_grace once it is back; acquire again with it"))
         driver = self.task
         await parking.stop_watching(self.w)
         if not restore:

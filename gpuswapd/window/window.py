@@ -111,7 +111,8 @@ class Window:
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down),
+                        queue=[w.to_dict() for w in self.queue.waiters] + self.queue.kept_now(clock.wall()),
+                        held_down=dict(self.held_down),
                         resident=self.known.to_dict())
 
     @property
@@ -781,8 +782,9 @@ class Window:
     def refuse_new(self) -> None:
         """Take no new lease or request from now on, and fail those that wait: gpuswapd is about to stop."""
         self.refusing = True
-        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
-                                   "acquire again once it is back"))
+        self.queue.keep_waiters()  # for their clients to reclaim from the next start, with their tokens
+        self.fail_waiters(Stopping("gpuswapd is stopping: a request with a token (gpuswapctl, the gateway) keeps "
+                                   "its place for daemon.reclaim_grace once it is back; acquire again with it"))
 
     # -- the driver's: the record handed over --------------------------------------------------
 

@@ -86,6 +86,7 @@ ENGINE_BYTES = int(19.5 * GiB)
 TOTAL_BYTES = 24 * GiB
 CHECK_EVERY_S = 1.0
 QUIET_WITHIN_S = 6 * 3600.0
+RECLAIM_AFTER_S = 1.0  # gpuswapctl sends its acquire again this soon after gpuswapd went away
 SERVER_CAP = 16 * 1024  # the socket server's cap on what one client leaves unread, smaller than in service
 BUFFER_BOUND = SERVER_CAP + 4 * 1024  # the cap and one line more
 UIDS = {"root": (0, 0), "alice": (50001, 0), "bob": (50002, 0), "eve": (50003, 50003)}
@@ -279,6 +280,9 @@ class Client:
     vram_key: str | None = None
     dropped: str | None = None  # why its connection went: "kill", "shutdown"
     hung_up: bool = False
+    request: dict[str, Any] | None = None  # its acquire, as sent
+    token: str | None = None  # its reclaim token (the "accepted" event)
+    reclaims: int = 0  # how many times it sent its acquire again after gpuswapd went away
 
     @property
     def kind(self) -> str:
@@ -541,6 +545,7 @@ class Run:
             request["holder"] = f"slurm-job-{c.id}"
         if c.kind == "run":
             request["bind"] = "connection"  # as gpuswapctl run asks: the lease ends with its connection
+        c.request = request
         c.conn = self.host.connect(c.peer)
         c.conns.append(c.conn)
         c.conn.send(encode(request))
@@ -556,6 +561,15 @@ class Run:
                     self.note(f"  {c.id}: connection closed with no reply")
                 return
             message = json.loads(line)
+            if message.get("event") == "accepted":
+                c.token = message.get("token")
+                continue
+            if "ok" in message and not message["ok"] and message["error"].get("code") == "stopping" \
+                    and self._reclaims(c):
+                self.note(f"  {c.id}: told gpuswapd is stopping: it sends its request again with its token")
+                c.dropped = "shutdown"
+                self.world.scheduler.after(RECLAIM_AFTER_S, lambda: self._reclaim(c))
+                return
             if "ok" in message:
                 c.finals += 1
                 if c.finals > 1:
@@ -567,7 +581,39 @@ class Run:
             else:
                 self._told(c, message)
 
+    def _reclaims(self, c: Client) -> bool:
+        """Tell whether a client sends its acquire again when gpuswapd goes away (as gpuswapctl does)."""
+        return c.token is not None and c.unit is None and not c.hung_up and (
+            c.finals == 0 or (c.kind == "run" and c.running and not c.revoked))
+
+    def _reclaim(self, c: Client) -> None:
+        """Send the acquire again with its token on a new connection (held by the socket unit until gpuswapd is up)."""
+        if c.hung_up or c.request is None or c.token is None or (c.kind == "run" and not c.running and c.finals):
+            return
+        c.reclaims += 1
+        c.dropped = None
+        c.finals = 0
+        c.conn = self.host.connect(c.peer)
+        c.conns.append(c.conn)
+        c.conn.send(encode({**c.request, "reclaim": c.token}))
+        self.note(f"  {c.id}: sends its acquire again with its token ({c.reclaims})")
+        tasks.spawn(self._read(c, c.conn), "sim-client")
+
     def _final(self, c: Client, message: dict[str, Any]) -> None:
+        if c.kind == "run" and c.running and message["ok"]:  # reclaimed after a restart of gpuswapd
+            lease = message["lease"]
+            c.lease = lease["id"]  # the same lease, or a new one if it had ended meanwhile
+            daemon = self.host.daemon
+            c.window = daemon.window.record.id if daemon is not None and daemon.window.record is not None else None
+            expires = lease.get("expires_at")
+            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+            self.leases[c.lease] = c
+            self.note(f"  {c.id}: reclaimed lease {c.lease} on window {c.window}")
+            return
+        if c.kind == "run" and c.running:  # refused on its reclaim: its command runs on without a lease
+            c.reply = message
+            self.note(f"  {c.id}: its reclaim was refused: {message['error'].get('code')}")
+            return
         c.reply = message
         if not message["ok"]:
             self.note(f"  {c.id}: refused: {message['error'].get('code')}: {message['error'].get('message')[:160]}")
@@ -671,6 +717,8 @@ class Run:
         if not c.revoked and not c.hung_up and c.lease is not None:
             self.release(c)
         if c.conn is not None:
+            if c.finals == 0:  # it still waited for its reclaim's answer: gpuswapctl run exits, hanging up
+                c.hung_up = True
             c.conn.hang_up()
 
     def _unit_ends(self, c: Client) -> None:
@@ -885,6 +933,8 @@ class Run:
                 if c.unit is not None and c.finals == 0:  # its ExecStartPre exits 3: the unit fails to start
                     c.running = False
                     self.world.systemd.crash(c.unit)
+                elif self._reclaims(c) and c.spec.get("reads", True):
+                    self.world.scheduler.after(RECLAIM_AFTER_S, lambda c=c: self._reclaim(c))
 
     def check_exit(self, daemon: Daemon, status: int | None) -> None:
         """Invariant 11: on_shutdown = "restore" exits with the resident back, or with a status that says not."""
@@ -1056,6 +1106,8 @@ class Run:
             return "released"
         if c.kind == "run" and c.conn is not None and (c.hung_up or c.dropped is not None or not c.conn.open):
             return "its bound connection ended"
+        if c.kind == "run" and c.reclaims and lease_id != c.lease:
+            return "its bound connection ended with gpuswapd; its client holds another lease now"
         if now + 1e-6 >= self.lease_expiry.get(lease_id, math.inf) - 0.01:
             return "expired"
         if c.unit is not None and self.world.systemd.units[c.unit].active_state not in ("active", "activating"):
