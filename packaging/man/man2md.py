@@ -73,7 +73,7 @@ def inline(text: str) -> str:
         elif esc.startswith("("):
             if esc[1:] not in _CHARS:
                 raise ValueError(f"man2md.py does not know the character \\{esc}: add it to _CHARS")
-            out.append(html.escape(_CHARS[esc[1:]]))
+            out.append(html.escape(_CHARS[esc[1:]], quote=False))
         else:
             out.append({"-": "-", "e": "\\", "&": "", "~": "\u00a0", "|": "", "^": "", " ": "\u00a0"}[esc])
     out.append(html.escape(text[pos:], quote=False))
