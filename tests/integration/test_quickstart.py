@@ -54,6 +54,7 @@ SUBSTITUTED = {
     "cp strata.service llama-swap.service /etc/systemd/system/": "the world's own strata and llama-swap units: "
         "the same Requires= link, with llama-server on a tiny model and llama-swap's stand-in (the examples pass "
         "systemd-analyze verify in tests/unit/test_examples.py)",
+    "systemctl edit --full strata.service": "the world's strata.service runs its own tiny model, as 'strata'",
     "mkdir -p /etc/llama-swap": "llama-swap's stand-in takes its upstream on its command line",
     "cp llama-swap.yaml /etc/llama-swap/config.yaml": "llama-swap's stand-in takes its upstream on its command line",
     "docker pull vllm/vllm-openai:latest": "no registry: the world's engine simulator image, built locally",
