@@ -91,6 +91,8 @@ def quickstart_config(world: Stack) -> Any:
     example = tomllib.loads((EXAMPLES / "vllm-openai.toml").read_text())
     cache = world.paths.root / "quickstart-cache"
     container = example["window"]["container"]
+    for host in container["volumes"]:
+        (cache / os.path.basename(host)).mkdir(parents=True, exist_ok=True)
     sections: dict[str, dict[str, Any]] = {
         # Under socket activation daemon.socket is not used; the state lives in the world's directory.
         "daemon": {"socket_group": None},
