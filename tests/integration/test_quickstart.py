@@ -20,7 +20,7 @@ import urllib.request
 from typing import Any
 
 from tests.conftest import TEST_BOOT_DELAY
-from tests.integration.conftest import assert_resident_back, ctl_as, wait_state
+from tests.integration.conftest import assert_resident_back, readable_package, wait_state
 from tests.stack.config import ENGINE_ENV, stack_config
 from tests.stack.daemon import BIN, RunningDaemon
 from tests.stack.probe import RESIDENT_UNITS, Probe
@@ -123,6 +123,15 @@ def quickstart_config(world: Stack) -> Any:
     return stack_config(world, "quickstart", **sections)
 
 
+def ctl_as_login(world: Stack, daemon: RunningDaemon, user: User, *args: str) -> tuple[int, str, str]:
+    """Run gpuswapctl as ``user`` with the groups a login would give it now (/etc/group), from a copy it can read."""
+    out = subprocess.run(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups",
+                          "/usr/bin/python3", "-m", "gpuswapd.ctl.main", "--socket", str(daemon.socket), *args],
+                         env={"PYTHONPATH": str(readable_package(world)), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=300)
+    return out.returncode, out.stdout, out.stderr
+
+
 def _stop(world: Stack, probe: Probe, unit: str) -> None:
     world.manager("StopUnit", "ss", unit, "replace", check=False)
     wait_state(probe, unit, {"inactive", "failed"}, timeout=90)
@@ -163,12 +172,11 @@ def test_the_quickstart_reaches_a_first_window(world: Stack, probe: Probe, users
         assert wait_state(probe, "gpuswapd.socket", {"active"}) == "active"
         daemon = RunningDaemon(world, config, world.paths.run / "gpuswapd" / "gpuswapd.sock")
         who = users[STRANGER]
-        code, _, err = ctl_as(who, daemon, "plan")
+        code, _, err = ctl_as_login(world, daemon, who, "plan")
         assert code == 4 and "gpuswap" in err, (code, err)  # not yet a member
         subprocess.run(["usermod", "-aG", "gpuswap", who.name], check=True, capture_output=True, timeout=30)
         try:
-            member = User(who.name, who.uid, who.gid, tuple(os.getgrouplist(who.name, who.gid)))
-            _first_window(world, probe, daemon, member)
+            _first_window(world, probe, daemon, who)
         finally:
             subprocess.run(["gpasswd", "-d", who.name, "gpuswap"], check=False, capture_output=True, timeout=30)
     finally:
@@ -177,20 +185,20 @@ def test_the_quickstart_reaches_a_first_window(world: Stack, probe: Probe, users
 
 
 def _first_window(world: Stack, probe: Probe, daemon: RunningDaemon, member: User) -> None:
-    # 5. The first window, as the member.
-    code, out, err = ctl_as(member, daemon, "plan")
+    # 5. The first window, as the member (after her next login).
+    code, out, err = ctl_as_login(world, daemon, member, "plan")
     assert code == 0, err
     assert "strata.service" in out and "llama-swap.service" in out, out
-    code, out, err = ctl_as(member, daemon, "acquire", "--for", "15m")
+    code, out, err = ctl_as_login(world, daemon, member, "acquire", "--for", "15m")
     assert code == 0, out + err
     assert [(c["Names"], c["State"]) for c in probe.containers()] == [("vllm", "running")]
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
     assert _get_models(ENGINE_PORT) == ["qwen2.5-7b"]
-    code, out, err = ctl_as(member, daemon, "status", "--json")
+    code, out, err = ctl_as_login(world, daemon, member, "status", "--json")
     assert code == 0, err
     status = json.loads(out)
     assert status["phase"] == "READY" and len(status["leases"]) == 1, status
-    code, out, err = ctl_as(member, daemon, "release")
+    code, out, err = ctl_as_login(world, daemon, member, "release")
     assert code == 0, out + err
     deadline = time.monotonic() + 90
     while json.loads(daemon.ctl("status", "--json").stdout)["phase"] != "IDLE":
