@@ -21,6 +21,7 @@ class Spec:
     gpu: Path
     control: Path
     logs: Path
+    slots: Path
     llama_server: Path
     model: Path
     agents: tuple[str, ...]
@@ -62,9 +63,10 @@ def resident_exec(spec: Spec, alias: str = "strata") -> str:
     """Return strata's ExecStart=: llama-server on the simulated card, fitting itself if a test asked (llama.Fit)."""
     server_args = " ".join(llama.llama_server_args(spec.model, spec.resident_port, ctx=RESIDENT_CTX,
                                                    parallel=RESIDENT_SLOTS, alias=alias))
+    # --slot-save-path: the agents' slots are saved before a window and restored after it (gpuswapd's resident.cache).
     return (f"ExecStart={spec.python} {spec.sim}/llama_fit.py --dir {spec.gpu} --name strata "
             f"--bytes {spec.resident_vram} --fit-file {spec.control}/{llama.FIT_FILE} -- {spec.llama_server} "
-            f"{server_args}\n")
+            f"{server_args} --slot-save-path {spec.slots}\n")
 
 
 def render(spec: Spec) -> dict[str, str]:
@@ -88,7 +90,7 @@ def render(spec: Spec) -> dict[str, str]:
             "llama-swap proxy in front of strata",
             "Requires=strata.service\nAfter=strata.service\n",
             f"Type=exec\nExecStart={py} {sim}/llama_swap.py --listen 127.0.0.1:{spec.proxy_port} "
-            f"--upstream http://127.0.0.1:{spec.resident_port} --model strata\n"
+            f"--upstream http://127.0.0.1:{spec.resident_port} --model strata --control {spec.control}\n"
             f"TimeoutStopSec=10\n{_logs(spec, 'llama-swap')}",
         ),
     }
