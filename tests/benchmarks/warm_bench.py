@@ -1,6 +1,6 @@
 """An agent's next turn after a window, with the resident's slots kept and without, alternating in one run.
 
-    .venv/bin/python -m tests.benchmarks.warm_bench [--cycles 10] [--words 2400] [--lag S] [--boot-delay S]
+    .venv/bin/python -m tests.benchmarks.warm_bench [--cycles 10] [--words 1600] [--lag S] [--boot-delay S]
 
 On the test world, strata serves the "slow" random-weight model (tests/stack/llama.py: 8 layers,
 512 wide) with two slots of 4096 tokens and ``--slot-save-path``. Two gpuswapd configurations
@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the warm benchmark."""
     cli = parser("warm_bench", __doc__, cycles_of="a window with the slots kept and one without")
     add_world_options(cli)
-    cli.add_argument("--words", type=int, default=2400, metavar="N",
-                     help="words of the agent's system prompt (default 2400: about 3k tokens)")
+    cli.add_argument("--words", type=int, default=1600, metavar="N",
+                     help="words of the agent's system prompt (default 1600: about 2.5k tokens)")
     args = cli.parse_args(argv)
     result = measured("warm_bench", run, args.cycles, args.words, args.lag, args.boot_delay)
     if result is None:
