@@ -283,7 +283,7 @@ class DaemonConfig:
     priority_min_nonroot: int = _key(_int(-1000, 1000), -10)
     aging: float = _key(_span(0.0), 600.0)
     preempt_grace: float = _key(_span(0.0), 30.0)
-    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd checks the resident is up (0: never)
+    reconcile: float = _key(_span(0.0), 30.0)  # how often an idle gpuswapd reports the resident down (0: never)
     never_stop: list[str] = _key(_unit_patterns, NEVER_STOP)
 
 
@@ -353,6 +353,9 @@ class ResidentConfig:
     # Its model files, read into the page cache during a close ([]: found from the units' ExecStart=).
     files: list[str] = _key(_abs_paths, [])
     prefetch: bool = _key(_bool, True)
+    # gpuswapd starts only what it stopped; with this, the reconcile also starts a resident unit
+    # that failed (never a masked or disabled one). Restarting a crashed service is Restart='s job.
+    restart_crashed: bool = _key(_bool, False)
     idle: IdleConfig
     verify: CompletionCheck
     cache: CacheConfig

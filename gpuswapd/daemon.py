@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -37,6 +38,7 @@ from gpuswapd.parts.vram import Vram
 from gpuswapd.server.listen import activation_socket, own_socket, raise_fd_limit
 from gpuswapd.server.peers import Host
 from gpuswapd.server.server import Server
+from gpuswapd.state.marks import Marks, marks_dir, memory_marks
 from gpuswapd.state.store import StateStore
 from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.window import identity
@@ -64,6 +66,7 @@ class Systems:
     store: StateStore
     host: Host | None = None  # what the OS says of callers; None: the real one (LinuxHost over systemd)
     files: Files | None = None  # the page cache of the resident's model files (None: the machine's own)
+    marks: Marks | None = None  # what gpuswapd stopped (None: beside the socket, or in memory for fakes)
     slot_files: SlotFiles | None = None  # the resident's slot save directory (None: the machine's own)
 
     @classmethod
@@ -89,13 +92,18 @@ class Daemon:
         self.outside = Outside(Deadlines(systemd=d.call_timeout + 5.0, docker=d.call_timeout + 5.0,
                                          state=d.call_timeout, gpu=config.gpu.probe_timeout + 2.0,
                                          files=d.call_timeout))
+        real = systems is None
         systems = systems or Systems.real(config)
+        # What gpuswapd stopped, kept beside its socket (/run/gpuswapd/NAME.stopped: a reboot clears
+        # it); a world of fakes keeps it in memory with its state directory, across restarts.
+        marks = systems.marks or (Marks(marks_dir(Path(d.socket).parent, instance)) if real
+                                  else memory_marks(systems.store))
         self.systemd = systems.systemd
         self.docker = systems.docker
         self.http = systems.http
         self.store = systems.store
         self.vram = Vram(systems.probe, self.systemd, self.outside)
-        self.resident = Resident(config, self.systemd, self.http, self.outside, systems.slot_files)
+        self.resident = Resident(config, self.systemd, self.http, self.outside, systems.slot_files, marks)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
         engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside,
@@ -171,11 +179,15 @@ class Daemon:
             loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
+        try:  # before any signal matters: a resident unit configured by an alias is signalled by its Id
+            self.window.learn_names(await self.resident.unit_states(self.config.resident.units))
+        except GpuswapError as err:
+            log.warning("resident_names_unread", error=err.message, consequence="learned at the next reconcile")
         docker_up = await self._check_image()
         await self._check_engines(docker_up)
 
     async def begin(self) -> None:
-        """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""
+        """Take up what an earlier gpuswapd left, before serving anyone; then look at the resident while idle."""
         # Reconcile before serving: nobody sees a container no record knows about.
         await recover_at_start(self.window)
         # What the resident is while nothing has touched it: the baseline later restores compare with.
@@ -184,9 +196,9 @@ class Daemon:
             self._reconciler = spawn(self._reconcile(self.config.daemon.reconcile), "reconcile")
 
     async def _reconcile(self, every: float) -> None:
-        """While no window is open, bring the resident back if it was found down (not by its operator).
+        """While no window is open, report the resident if it is down (Window.reconcile: it is never started).
 
-        The first look is at once: a gpuswapd that starts with the resident down brings it back.
+        The first look is at once: a gpuswapd that starts with the resident down says so.
         """
         while not self.window.stopping.is_set():
             try:

@@ -45,13 +45,13 @@ R = TypeVar("R")
 
 CALLS: dict[str, frozenset[str]] = {
     "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
-                          "unit_of_pid", "unit_cgroup", "unit_service", "baseline_units", "baseline_timers",
+                          "unit_of_pid", "unit_cgroup", "unit_service",
                           "commands"}),
     "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
                          "logs_tail", "find", "env_file", "top",
                          "settings"}),  # wait_exit: a long wait on a thread of its own
     "gpu": frozenset({"read"}),
-    "state": frozenset({"read", "write", "append_history", "read_history"}),
+    "state": frozenset({"read", "write", "append_history", "read_history", "mark", "unmark", "read_marks"}),
     "files": frozenset({"measure", "prefetch", "slot_identity", "slot_listing", "slot_free", "slot_remove"}),
     "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify", "is_sleeping", "sleep", "wake_up",
                        "canary", "props", "models", "slots", "slot_save", "slot_restore"}),

@@ -126,6 +126,8 @@ def gpuswapd(world: Stack, request: pytest.FixtureRequest) -> Iterator[Callable[
         config = stack_config(world, name, **sections)
         # A fresh state and log per test: an earlier run of the same test may have left a window there.
         shutil.rmtree(Path(config).parent / "state", ignore_errors=True)
+        for marks in Path(config).parent.glob("*.stopped"):  # what an earlier run of gpuswapd stopped
+            shutil.rmtree(marks, ignore_errors=True)
         Path(config).with_suffix(".log").unlink(missing_ok=True)
         socket = Path(config).parent / "gpuswapd.sock"
         daemon = RunningDaemon(world, config, socket, env)

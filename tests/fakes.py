@@ -50,6 +50,7 @@ from gpuswapd.parts.engine import ContainerEngine
 from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram
 from gpuswapd.server.peers import Peer, PeerChanged
+from gpuswapd.state.marks import memory_marks
 from gpuswapd.state.store import Document, Loaded, decode
 from gpuswapd.window import Backoffs, Window
 
@@ -221,6 +222,10 @@ class FakeUnit:
     pid: int = 0
     fit: FakeFit | None = None  # fits itself to the free memory as llama.cpp does (opt-in)
     n_ctx: int = 4096  # its context per slot, as /props says
+    masked: bool = False  # systemctl mask: nothing starts it
+    names: tuple[str, ...] = ()  # its Id and aliases, as Names says (empty: its name alone)
+    invocation: int = 1  # its InvocationID, new at each start
+    unit_file_state: str = "enabled"
 
 
 class FakeSystemd:
@@ -303,6 +308,8 @@ class FakeSystemd:
                     return "dependency"
             if unit.active_state == "active":
                 return "done"
+            if unit.masked:
+                return "failed"  # systemd refuses the job: the unit is masked
             if self.fail_starts.get(name):
                 self.fail_starts[name] -= 1
                 unit.active_state = "failed"
@@ -322,6 +329,7 @@ class FakeSystemd:
                 unit.active_state = "failed"
                 return "failed"
             unit.active_state = "active"
+            unit.invocation += 1
             self.started.append(name)
             self.started_at.append((next(self.moments), name))
             return "done"
@@ -354,7 +362,10 @@ class FakeSystemd:
             u = self.units.get(unit)
             if u is None:
                 return UnitState(unit, "not-found", "inactive", "dead")
-            return UnitState(unit, "loaded", u.active_state, "running" if u.active_state == "active" else "dead")
+            return UnitState(unit, "masked" if u.masked else "loaded", u.active_state,
+                             "running" if u.active_state == "active" else "dead",
+                             "masked" if u.masked else u.unit_file_state, u.names or (unit,),
+                             f"{u.invocation:032x}" if u.active_state == "active" else "")
 
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)
@@ -377,28 +388,12 @@ class FakeSystemd:
                 queue.extend(self._dependents(name))
             return out
 
-    def dependents_closure(self, units: list[str]) -> list[str]:
-        """List the units and every loaded dependent, whatever its state."""
-        queue, seen, out = list(units), set(), []
-        while queue:
-            name = queue.pop(0)
-            if name in seen or name not in self.units:
-                continue
-            seen.add(name)
-            out.append(name)
-            queue.extend(self._dependents(name))
-        return out
-
     def timers(self, patterns: list[str]) -> list[TimerState]:
         """List the matching timers with their service's state."""
         with self._lock:
             return [TimerState(name, state, svc, self.units[svc].active_state)
                     for name, (state, svc) in sorted(self.timer_units.items())
                     if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
-
-    def installed_timers(self, patterns: list[str]) -> list[str]:
-        """List every loaded timer that matches."""
-        return [t.name for t in self.timers(patterns)]
 
     def unit_of_pid(self, pid: int) -> str | None:
         """Name the unit of a live process (None: it is gone); one on the card outside these units is a session's."""
@@ -985,7 +980,7 @@ class FakeWorld:
         outside = outside or Outside(DEADLINES)
         vram = Vram(self.gpu, self.systemd, outside)  # type: ignore[arg-type]
         resident = Resident(self.config, self.systemd, self.http, outside,  # type: ignore[arg-type]
-                            self.http.slot_files)
+                            self.http.slot_files, memory_marks(self.store))
         engine = ContainerEngine(self.config.window, self.docker, self.http, outside)  # type: ignore[arg-type]
         engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
                    for p in self.config.engine_profiles() if p.name != "default"}

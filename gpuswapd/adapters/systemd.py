@@ -153,7 +153,9 @@ class Systemd:
     def state(self, unit: str) -> UnitState:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
-        return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"])
+        return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
+                         tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex(),
+                         bool((p.get("Job") or (0, "/"))[0]))
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)
@@ -253,39 +255,6 @@ class Systemd:
         services = {row[0]: row[3] for row in self._mgr().ListUnitsByNames([t[2] for t in timers],
                                                                              timeout=self._timeout)}
         return [TimerState(name, state, service, services.get(service, "inactive")) for name, state, service in timers]
-
-    def dependents_closure(self, units: Iterable[str]) -> list[str]:
-        """List ``units`` and every loaded unit that Requires=/BindsTo=/PartOf= them, whatever its state."""
-        queue, seen, found = list(units), set[str](), list[str]()
-        while queue:
-            name = queue.pop(0)
-            if name in seen:
-                continue
-            seen.add(name)
-            props = self.properties(name)
-            if props["LoadState"] != "loaded":
-                continue
-            found.append(name)
-            for key in _DEPENDENTS:
-                queue.extend(sorted(props.get(key, [])))
-        return found
-
-    @_systemd_errors
-    def installed_timers(self, patterns: Iterable[str]) -> list[str]:
-        """List the loaded, unmasked timers whose names match the patterns (running or not)."""
-        pats = list(patterns)
-        if not pats:
-            return []
-        mgr = self._mgr()
-        names = {str(row[0]).rsplit("/", 1)[-1] for row in mgr.ListUnitFilesByPatterns([], pats, timeout=self._timeout)}
-        names |= {str(row[0]) for row in mgr.ListUnitsByPatterns([], pats, timeout=self._timeout)}
-        found = []
-        for name in sorted(names):
-            if not name.endswith(".timer") or not any(fnmatch.fnmatchcase(name, p) for p in pats):
-                continue
-            if self.properties(name)["LoadState"] == "loaded":  # masked or broken timers stay as they are
-                found.append(name)
-        return found
 
     @_systemd_errors
     def control_group(self, unit: str) -> str | None:

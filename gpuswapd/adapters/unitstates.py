@@ -19,6 +19,10 @@ class UnitState:
     load_state: str
     active_state: str
     sub_state: str
+    unit_file_state: str = ""  # enabled, disabled, masked, static... ("": unknown)
+    names: tuple[str, ...] = ()  # every name of the unit (its Id and its aliases); signals carry the Id
+    invocation: str = ""  # InvocationID: new at each start of the unit, by whoever started it ("": none, unknown)
+    job: bool = False  # a job for it is queued (a start at boot, its operator's): it is on its way
 
     @property
     def active(self) -> bool:

@@ -129,6 +129,10 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
     baseline = reply.get("baseline_restore")
     if baseline:
         out.write(f"baseline restored {_ago(baseline['at'])}: {baseline['reason']}\n")
+    down = reply.get("resident_down")
+    if down:
+        out.write("resident down, left to systemd and its operator: "
+                  + ", ".join(f"{unit} ({cause})" for unit, cause in down.items()) + "\n")
     if reply.get("state_writable") is False:
         out.write(f"STATE NOT WRITABLE: {reply.get('state_error')}\n")
     for system, lane in (reply.get("hung") or {}).items():

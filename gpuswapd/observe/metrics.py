@@ -39,6 +39,7 @@ class Now:
     vram_free_bytes: int | None
     resident_degraded: bool = False
     resident_cached_ratio: float | None = None
+    resident_down: tuple[tuple[str, str], ...] = ()  # (unit, cause) the reconcile found down
 
 
 def window_now(window: Window) -> Now:
@@ -46,7 +47,7 @@ def window_now(window: Window) -> Now:
     rec, last = window.record, window.vram.last
     return Now(str(window.phase), len(window.leases()), bool(rec is not None and rec.degraded),
                None if last is None else last.free_bytes, window.known.changed is not None,
-               window.files.ratio)
+               window.files.ratio, tuple(sorted(window.resident_down.items())))
 
 
 class _Live(Collector):
@@ -79,11 +80,17 @@ class _Live(Collector):
         if now.resident_cached_ratio is not None:
             cached.add_metric([inst], now.resident_cached_ratio)
         yield cached
+        down = GaugeMetricFamily("gpuswapd_resident_down", "1 for each resident unit found down while no window is "
+                                 "open, by cause (stopped, failed, masked): reported, never started by gpuswapd",
+                                 labels=["instance", "unit", "cause"])
+        for unit, cause in now.resident_down:
+            down.add_metric([inst, unit, cause], 1.0)
+        yield down
 
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the window (registration must not touch it)."""
         for name in ("gpuswapd_phase", "gpuswapd_leases", "gpuswapd_degraded", "gpuswapd_resident_degraded",
-                     "gpuswapd_vram_free_bytes", "gpuswapd_resident_cached_ratio"):
+                     "gpuswapd_vram_free_bytes", "gpuswapd_resident_cached_ratio", "gpuswapd_resident_down"):
             yield GaugeMetricFamily(name, "")
 
 
@@ -115,7 +122,7 @@ class Metrics:
         self.leases_ended = Counter("gpuswapd_leases_ended", "Leases ended, by reason", ["instance", "reason"],
                                     registry=r)
         self.baseline_restores = Counter("gpuswapd_baseline_restores", "Baseline restores, by cause: no state "
-                                         "readable, a lost record, or the resident found down while idle",
+                                         "readable, or a lost record (what gpuswapd stopped comes back)",
                                          ["instance", "cause"], registry=self.registry)
         self.engine_restarts = Counter("gpuswapd_engine_restarts", "Engines restarted by the watchdog",
                                        ["instance"], registry=r)

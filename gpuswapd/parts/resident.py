@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -10,11 +11,20 @@ from gpuswapd.adapters.jobs import run_jobs
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.props import ServerProps
 from gpuswapd.adapters.slots import FileIdentity, Slot, SlotDir, SlotFile, SlotFiles
-from gpuswapd.adapters.unitstates import TimerState
+from gpuswapd.adapters.unitstates import TimerState, UnitState
 from gpuswapd.config import Config
-from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
+from gpuswapd.errors import (
+    EndpointError,
+    EndpointUnreachable,
+    GpuswapError,
+    ResidentBusy,
+    RestoreFailed,
+    StateError,
+    VerifyFailed,
+)
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
+from gpuswapd.state.marks import Marks
 
 POLL_S = 0.25
 PROPS_TIMEOUT_S = 10.0
@@ -27,11 +37,13 @@ class Resident:
     """Stops and restores the resident units and pauses and resumes the agent timers."""
 
     def __init__(self, config: Config, systemd: Systemd, http: ModelHttp, outside: Outside,
-                 slot_files: SlotFiles | None = None) -> None:
+                 slot_files: SlotFiles | None = None, marks: Marks | None = None) -> None:
         self.config = config
         self.systemd = systemd
         self.http = http
         self.outside = outside
+        # What gpuswapd stopped, kept apart from the state document (state/marks.py); None: in memory.
+        self.marks = marks if marks is not None else Marks(None)
         self.slot_files: SlotFiles = slot_files if slot_files is not None else SlotDir()
         self.kv_per_token: int | None = None  # bytes a slot's file takes per token, as last saved
         self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
@@ -80,13 +92,14 @@ class Resident:
             timers = [t for t in await self.timers() if t.name in names]
 
     async def pause(self, timers: list[str]) -> None:
-        """Stop the timers (their running services are left alone)."""
+        """Stop the timers, recorded first as gpuswapd's own stop (their running services are left alone)."""
         if timers:
+            await self.mark(timers)
             await self._jobs("StopUnit", timers, self.config.resident.stop_timeout, "stop")
             log.info("timers_paused", timers=timers)
 
     async def resume(self, timers: list[str]) -> None:
-        """Start the timers again (all of them, even if one fails)."""
+        """Start the timers again (all of them, even if one fails); then forget gpuswapd stopped them."""
         if not timers:
             return
         try:
@@ -95,26 +108,60 @@ class Resident:
             log.error("timers_resume_failed", error=err.message)
             raise RestoreFailed(f"could not start timers again: {err.message}") from err
         log.info("timers_resumed", timers=timers)
+        await self.unmark(timers)
+
+    # -- what gpuswapd stopped (state/marks.py): the only units and timers it ever starts ------------
+
+    async def mark(self, names: list[str]) -> None:
+        """Record, before the stop, that gpuswapd stops these units or timers (a failure stops nothing)."""
+        try:
+            await self.outside.state.call("mark", self.marks.add, list(names))
+        except OSError as err:
+            raise StateError(f"cannot record what gpuswapd stops: {err.strerror or err}; nothing was stopped") from err
+
+    async def unmark(self, names: list[str]) -> None:
+        """Forget that gpuswapd stopped these: they run again. A failure is noted, not raised."""
+        try:
+            await self.outside.state.call("unmark", self.marks.remove, list(names))
+        except (GpuswapError, OSError) as err:
+            log.warning("stopped_record_not_cleared", names=names, error=getattr(err, "message", None) or str(err),
+                        consequence="a later baseline restore may start them again")
+
+    async def stopped(self) -> list[str]:
+        """List the units and timers gpuswapd stopped and has not started again."""
+        try:
+            return await self.outside.state.call("read_marks", self.marks.read)
+        except OSError as err:
+            raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""
         return await self.outside.systemd.call("closure", self.systemd.stop_closure, self.config.resident.units)
 
-    async def fallen(self, running: list[str], held: set[str]) -> list[str]:
-        """List the baseline's units that are down (not ``running``) though nobody holds them down.
-
-        ``held`` names resident units their operator stopped: those, and what depends on them, stay down.
-        """
-        wanted = [u for u in self.config.resident.units if u not in held]
-        if set(wanted) <= set(running):
-            return []
-        units = await self.outside.systemd.call("baseline_units", self.systemd.dependents_closure, wanted)
-        return [u for u in units if u not in running]
-
     async def states(self, units: list[str]) -> dict[str, str]:
         """Read each unit's ActiveState."""
+        return {u: s.active_state for u, s in (await self.unit_states(units)).items()}
+
+    async def how_it_runs(self) -> tuple[str | None, str | None]:
+        """Say how its operator runs the resident: a digest of its units' ExecStart= and Environment=, its InvocationID.
+
+        Either is None when systemd cannot say now (nothing is compared then).
+        """
+        lane, digest = self.outside.systemd, hashlib.sha256()
+        try:
+            for unit in self.config.resident.units:
+                c = await lane.call("commands", self.systemd.commands, unit)
+                digest.update(repr((unit, c.argvs, c.environment)).encode())
+            first = self.config.resident.units[0]
+            invocation = (await self.unit_states([first]))[first].invocation
+        except GpuswapError:
+            return None, None
+        return digest.hexdigest()[:16], invocation or None
+
+    async def unit_states(self, units: list[str]) -> dict[str, UnitState]:
+        """Read each unit's load, active and sub state."""
         lane = self.outside.systemd
-        return {u: (await lane.call("unit_state", self.systemd.state, u)).active_state for u in units}
+        return {u: await lane.call("unit_state", self.systemd.state, u) for u in units}
 
     async def all_active(self, units: list[str]) -> bool:
         """Tell whether every one of these units is up now (False when systemd cannot say)."""
@@ -123,17 +170,24 @@ class Resident:
         except GpuswapError:
             return False
 
-    async def stop(self, units: list[str]) -> None:
-        """Stop the units together; systemd stops dependents first (the reverse of After=)."""
+    async def stop(self, units: list[str], own: bool = True) -> None:
+        """Stop the units together; systemd stops dependents first (the reverse of After=).
+
+        ``own``: gpuswapd will start them again (the resident), so the stop is recorded first; a
+        preempted lease's unit is not.
+        """
         started = clock.monotonic()
+        if own:
+            await self.mark(units)
         await self._jobs("StopUnit", units, self.config.resident.stop_timeout, "stop")
         log.info("units_stopped", units=units, took_s=round(clock.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:
-        """Start exactly these units together; systemd orders them by After=."""
+        """Start exactly these units together (systemd orders them by After=); then forget gpuswapd stopped them."""
         started = clock.monotonic()
         await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
         log.info("units_started", units=units, took_s=round(clock.monotonic() - started, 3))
+        await self.unmark(units)
 
     async def verify(self, slot: int | None = None) -> float:
         """Get a real completion from the resident, retrying while it loads; return seconds taken.
@@ -153,13 +207,6 @@ class Resident:
         took = clock.monotonic() - started
         log.info("resident_verified", took_s=round(took, 3), completion_tokens=reply.completion_tokens)
         return took
-
-    async def baseline(self) -> tuple[list[str], list[str]]:
-        """Name what the configuration says should run: the resident with its dependents, the timers."""
-        lane = self.outside.systemd
-        units = await lane.call("baseline_units", self.systemd.dependents_closure, self.config.resident.units)
-        timers = await lane.call("baseline_timers", self.systemd.installed_timers, self.config.timers.pause)
-        return units, timers
 
     async def _jobs(self, method: str, units: list[str], timeout: float, verb: str) -> None:
         self.jobs_running += 1

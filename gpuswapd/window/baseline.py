@@ -27,12 +27,18 @@ class Identity:
     held_bytes: int | None  # what its processes held on the card (None: no GPU probe, or it could not say)
     held: tuple[Holder, ...] = ()
     at: float = 0.0
+    # How its operator runs it: a digest of its units' ExecStart= and Environment= (drop-ins included,
+    # as systemd merges them), and the InvocationID of its first unit (None: unknown). A change of
+    # either that gpuswapd did not make is its operator's: the baseline follows it, nothing is repaired.
+    config: str | None = None
+    invocation: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Serialize for the state document, status and history."""
         return {"n_ctx": self.n_ctx, "slots": self.slots, "model_path": self.model_path, "alias": self.alias,
                 "models": list(self.models), "held_bytes": self.held_bytes,
-                "held": [{"pid": h.pid, "unit": h.unit, "bytes": h.used_bytes} for h in self.held], "at": self.at}
+                "held": [{"pid": h.pid, "unit": h.unit, "bytes": h.used_bytes} for h in self.held], "at": self.at,
+                "config": self.config, "invocation": self.invocation}
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> Identity:
@@ -45,12 +51,17 @@ class Identity:
         n_ctx, slots, held_bytes = (d.number(k, optional=True) for k in ("n_ctx", "slots", "held_bytes"))
         return cls(None if n_ctx is None else int(n_ctx), None if slots is None else int(slots),
                    d.text("model_path", optional=True), d.text("alias", optional=True), tuple(d.texts("models")),
-                   None if held_bytes is None else int(held_bytes), tuple(held), d.number("at", default=0.0))
+                   None if held_bytes is None else int(held_bytes), tuple(held), d.number("at", default=0.0),
+                   d.text("config", optional=True), d.text("invocation", optional=True))
 
     def describe(self) -> str:
         """Say it for a person: context, slots, models."""
         ctx = f"n_ctx {self.n_ctx} x {self.slots} slot(s), " if self.n_ctx is not None else ""
         return f"{ctx}models {', '.join(self.models) or '(none)'}"
+
+    def reconfigured(self, was: Identity) -> bool:
+        """Tell whether its operator changed how it runs since ``was`` (ExecStart=, Environment=, a drop-in)."""
+        return self.config is not None and was.config is not None and self.config != was.config
 
     def same_as(self, other: Identity) -> bool:
         """Tell whether it says the same as ``other`` (the memory and the time aside)."""

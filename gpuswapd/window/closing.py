@@ -232,6 +232,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
     while True:
         attempt += 1
         try:
+            if attempt > 1 and await _masked_meanwhile(w, rec):
+                return  # its operator masked the resident: it is theirs now, and the card is not held for it
             if repair == "due":
                 await identity.make_room(w, rec, lambda s: _pause(w, s))
                 repair = "done"
@@ -262,6 +264,27 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)
+
+
+async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
+    """Tell whether its operator masked a resident unit while the restore retried; if so, leave the resident to them.
+
+    A masked unit never starts: retrying would hold the card in DEGRADED for ever. The operator's
+    mask stands; gpuswapd forgets it stopped the resident's units and goes on to the timers.
+    """
+    configured = [u for u in w.config.resident.units if u in rec.units]
+    if not configured:
+        return False
+    states = await w.resident.unit_states(configured)
+    masked = [u for u, st in states.items() if st.load_state == "masked"]
+    if not masked:
+        return False
+    log.warning("resident_left_masked", units=masked, left=rec.units,
+                consequence="not started: its operator masked it (systemctl unmask, then start it)")
+    await w.resident.unmark(rec.units)
+    rec.units, rec.degraded = [], None
+    await w.persist(required=False)
+    return True
 
 
 async def _degraded(w: Context, rec: WindowRecord, err: GpuswapError, attempt: int) -> None:

@@ -56,9 +56,20 @@ async def read(w: Context, units: list[str]) -> Identity:
     """Read what the resident is now, and what the processes of ``units`` hold on the card."""
     props, models = await w.resident.what_it_is()
     held = await _held(w, units)
+    config, invocation = await w.resident.how_it_runs()
     return Identity(props.n_ctx if props else None, props.slots if props else None,
                     props.model_path if props else None, props.alias if props else None, tuple(models),
-                    None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall())
+                    None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall(),
+                    config, invocation)
+
+
+def last_seen(w: Context) -> str | None:
+    """Return the resident's InvocationID as gpuswapd last saw it (its baseline, or what the last close left)."""
+    changed = w.known.changed
+    now = changed.get("now") if changed is not None else None
+    if isinstance(now, dict) and now.get("invocation"):
+        return str(now["invocation"])
+    return w.known.baseline.invocation if w.known.baseline is not None else None
 
 
 async def _held(w: Context, units: list[str]) -> list[Holder] | None:
@@ -156,6 +167,11 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
     was, server = w.known.baseline, w.config.resident.server
     if was is None:
         _record(w, now, "the first restore gpuswapd saw")
+        rec.restored = "as_it_was"
+        return True
+    if now.reconfigured(was):
+        # Its operator changed how it runs (a smaller context on purpose, say): that is no repair's to undo.
+        _record(w, now, "its operator changed how it runs (ExecStart=, Environment=, a drop-in)")
         rec.restored = "as_it_was"
         return True
     short = smaller(now, was, server)
@@ -262,23 +278,35 @@ def _at_start(w: Context, now: Identity) -> None:
 
     Another model file or alias is its operator's change, never llama.cpp's fitting: it is taken.
     """
-    was = w.known.baseline
+    was, seen = w.known.baseline, last_seen(w)
     same_model = was is not None and (now.model_path, now.alias) == (was.model_path, was.alias)
-    if w.known.changed is not None and was is not None and same_model and smaller(now, was, w.config.resident.server):
+    # Restarted by someone else than gpuswapd since (a new InvocationID), or reconfigured: its operator's.
+    operators = was is not None and (now.reconfigured(was) or bool(now.invocation and seen and now.invocation != seen))
+    if w.known.changed is not None and was is not None and same_model and not operators \
+            and smaller(now, was, w.config.resident.server):
         log.warning("resident_still_smaller", now=now.describe(), was=was.describe(),
                     consequence="the baseline stays as it was; the next window's close tries again")
         return
     _record(w, now, "gpuswapd started with the resident serving")
 
 
-async def recheck(w: Context) -> None:
-    """While idle, see whether a resident left smaller is back as it was (its operator restarted it, say)."""
-    was = w.known.baseline
-    if w.known.changed is None or was is None or w.record is not None:
+async def recheck(w: Context, invocation: str | None = None) -> None:
+    """While idle, follow the resident: one left smaller may be back as it was; one restarted by someone else is theirs.
+
+    ``invocation``: its first unit's InvocationID now. Another than gpuswapd last saw means its
+    operator (or systemd's ``Restart=``) started it: what runs now becomes the baseline.
+    """
+    was, seen = w.known.baseline, last_seen(w)
+    restarted = bool(invocation and seen and invocation != seen)
+    if was is None or w.record is not None or (w.known.changed is None and not restarted):
         return
     running = await w.resident.closure()
     if not set(w.config.resident.units) <= set(running):
         return
     now = await read(w, running)
-    if w.record is None and not smaller(now, was, w.config.resident.server):
+    if w.record is not None:
+        return
+    if restarted or now.reconfigured(was):
+        _record(w, now, "its operator restarted or reconfigured it")
+    elif not smaller(now, was, w.config.resident.server):
         _record(w, now, "the reconcile found it as it was")

@@ -156,13 +156,14 @@ async def _pause_timers(op: Opening) -> None:
     # A job its timer started just before the pause must not lose the resident under it.
     await w.resident.wait_jobs(await w.resident.timers(), clock.monotonic() + w.config.timers.wait_for_jobs)
     op.running = await w.resident.closure()
-    # A resident unit that is down though nobody holds it down (it failed) comes back with the
-    # rest when the window closes: the window ends at the baseline, not at what it found.
-    fallen = await w.resident.fallen(op.running, set(w.held_down))
-    if fallen:
-        log.warning("resident_found_down", units=fallen, consequence="started with the rest when the window closes")
+    # Only what gpuswapd stops comes back when the window closes: a resident unit found down (it
+    # crashed, its operator stopped or masked it) is its operator's and systemd's, and stays so.
+    down = [u for u in w.config.resident.units if u not in op.running]
+    if down:
+        log.warning("resident_found_down", units=down,
+                    consequence="left as it is: gpuswapd starts only what it stopped")
     # Recorded by the write that enters STOPPING_RESIDENT, before any unit is stopped.
-    rec.units = [*op.running, *fallen]
+    rec.units = list(op.running)
     # What the resident really holds, while it still holds it: the checks from here on count that
     # (the same write records it).
     await identity.learn_footprint(w, op.running)

@@ -205,6 +205,10 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         found = bootchecks.check(profile, view, known_bad or Table())
         warnings, settings = found.warnings(), found.to_dict()
         problems.extend(found.refusals())
+    down = [u for u in config.resident.units if units is not None and u not in units]
+    if down:  # not a blocker: the window opens, and its close starts only what it stopped
+        warnings.append(f"resident down: {', '.join(down)} (stopped, failed or masked, not by gpuswapd): left as it "
+                        "is; this window's close will not start it (systemctl start, or Restart=)")
     plan_vram = None
     if reading is not None:
         # The same prediction that refuses an acquire: the units' memory comes free, the rest stays.

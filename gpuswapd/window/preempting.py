@@ -172,7 +172,7 @@ async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
     """Stop a preempted lease's unit, retrying with a backoff; note in the record once it is stopped."""
     for attempt in range(1, STOP_ATTEMPTS + 1):
         try:
-            await w.resident.stop([unit])
+            await w.resident.stop([unit], own=False)
             break
         except GpuswapError as err:
             if attempt == STOP_ATTEMPTS:

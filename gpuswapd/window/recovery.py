@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpuswapd import clock
-from gpuswapd.config import DEFAULT_PROFILE, Profile, ProfileKind
+from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -108,10 +108,16 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
         # Its engine still runs, but no record of it was kept and history never saw it close:
-        # what it stopped is unknown, so the configuration's baseline comes back.
+        # what it stopped comes back from the second record (state/marks.py).
         window.restore_baseline(f"the engine of window {lost} was still running, but no record of that window "
                                 "was kept", cause="lost_record")
         return  # the baseline takes every engine down itself
+    elif stopped := await _still_stopped(window):
+        # No window is recorded, yet gpuswapd stopped these and never started them again (a bare
+        # window whose record was lost: no engine to prove it): they come back.
+        window.restore_baseline(f"gpuswapd had stopped {', '.join(stopped)}, but no record of the window "
+                                "that stopped them was kept", cause="lost_record")
+        return
     # Reconcile before serving: nobody sees an engine no record knows about.
     try:
         await window.engine_of(DEFAULT_PROFILE).remove_orphans(window.engines_kept())
@@ -230,29 +236,55 @@ async def restore_baseline(w: Context, rec: WindowRecord) -> None:
     rec.units, rec.timers = await _baseline_targets(w)
     w.unknown_baseline = None
     await w.persist(required=False)
-    await _other_engines_down(w)
+    await _other_engines_down(w, rec)
     await closing.close(w, rec, "baseline_restored")
 
 
-async def _other_engines_down(w: Context) -> None:
-    """Take down every other engine profile's container too: which one held the card is unknown."""
+async def _other_engines_down(w: Context, rec: WindowRecord) -> None:
+    """Take down every other engine profile's container too: which one held the card is unknown.
+
+    Tried once each: one that cannot be taken down now (Docker is down) does not keep the
+    resident down. It is noted on the record, and the orphan sweep goes on trying.
+    """
+    failed = []
     for profile in w.config.engine_profiles():
-        if profile.name != DEFAULT_PROFILE:  # the record's own: the close takes it down
-            await _take_down_other(w, profile)
-
-
-async def _take_down_other(w: Context, profile: Profile) -> None:
-    c = profile.engine.container
-    await until_done(lambda: w.engine_of(profile.name).take_down(ContainerHandle(name=c.name, created=c.create)),
-                     w.backoffs.take_down,
-                     lambda err, delay: log.error("engine_take_down_failed", container=c.name, error=err.message,
-                                                  retry_in_s=delay))
+        if profile.name == DEFAULT_PROFILE:  # the record's own: the close takes it down
+            continue
+        c = profile.engine.container
+        try:
+            await w.engine_of(profile.name).take_down(ContainerHandle(name=c.name, created=c.create))
+        except GpuswapError as err:
+            failed.append(c.name)
+            log.error("engine_take_down_failed", container=c.name, error=err.message,
+                      consequence="the resident is restored all the same; the orphan sweep keeps trying")
+            rec.fail(err)
+    if failed:
+        said = rec.error.message if rec.error is not None else "see the log"
+        rec.degraded = (f"the engines {', '.join(failed)} could not be taken down yet: {said}; "
+                        "gpuswapd keeps trying (the resident is restored meanwhile)")
+        w.notify_status()
+        closing.sweep_orphans(w)
 
 
 async def _baseline_targets(w: Context) -> tuple[list[str], list[str]]:
-    """Ask systemd what the baseline is, retrying until it answers: it is all there is to go on."""
-    return await until_done(w.resident.baseline, w.backoffs.restore,
-                            lambda err, delay: log.error("baseline_unknown", error=err.message, retry_in_s=delay))
+    """Read what gpuswapd stopped and never started again, retrying until it can: only those come back.
+
+    The state document could not say (every copy torn, a window's record lost); the second
+    record (state/marks.py) can. A unit its operator holds down stays down.
+    """
+    names = await until_done(w.resident.stopped, w.backoffs.restore,
+                             lambda err, delay: log.error("baseline_unknown", error=err.message, retry_in_s=delay))
+    units = [n for n in names if not n.endswith(".timer") and n not in w.held_down]
+    return units, [n for n in names if n.endswith(".timer")]
+
+
+async def _still_stopped(w: Context) -> list[str]:
+    """List what gpuswapd stopped and never started again (nothing, if that cannot be read now)."""
+    try:
+        return await w.resident.stopped()
+    except (GpuswapError, asyncio.CancelledError) as err:
+        log.warning("stopped_record_unreadable", error=_why(err, w))
+        return []
 
 
 def _why(err: BaseException, window: Context) -> str:

@@ -18,6 +18,7 @@ import structlog
 
 from gpuswapd import clock
 from gpuswapd.adapters.pagecache import Files
+from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.config import DEFAULT_PROFILE, Config, Profile, ProfileKind
 from gpuswapd.errors import (
     Degraded,
@@ -56,6 +57,9 @@ from gpuswapd.window.progress import progress
 from gpuswapd.window.queueing import Listener, Queue, Waiter
 
 Owner = Callable[[Lease], bool]
+# The unit file states resident.restart_crashed starts a failed unit in: never masked or disabled.
+RESTARTABLE = frozenset({"enabled", "enabled-runtime", "static", "indirect", "generated", "linked",
+                         "linked-runtime", "alias", "transient"})
 
 
 class Window:
@@ -98,6 +102,8 @@ class Window:
         self.adopting: WindowRecord | None = None  # a window left by the last gpuswapd, not yet adopted or closed
         self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
+        self.resident_down: dict[str, str] = {}  # resident units the reconcile found down, and why (reported only)
+        self.resident_names: dict[str, str] = {}  # another name of a resident unit (its Id, an alias) -> the configured
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
@@ -425,6 +431,8 @@ class Window:
             "price": self.times.price(sorted(self.engines)),  # per profile: what a swap costs, from history
             "schedule": self.schedule(now),
             "resident": self.known.status(self.config.gpu.resident_needs),
+            # Down for a reason not gpuswapd's (unit -> masked, failed, stopped): reported, never started.
+            "resident_down": dict(self.resident_down),
         }
 
     def schedule(self, now: float) -> JsonObject:
@@ -738,13 +746,13 @@ class Window:
         self.finish(rec, outcome, switch_to=nxt)
 
     def resident_state(self, unit: str, state: str) -> None:
-        """Follow the resident's units: one its operator stops while no window is open stays down.
+        """Follow the resident's units: note one its operator stops while no window is open.
 
         gpuswapd stops the resident only inside a window, and only through jobs of its own; a
-        stop with neither is its operator's (``systemctl stop strata``), and the reconcile
-        leaves that unit down until it is started again (any other state lifts the hold). A unit
-        that fails is no such stop: the reconcile brings it back.
+        stop with neither is its operator's (``systemctl stop strata``). gpuswapd never starts a
+        unit it did not stop, so the hold only says so in ``status`` (any other state lifts it).
         """
+        unit = self.resident_names.get(unit, unit)  # a signal names its Id; the configuration may name an alias
         if unit not in self.config.resident.units:
             return  # a dependent (llama-swap) follows its resident: it is never held down by itself
         if state != "inactive" and unit in self.held_down:  # started again (or tried to): no longer held
@@ -759,23 +767,64 @@ class Window:
             self.writer.request()
 
     async def reconcile(self) -> None:
-        """Restore the baseline if the resident is down while no window is open and nobody holds it down."""
+        """Look at the resident while no window is open: report a unit that is down, never start it.
+
+        gpuswapd starts a unit only to undo its own stop. One down for any other reason (it
+        crashed, its operator stopped, masked or disabled it) is systemd's and its operator's
+        (``Restart=``): it is reported in ``status``, ``plan``, the ``gpuswapd_resident_down``
+        gauge and a ``resident_down`` event, and never held against the card. Only with
+        ``resident.restart_crashed`` is a failed unit started again (never a masked or disabled one).
+        """
         if self.stopping.is_set() or self.refusing or self.record is not None or len(self.queue) \
                 or self.driver.task is not None:
             return
-        states = await self.resident.states(self.config.resident.units)
-        if any(state in ("activating", "deactivating", "reloading") for state in states.values()):
-            return  # someone is starting or stopping it right now: look again next time
-        for unit, state in states.items():
-            if state != "inactive" and unit in self.held_down:  # started (or failed) while nobody watched
-                self.resident_state(unit, state)
-        down = [u for u, state in states.items() if state in ("inactive", "failed") and u not in self.held_down]
-        if not down:
-            await identity.recheck(self)  # a resident left smaller may be back as it was
-        if down and self.record is None and self.driver.task is None and not len(self.queue):
-            self.restore_baseline("the resident was found down while no window was open ("
-                                  + ", ".join(f"{u} {states[u]}" for u in down) + ", not stopped by its operator)",
-                                  cause="found_down")
+        states = await self.resident.unit_states(self.config.resident.units)
+        self.learn_names(states)
+        if self.record is not None or self.driver.task is not None:
+            return  # a window opened meanwhile: what it finds is its own business
+        for unit, st in states.items():
+            if st.active_state != "inactive" and unit in self.held_down:  # started (or failed) while nobody watched
+                self.resident_state(unit, st.active_state)
+        self.note_down({u: cause for u, st in states.items() if (cause := down_cause(st)) is not None})
+        if not self.resident_down:
+            # A resident left smaller may be back as it was; one its operator restarted is theirs.
+            await identity.recheck(self, states[self.config.resident.units[0]].invocation or None)
+        elif self.config.resident.restart_crashed:
+            await self._restart_crashed(states)
+
+    def learn_names(self, states: dict[str, UnitState]) -> None:
+        """Learn every name of the resident's units (``Names``): one configured by an alias is still followed."""
+        for unit, st in states.items():
+            for name in st.names:
+                if name != unit:
+                    self.resident_names[name] = unit
+
+    def note_down(self, down: dict[str, str]) -> None:
+        """Keep what the reconcile found down (unit -> cause), and say so when it changes."""
+        if down == self.resident_down:
+            return
+        for unit, cause in down.items():
+            if self.resident_down.get(unit) != cause:
+                log.warning("resident_down", unit=unit, cause=cause,
+                            consequence="left as it is: gpuswapd starts only what it stopped (systemd's Restart= "
+                                        "restarts a crashed service; systemctl start brings it back)")
+        for unit in self.resident_down.keys() - down.keys():
+            log.info("resident_up", unit=unit)
+        self.resident_down = dict(down)
+        self.notify_status()
+
+    async def _restart_crashed(self, states: dict[str, UnitState]) -> None:
+        """Start a failed resident unit again (``resident.restart_crashed``): never a masked or disabled one."""
+        wanted = [u for u, cause in self.resident_down.items()
+                  if cause == "failed" and states[u].unit_file_state in RESTARTABLE]
+        if not wanted:
+            return
+        log.warning("resident_restarting_crashed", units=wanted, reason="resident.restart_crashed = true")
+        try:
+            await self.resident.start(wanted)
+        except GpuswapError as err:
+            log.error("resident_restart_failed", units=wanted, error=err.message)
+
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -800,3 +849,16 @@ class Window:
         """Stop serving the window; with ``restore``, close it and give the GPU back first (see Driver.shutdown)."""
         await reap(self.abandoning)
         return await self.driver.shutdown(restore, bound)
+
+
+def down_cause(state: UnitState) -> str | None:
+    """Say why a resident unit is down (masked, failed, stopped), or None if it is up or on its way."""
+    if state.load_state == "masked":
+        return "masked"
+    if state.job:
+        return None  # a job is queued for it (a start at boot): it is on its way, or its operator's doing
+    if state.active_state == "failed":
+        return "failed"
+    if state.active_state == "inactive":
+        return "stopped"
+    return None  # active, or activating/deactivating/reloading: someone is at it right now

@@ -112,14 +112,12 @@ MEANINGS: dict[str, str] = {
                          "lease is bound to a unit only when the unit is the caller's own (see gpuswapctl(1), \"Who "
                          "may ask\" in the docs), and this list keeps those services running whatever a lease says. "
                          "Setting the key replaces the whole list: keep the defaults in it.",
-    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
-                        "never). A configured resident unit found inactive or failed is brought back with its "
-                        "dependents, verified, and the matching timers resumed: a baseline restore, logged "
-                        "(baseline_restore, cause found_down) and counted in gpuswapd_baseline_restores_total. The "
-                        "one exception is the operator's own stop: a resident unit that goes inactive while no window "
-                        "is open and no job of gpuswapd's runs (systemctl stop strata) is held down, in the state "
-                        "document across restarts, until it is started again (or tried: any other state lifts the "
-                        "hold). A unit that fails (its process crashed or was killed) is not held down.",
+    "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) looks at the resident (0: never). "
+                        "gpuswapd starts a unit or timer only to undo its own stop: a configured resident unit "
+                        "found down for another reason (stopped, failed, masked) is reported in status "
+                        "(resident_down), the gpuswapd_resident_down gauge and a resident_down event, never "
+                        "started (see resident.restart_crashed). A resident its operator restarted since "
+                        "gpuswapd last saw it (a new InvocationID) is taken as the resident's new baseline.",
     "gpu.probe": "How free VRAM is read: \"nvml\" (the NVIDIA Management Library, nvidia-ml-py), \"nvidia-smi\" "
                  "(runs nvidia_smi), or \"none\" (no VRAM checks: the windows then rely on the units' stop alone).",
     "gpu.index": "The GPU, as nvidia-smi -i and NVML number them.",
@@ -146,6 +144,12 @@ MEANINGS: dict[str, str] = {
                       "LLAMA_ARG_MODEL, LLAMA_ARG_MMPROJ, LLAMA_ARG_MODEL_DRAFT). A model llama.cpp downloads "
                       "itself (-hf) has no path to find: name it here. gpuswapctl plan lists the files with the "
                       "fraction of each in the page cache.",
+    "resident.restart_crashed": "Whether the idle reconcile (daemon.reconcile) starts a resident unit found failed. "
+                                "gpuswapd otherwise starts a unit or timer only to undo its own stop: a unit down "
+                                "for another reason (crashed, stopped, masked or disabled by its operator) is reported "
+                                "(status, the gpuswapd_resident_down gauge, a resident_down event), never started; "
+                                "restarting a crashed service is Restart='s job. Even on, a masked or disabled unit "
+                                "is never started, nor a dependent or a timer.",
     "resident.prefetch": "Whether a close that restores the resident reads its files into the page cache in the "
                          "background, from the start of the close, while the engine stops or sleeps and the VRAM "
                          "comes free. Nothing waits for it and it ends with the close; it is skipped (and logged) "

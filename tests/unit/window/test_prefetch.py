@@ -194,7 +194,9 @@ def test_prefetch_off_reads_nothing_and_named_files_win_over_the_units() -> None
     named.files.read_s = 0.0
     with structlog.testing.capture_logs() as logs:
         record = run(cycle(named, ended=True))
-    assert named.systemd.commands_read == 0
+    # No unit's ExecStart= was read for the files: no more reads than the cycle that prefetched nothing
+    # made for other reasons (how the resident runs, identity.py; its slots' fingerprint).
+    assert named.systemd.commands_read <= off.systemd.commands_read
     assert record["prefetch"]["outcome"] == "done" and [f["path"] for f in record["prefetch"]["files"]] == [MODEL_PATH]
     skipped = [e for e in logs if e["event"] == "resident_file_skipped"]
     assert len(skipped) == 1 and "/models/missing.gguf: no such file" in skipped[0]["reason"]

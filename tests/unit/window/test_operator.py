@@ -1,0 +1,277 @@
+"""The operator's word is final: gpuswapd starts a unit or a timer only to undo its own stop.
+
+A resident unit down for any other reason (stopped, failed, masked) is reported and never
+started; a baseline restore starts exactly what the second record (state/marks.py) says
+gpuswapd stopped; ``resident.restart_crashed`` opts in to starting a failed unit, never a
+masked or disabled one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+from pathlib import Path
+
+import pytest
+
+from gpuswapd.adapters.unitstates import UnitState
+from gpuswapd.ctl.render import print_status
+from gpuswapd.errors import DockerUnavailable
+from gpuswapd.phases import Phase
+from gpuswapd.state.marks import Marks, memory_marks
+from gpuswapd.state.store import Document, Loaded
+from gpuswapd.window.identity import record_at_start
+from gpuswapd.window.plan import make_plan
+from gpuswapd.window.recovery import recover_at_start
+from gpuswapd.window.window import down_cause
+from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, FakeWorld, running, settle
+from tests.unit.conftest import run
+
+TORN = Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])
+
+
+def _operator_stops(world: FakeWorld, unit: str = "strata.service") -> None:
+    """``systemctl stop``: a stop job that is not gpuswapd's."""
+    assert world.systemd._stop(unit) == "done"
+
+
+def test_the_reconcile_reports_a_resident_down_and_starts_nothing() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            _operator_stops(world)
+            for _ in range(2):
+                await w.reconcile()
+            assert w.resident_down == {"strata.service": "stopped"}
+            assert w.status()["resident_down"] == {"strata.service": "stopped"}
+            world.systemd.units["strata.service"].active_state = "failed"
+            await w.reconcile()
+            assert w.resident_down == {"strata.service": "failed"}
+            world.systemd.units["strata.service"].masked = True
+            await w.reconcile()
+            assert w.resident_down == {"strata.service": "masked"}
+            assert world.systemd.started == []  # nothing was started, whatever the cause
+            # Not held against the card: a window opens, and its close leaves the resident as it found it.
+            lease = await w.acquire("job", 60)
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+            assert "strata.service" not in world.systemd.started
+            world.systemd.units["strata.service"].masked = False
+            assert world.systemd._start("strata.service") == "done"  # its operator starts it again
+            await w.reconcile()
+            assert w.resident_down == {}
+
+    run(main())
+    assert world.snapshot()["timers"] == BASELINE["timers"]
+
+
+@pytest.mark.parametrize(("masked", "file_state", "started"), [(False, "enabled", True), (True, "enabled", False),
+                                                               (False, "disabled", False)])
+def test_restart_crashed_starts_a_failed_unit_only_if_it_may_run(masked: bool, file_state: str, started: bool) -> None:
+    config = dataclasses.replace(FAKE_CONFIG, resident=dataclasses.replace(FAKE_CONFIG.resident, restart_crashed=True))
+    world = FakeWorld(config=config)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            unit = world.systemd.units["strata.service"]
+            world.systemd._stop("strata.service")
+            w.held_down.clear()
+            unit.active_state, unit.masked, unit.unit_file_state = "failed", masked, file_state
+            await w.reconcile()
+
+    run(main())
+    assert (world.systemd.started == ["strata.service"]) is started
+    # Only the failed unit: never its dependents nor a timer.
+    assert "llama-swap.service" not in world.systemd.started
+
+
+def test_a_torn_state_restores_exactly_what_gpuswapd_stopped() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            assert await w.acquire("survivor", 60) is not None
+            await w.shutdown(restore=False)  # as a SIGKILL leaves it
+        assert memory_marks(world.store).read() == ["agent-digest.timer", "agent-review.timer",
+                                                    "agent-triage.timer", "llama-swap.service", "strata.service"]
+        world.store.load = lambda: TORN  # type: ignore[method-assign]
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "baseline_restored"
+
+    run(main())
+    # agent-off.timer matches timers.pause but was off: it stays off (it was never gpuswapd's to start).
+    assert world.snapshot() == BASELINE
+    assert memory_marks(world.store).read() == []
+
+
+def test_a_lost_record_without_an_engine_restores_what_gpuswapd_stopped_and_only_that() -> None:
+    world = FakeWorld()
+    world.systemd._stop("agent-triage.timer")  # its operator's stop: stays stopped
+    world.systemd._stop("strata.service")  # gpuswapd's stop (with llama-swap), whose window's record was lost
+    memory_marks(world.store).add(["llama-swap.service", "strata.service", "agent-review.timer"])
+    world.systemd._stop("agent-review.timer")
+    world.store.document = Document(window=None)
+
+    async def main() -> None:
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is not None and w.baseline_restore.cause == "lost_record"
+
+    run(main())
+    assert world.snapshot()["units"] == BASELINE["units"]
+    assert world.snapshot()["timers"] == {**BASELINE["timers"], "agent-triage.timer": "inactive"}
+    assert memory_marks(world.store).read() == []
+
+
+def test_docker_down_does_not_keep_the_resident_down_in_a_baseline_restore() -> None:
+    world = FakeWorld(config=PROFILE_CONFIG)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            assert await w.acquire("train", 60, profile="bare") is not None
+            await w.shutdown(restore=False)
+        world.store.load = lambda: TORN  # type: ignore[method-assign]
+        calls = {"n": 0}
+
+        def down(*_: object) -> None:
+            calls["n"] += 1
+            raise DockerUnavailable("Docker is down (injected)")
+
+        world.docker.state = down  # type: ignore[assignment]
+        world.docker.stop = down  # type: ignore[assignment]
+        world.docker.remove = down  # type: ignore[assignment]
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            for _ in range(400):
+                if world.snapshot()["units"]["strata.service"] == "active":
+                    break
+                await asyncio.sleep(0.005)
+            assert world.snapshot()["units"] == {"strata.service": "active", "llama-swap.service": "active"}
+            w.abort.set()
+
+    run(main())
+
+
+def test_the_second_record_on_disk(tmp_path: Path) -> None:
+    marks = Marks(tmp_path / "default.stopped")
+    assert marks.read() == []  # never written: nothing gpuswapd stopped
+    marks.add(["strata.service", "agent-triage.timer", "../etc/passwd", ".hidden"])
+    assert sorted(p.name for p in (tmp_path / "default.stopped").iterdir()) == ["agent-triage.timer", "strata.service"]
+    assert Marks(tmp_path / "default.stopped").read() == ["agent-triage.timer", "strata.service"]  # another process
+    marks.remove(["strata.service", "never-marked.service"])
+    assert marks.read() == ["agent-triage.timer"]
+
+
+def test_a_resident_unit_configured_by_an_alias_is_followed_by_the_name_signals_carry() -> None:
+    world = FakeWorld()
+    world.systemd.units["strata.service"].names = ("llm-server.service", "strata.service")  # Id, then the alias
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.reconcile()  # learns the unit's names
+            w.resident_state("llm-server.service", "inactive")  # systemctl stop, as the signal names it
+            assert w.held_down.keys() == {"strata.service"}
+            w.resident_state("llm-server.service", "active")
+            assert w.held_down == {}
+
+    run(main())
+
+
+def _reconfigure(world: FakeWorld, ctx: str, n_ctx: int) -> None:
+    """Its operator lowers the context on purpose (a drop-in's ExecStart=) and restarts it."""
+    world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf", "-c", ctx)
+    world.systemd._stop("strata.service")
+    world.systemd.units["strata.service"].n_ctx = n_ctx
+    assert world.systemd._start("llama-swap.service") == "done"
+
+
+def test_a_resident_its_operator_reconfigured_becomes_the_baseline_and_is_never_repaired() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 4096
+            _reconfigure(world, "2048", 2048)
+            w.held_down.clear()
+            for _ in range(2):  # every close, not only the first
+                lease = await w.acquire("job", 60)
+                await w.release(lease.id)
+                await settle(w)
+                assert w.last is not None and w.last.restored == "as_it_was" and w.last.resident_changed is None
+            assert w.known.baseline.n_ctx == 2048 and w.known.changed is None
+
+    run(main())
+
+
+def test_a_resident_its_operator_restarted_while_idle_is_the_new_baseline() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            world.systemd._stop("strata.service")
+            world.systemd.units["strata.service"].n_ctx = 2048  # what it came back as: theirs, not llama.cpp's fit
+            assert world.systemd._start("llama-swap.service") == "done"
+            await w.reconcile()
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 2048
+            lease = await w.acquire("job", 60)
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.restored == "as_it_was" and w.last.resident_changed is None
+
+    run(main())
+
+
+def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            world.systemd.fail_starts["strata.service"] = 10**6  # it never starts again
+            await w.release(lease.id)
+            while w.phase is not Phase.DEGRADED:
+                await asyncio.sleep(0.001)
+            world.systemd.units["strata.service"].masked = True  # systemctl mask strata
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed" and w.last.units == []
+            assert memory_marks(world.store).read() == []
+            lease = await w.acquire("next", 60)  # not refused DEGRADED: the card is not held for it
+            await w.release(lease.id)
+            await settle(w)
+
+    run(main())
+    assert world.snapshot()["timers"] == BASELINE["timers"]  # gpuswapd's own pause undone
+
+
+def test_a_resident_whose_start_job_is_queued_is_not_reported_down() -> None:
+    assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead", job=True)) is None
+    assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead")) == "stopped"
+    assert down_cause(UnitState("strata.service", "masked", "inactive", "dead", job=True)) == "masked"
+
+
+def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
+    world = FakeWorld()
+    _operator_stops(world)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.reconcile()
+            out = io.StringIO()
+            print_status(w.status(), out)
+            assert "resident down, left to systemd and its operator: strata.service (stopped)" in out.getvalue()
+            plan = await make_plan(world.config, w.resident, w.engine, w.vram)
+            assert any(x.startswith("resident down: strata.service") for x in plan.warnings)
+            assert not plan.problems
+
+    run(main())
