@@ -34,13 +34,21 @@ from gpuswapd.config import GatewayConfig
 from gpuswapd.errors import GpuswapError, LeaseNotFound
 from gpuswapd.gateway.errors import TooManyWaiting, Unavailable
 from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.link import LinkDown
 from gpuswapd.gateway.meters import Meters
 from gpuswapd.gateway.tenants import RESIDENT, Tenant
 from gpuswapd.logs import log
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import reap, spawn
 
 HEARTBEAT_S = 3.0  # a waiting stream gets an SSE comment this often
 RENEW_MARGIN_S = 60.0  # a lease lasts idle plus this; it is renewed when less than half of it is left
+RENEW_RETRY_S = (0.5, 5.0)  # a failed renewal is tried again after this backoff, until the lease ends
+BOARD_MIN_S = 10.0  # a request boards a lease only with this much of it left, or its longest request's 1.5x
+REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again after this backoff
+WITHDRAW_GRACE_S = 30.0  # the last waiter gone, the acquire is kept this long so that a retry rejoins it
+RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
+RESIDENCY_MIN_S = 10.0
 STATUS_FRESH_S = 0.5  # a status read is reused this long by the resident requests that wait
 
 Tell = Callable[[str, float], Awaitable[None]]  # (phase, seconds waited): a waiting request's heartbeat
@@ -84,6 +92,7 @@ class Flight:
 
     tenant: str
     lease: OurLease | None = None
+    since: float = field(default_factory=clock.monotonic)
     cut: str | None = None  # why the gateway cut it (a preemption's grace ended)
     on_cut: Callable[[], object] | None = None  # set by the forwarder: stop relaying now
 
@@ -108,9 +117,13 @@ class OurLease:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
+    renew_failures: int = 0
+    retry_at: float = 0.0  # monotonic: a failed renewal is tried again from then
+    margin: float = BOARD_MIN_S  # a request boards only with this much of the lease left
+
     def usable(self) -> bool:
-        """Tell whether a new request may be served under this lease."""
-        return not self.doomed and not self.ending and clock.wall() < self.expires_at
+        """Tell whether a new request may be served under this lease (and it will outlive the request)."""
+        return not self.doomed and not self.ending and clock.wall() < self.expires_at - self.margin
 
 
 @dataclass(eq=False)
@@ -121,6 +134,7 @@ class Opening:
     task: asyncio.Task[OurLease]
     phase: str = "QUEUED"
     since: float = field(default_factory=clock.monotonic)
+    withdraw: asyncio.TimerHandle | None = None  # nobody waits: the acquire is withdrawn then
 
 
 class Demand:
@@ -139,6 +153,9 @@ class Demand:
         self.leases: dict[str, OurLease] = {}
         self.openings: dict[str, Opening] = {}
         self.wanting: dict[str, int] = {}  # requests waiting for each profile's window
+        self.waits: dict[str, list[float]] = {}  # tenant: when each of its waiting requests began to wait
+        self.price: dict[str, float] = {}  # tenant: seconds the card took to move to it, last time
+        self.longest: dict[str, float] = {}  # profile: its longest request of late (for the boarding margin)
         self.resident_flights: set[Flight] = set()
         self.waiting = 0
         self._status: tuple[float, dict[str, Any]] | None = None
@@ -161,6 +178,29 @@ class Demand:
         """Count the resident requests being answered now (gpuswapd's drain asks)."""
         return len(self.resident_flights)
 
+    def queue(self) -> dict[str, int]:
+        """Count the requests waiting for each tenant now."""
+        return {tenant: len(starts) for tenant, starts in self.waits.items() if starts}
+
+    def residency_left(self, tenant: str) -> float | None:
+        """Return how long ``tenant`` may still keep the card before a waiting tenant is owed it (None: unbounded)."""
+        oldest = self._oldest_other(tenant)
+        if oldest is None:
+            return None
+        waiter, since = oldest
+        return max(0.0, self.residency(tenant, waiter) - (clock.monotonic() - since))
+
+    def residency(self, tenant: str, waiter: str) -> float:
+        """Return how long ``tenant`` keeps the card while ``waiter`` waits: RESIDENCY_PER_SWAP times the price.
+
+        The price is what the two swaps would cost (to ``waiter``, and back), as the gateway last
+        saw them (a tenant not seen yet costs RESIDENCY_MIN_S). The bound is at least
+        RESIDENCY_MIN_S and at most half of ``gateway.hold``, so that the waiter is served within
+        its own bound.
+        """
+        price = self.price.get(waiter, RESIDENCY_MIN_S) + self.price.get(tenant, RESIDENCY_MIN_S)
+        return min(self.config.hold / 2, max(RESIDENCY_MIN_S, RESIDENCY_PER_SWAP * price))
+
     async def start(self) -> None:
         """Release the leases an earlier gateway left bound to this unit (a unit's leases are found by its cgroup)."""
         if self.holder is not None:
@@ -180,26 +220,66 @@ class Demand:
     # -- waiting -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _queue_place(self) -> Any:
+    def _queue_place(self, tenant: str) -> Any:
         if self.waiting >= self.config.max_waiting:
             raise TooManyWaiting(f"{self.waiting} requests wait for a window already (gateway.max_waiting = "
                                  f"{self.config.max_waiting}); try again later")
         self.waiting += 1
         self.meters.waiting.inc()
+        since = clock.monotonic()
+        self.waits.setdefault(tenant, []).append(since)
+        self._nudge()  # a lease of ours for another tenant may be given back now
         try:
             yield
         finally:
             self.waiting -= 1
             self.meters.waiting.dec()
+            self.waits[tenant].remove(since)
+
+    def _nudge(self) -> None:
+        for lease in self.leases.values():
+            lease.wake.set()
+        self.follow.poke()
+
+    def _oldest_other(self, tenant: str) -> tuple[str, float] | None:
+        """Return the tenant other than ``tenant`` whose request has waited longest, and since when."""
+        found = [(min(starts), other) for other, starts in self.waits.items() if other != tenant and starts]
+        if not found:
+            return None
+        since, other = min(found)
+        return other, since
+
+    def _owed(self, tenant: str) -> bool:
+        """Tell whether another tenant's request has waited past ``tenant``'s residency: stop boarding it."""
+        oldest = self._oldest_other(tenant)
+        return oldest is not None and clock.monotonic() - oldest[1] > self.residency(tenant, oldest[0])
+
+    def _busy(self) -> str | None:
+        """Return the tenant of the gateway's that uses the card now (requests in flight or boarding)."""
+        if self.follow.resident_serves() and (self.resident_flights or self.waits.get(RESIDENT)):
+            return RESIDENT
+        for lease in self.leases.values():
+            if lease.flights and not lease.ending:
+                return lease.profile
+        return None
+
+    def _turn(self, profile: str) -> bool:
+        """Tell whether ``profile`` may ask for the card now: nobody of ours uses it, or its residency passed."""
+        busy = self._busy()
+        if busy is None or busy == profile:
+            return True
+        starts = self.waits.get(profile)
+        return not starts or clock.monotonic() - min(starts) > self.residency(busy, profile)
 
     async def _engine(self, profile: str, tell: Tell) -> Flight:
         lease = self.leases.get(profile)
-        if lease is not None and lease.usable():
+        if lease is not None and lease.usable() and not self._owed(profile):
+            self.meters.no_swap.labels(profile).inc()
             return self._board(lease)
         started = clock.monotonic()
         deadline = started + self.config.hold
         try:
-            with self._queue_place():
+            with self._queue_place(profile):
                 self.wanting[profile] = self.wanting.get(profile, 0) + 1
                 try:
                     return await self._wait_engine(profile, tell, started, deadline)
@@ -207,41 +287,69 @@ class Demand:
                     self.wanting[profile] -= 1
                     opening = self.openings.get(profile)
                     if not self.wanting[profile] and opening is not None and not opening.task.done():
-                        log.info("gateway_acquire_withdrawn", profile=profile, reason="nobody waits for it")
-                        opening.task.cancel()
+                        self._withdraw_later(opening)
         finally:
             self.meters.window_wait.labels(profile).observe(clock.monotonic() - started)
 
+    def _withdraw_later(self, opening: Opening) -> None:
+        """Withdraw an acquire nobody waits for, after a grace: a client's retry rejoins the boot."""
+        def withdraw() -> None:
+            if not self._wanted(opening.profile) and not opening.task.done():
+                log.info("gateway_acquire_withdrawn", profile=opening.profile, reason="nobody waits for it")
+                opening.task.cancel()
+        if opening.withdraw is not None:
+            opening.withdraw.cancel()
+        opening.withdraw = asyncio.get_running_loop().call_later(WITHDRAW_GRACE_S, withdraw)
+
     async def _wait_engine(self, profile: str, tell: Tell, started: float, deadline: float) -> Flight:
-        opening = self._opening(profile)
+        opening = self.openings.get(profile)
+        told = clock.monotonic()
         while True:
+            changed = self.follow.changed()
             lease = self.leases.get(profile)
+            phase = "WAITING"
             if lease is not None and lease.usable():
-                return self._board(lease)
-            if opening.task.done():
-                if opening.task.cancelled() or opening.task.exception() is not None:
-                    raise _unavailable(profile, opening.task)
-                opening = self._opening(profile)  # granted, and ended since: acquire again
-                continue
-            left = deadline - clock.monotonic()
+                if not self._owed(profile):
+                    if opening is None or opening.task.done():
+                        self.meters.no_swap.labels(profile).inc()
+                    return self._board(lease)
+                phase = "YIELDING"  # another tenant is owed the card: this lease goes once its requests end
+            else:
+                if opening is not None and opening.task.done():
+                    if opening.task.cancelled() or opening.task.exception() is not None:
+                        raise _unavailable(profile, opening.task)
+                    opening = None  # granted, and ended since: acquire again
+                if opening is None and self._turn(profile):
+                    opening = self._opening(profile)
+                phase = opening.phase if opening is not None else "BATCHED"
+            now = clock.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise Unavailable(f"the window of profile {profile!r} did not open within gateway.hold = "
-                                  f"{self.config.hold:g}s (gpuswapd phase {self.follow.phase}); the request was "
-                                  "withdrawn")
-            await asyncio.wait({opening.task}, timeout=min(HEARTBEAT_S, left))
-            if not opening.task.done():
-                await tell(opening.phase, clock.monotonic() - started)
+                                  f"{self.config.hold:g}s (gpuswapd phase {self.follow.phase}, here {phase}); "
+                                  "the request was withdrawn")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(HEARTBEAT_S, left)):
+                    await changed.wait()
+            if clock.monotonic() - told >= HEARTBEAT_S:
+                told = clock.monotonic()
+                await tell(opening.phase if opening is not None and phase != "YIELDING" else phase, told - started)
+
+    def _yields(self) -> bool:
+        """Tell whether the resident stops boarding: a tenant owed the card has its acquire on the way."""
+        return self._owed(RESIDENT) and any(not o.task.done() for o in self.openings.values())
 
     async def _resident(self, tell: Tell) -> Flight:
-        if self.follow.resident_serves():
+        if self.follow.resident_serves() and not self._yields():
             return self._board(None)
         started = clock.monotonic()
         deadline = started + self.config.hold
+        told = started
         try:
-            with self._queue_place():
+            with self._queue_place(RESIDENT):
                 while True:
                     changed = self.follow.changed()
-                    if self.follow.resident_serves():
+                    if self.follow.resident_serves() and not self._yields():
                         return self._board(None)
                     await self._make_way()
                     left = deadline - clock.monotonic()
@@ -253,10 +361,12 @@ class Demand:
                         async with asyncio.timeout(min(HEARTBEAT_S, left)):
                             await changed.wait()
                     await asyncio.sleep(0)  # a change that came at once: let the others run first
-                    if not self.follow.resident_serves():
-                        await tell(self.follow.phase or "UNKNOWN", clock.monotonic() - started)
+                    if not self.follow.resident_serves() and clock.monotonic() - told >= HEARTBEAT_S:
+                        told = clock.monotonic()
+                        await tell(self.follow.phase or "UNKNOWN", told - started)
         finally:
-            self.meters.window_wait.labels(RESIDENT).observe(clock.monotonic() - started)
+            waited = clock.monotonic() - started
+            self.meters.window_wait.labels(RESIDENT).observe(waited)
 
     async def _make_way(self) -> None:
         """For a waiting resident request: give back the gateway's idle leases, or judge who holds the card."""
@@ -264,6 +374,9 @@ class Demand:
         if phase in (None, "DRAINING") or not self.follow.reachable:
             return  # the drain passes, or the window opens (then it is judged), or gpuswapd comes back
         status = await self._fresh_status()
+        back = status.get("resident_back")
+        if isinstance(back, dict) and isinstance(back.get("close_s"), (int, float)):
+            self.price[RESIDENT] = float(back["close_s"])
         window = status.get("window") or {}
         if not window or any(t.get("stage") == "close" for t in window.get("timings") or []):
             return  # closing already: the resident comes back
@@ -304,6 +417,10 @@ class Demand:
         """Tell whether requests wait for ``profile``'s window (they board once it is READY)."""
         return self.wanting.get(profile, 0) > 0
 
+    def _others_wait(self, profile: str) -> bool:
+        """Tell whether a request of the gateway's waits for a tenant other than ``profile``."""
+        return self._oldest_other(profile) is not None
+
     def _board(self, lease: OurLease | None) -> Flight:
         if lease is None:
             flight = Flight(RESIDENT)
@@ -317,11 +434,17 @@ class Demand:
     def _done(self, flight: Flight) -> None:
         if flight.lease is None:
             self.resident_flights.discard(flight)
+            self.follow.poke()  # an engine request batched behind the resident may go now
             return
         lease = flight.lease
         lease.flights.discard(flight)
-        lease.last_end = clock.monotonic()
+        now = clock.monotonic()
+        took = now - flight.since
+        # The longest request of late, decaying: a lease boards only what it will outlive.
+        self.longest[lease.profile] = max(took, 0.9 * self.longest.get(lease.profile, 0.0))
+        lease.last_end = now
         lease.wake.set()
+        self.follow.poke()
 
     # -- the leases ----------------------------------------------------------------------------
 
@@ -334,12 +457,19 @@ class Demand:
         return opening
 
     def _opened(self, opening: Opening, _task: asyncio.Task[OurLease]) -> None:
+        if opening.withdraw is not None:
+            opening.withdraw.cancel()
         if self.openings.get(opening.profile) is opening:
             del self.openings[opening.profile]
         self.follow.poke()  # wake resident requests that wait behind it
 
-    async def _acquire(self, profile: str) -> OurLease:
-        """Take a lease for ``profile``; first give back the gateway's idle leases of other profiles."""
+    async def _acquire(self, profile: str, adopt: OurLease | None = None) -> OurLease:
+        """Take a lease for ``profile``; first give back the gateway's idle leases of other profiles.
+
+        gpuswapd away (it restarted, or its socket waits for it), the acquire is made again after a
+        short backoff, for as long as someone waits for it (they withdraw it after their bound).
+        ``adopt``: a lease whose connection ended under requests in flight; they move to the new one.
+        """
         for other in [x for x in self.leases.values()
                       if x.profile != profile and not x.flights and not self._wanted(x.profile)]:
             log.info("gateway_switching", from_profile=other.profile, to_profile=profile)
@@ -353,23 +483,55 @@ class Demand:
                 opening.phase = f"QUEUED {event.get('position')}"
 
         log.info("gateway_acquiring", profile=profile, priority=self.config.priority, for_s=self.lease_s)
-        held = await self.daemon.acquire(profile, self.lease_s, self.config.priority, self.holder, progress)
+        failures = 0
+        while True:
+            asked = clock.monotonic()
+            try:
+                held = await self.daemon.acquire(profile, self.lease_s, self.config.priority, self.holder, progress)
+                break
+            except LinkDown as err:
+                failures += 1
+                if opening is not None:
+                    opening.phase = "GPUSWAPD_AWAY"
+                log.warning("gateway_acquire_again", profile=profile, error=err.message,
+                            retry_in_s=backoff(REACQUIRE_S, failures))
+                await asyncio.sleep(backoff(REACQUIRE_S, failures))
+        took = clock.monotonic() - asked
+        if opening is not None and opening.phase not in ("QUEUED", "READY"):
+            self.price[profile] = took  # the card moved: what it cost
         expires = held.lease.get("expires_at")
         lease = OurLease(held, profile, math.inf if expires is None else float(expires))
+        left = lease.expires_at - clock.wall()
+        lease.margin = min(self.lease_s / 3, left / 2, max(BOARD_MIN_S, 1.5 * self.longest.get(profile, 0.0)))
         previous = self.leases.get(profile)
         self.leases[profile] = lease
         if previous is not None and previous is not lease:
             previous.ending = True  # a preempted one whose flights still run out their grace
+        if adopt is not None:
+            for flight in list(adopt.flights):
+                flight.lease = lease
+                lease.flights.add(flight)
+            adopt.flights.clear()
         lease.tasks = [spawn(self._keep(lease), f"gateway-keep-{profile}"),
                        spawn(self._listen(lease), f"gateway-lease-{profile}")]
-        log.info("gateway_lease_granted", profile=profile, lease=held.id, expires_at=expires)
+        log.info("gateway_lease_granted", profile=profile, lease=held.id, expires_at=expires,
+                 adopted=len(lease.flights))
         return lease
 
     async def _keep(self, lease: OurLease) -> None:
-        """Renew the lease while it is used; release it ``idle`` after its last request ended."""
+        """Renew the lease while it is used; release it ``idle`` after its last request ended.
+
+        A renewal that fails is tried again after a backoff of seconds, until the lease ends. The
+        lease is given back at once when its last request ends while a request of the gateway's
+        for another tenant waits: the card goes to it without waiting for ``idle``.
+        """
         idle = self.config.idle
         while not lease.ending:
             now = clock.monotonic()
+            if not lease.flights and (self._owed(lease.profile) or (
+                    not self._wanted(lease.profile) and self._others_wait(lease.profile))):
+                await self._release(lease, "its last request ended while another tenant's request waits")
+                return
             if not lease.flights and not self._wanted(lease.profile) and now - lease.last_end >= idle:
                 await self._release(lease, f"idle for {idle:g}s")
                 return
@@ -378,10 +540,15 @@ class Demand:
                 log.info("gateway_lease_expired", profile=lease.profile, lease=lease.held.id)
                 self._forget(lease)
                 return
-            if left < self.lease_s / 2 and not lease.doomed:
+            if left < self.lease_s / 2 and not lease.doomed and now >= lease.retry_at:
                 await self._renew(lease)
+                if lease.ending:
+                    return
                 left = lease.expires_at - clock.wall()
-            wake_in = [max(0.0, left - self.lease_s / 2) if left > self.lease_s / 2 else left]
+            if lease.renew_failures:
+                wake_in = [max(0.0, lease.retry_at - clock.monotonic()), left]
+            else:
+                wake_in = [left - self.lease_s / 2 if left > self.lease_s / 2 else left]
             if not lease.flights:
                 wake_in.append(lease.last_end + idle - now)
             lease.wake.clear()
@@ -396,9 +563,18 @@ class Demand:
             log.info("gateway_lease_gone", profile=lease.profile, lease=lease.held.id)
             self._forget(lease)
             return
-        except GpuswapError as err:  # gpuswapd is busy or away: try again soon; the lease still runs
-            log.warning("gateway_renew_failed", lease=lease.held.id, error=err.message)
+        except GpuswapError as err:  # gpuswapd is busy or away: try again in seconds; the lease still runs
+            lease.renew_failures += 1
+            delay = backoff(RENEW_RETRY_S, lease.renew_failures)
+            lease.retry_at = clock.monotonic() + delay
+            self.meters.renew_failures.inc()
+            log.warning("gateway_renew_failed", lease=lease.held.id, error=err.message, retry_in_s=delay,
+                        left_s=round(lease.expires_at - clock.wall(), 1))
             return
+        if lease.renew_failures:
+            log.info("gateway_renewed_after_failures", lease=lease.held.id, failures=lease.renew_failures)
+        lease.renew_failures = 0
+        lease.retry_at = 0.0
         got = reply.get("lease") or {}
         expires = got.get("expires_at")
         lease.expires_at = math.inf if expires is None else float(expires)
@@ -406,7 +582,13 @@ class Demand:
             log.info("gateway_renew_capped", lease=lease.held.id, expires_at=expires)
 
     async def _listen(self, lease: OurLease) -> None:
-        """Follow the lease's events on its connection: a preemption's notice, then its revoking."""
+        """Follow the lease's events on its connection: a preemption's notice, then its revoking.
+
+        The connection ending without ``preempted`` (gpuswapd restarted) with requests in flight:
+        a lease is acquired again for them (the restarted gpuswapd adopts the window, so it is
+        granted at once) and they move to it.
+        """
+        preempted = False
         async for event in lease.held.events():
             name = event.get("event")
             if name == "preempting":
@@ -414,6 +596,7 @@ class Demand:
                 log.warning("gateway_preempting", profile=lease.profile, by=event.get("by"),
                             grace_s=event.get("grace_s"), in_flight=len(lease.flights))
             elif name == "preempted":
+                preempted = True
                 why = (f"the window of profile {lease.profile!r} was preempted by {event.get('by')} (priority "
                        f"{event.get('priority')}) and its grace has ended")
                 for flight in list(lease.flights):
@@ -422,9 +605,16 @@ class Demand:
                 break
             elif name == "preemption_abandoned":
                 lease.doomed = False
+        lost = not preempted and not lease.ending
         self._forget(lease)
         with contextlib.suppress(Exception):
             await lease.held.close()
+        if lost and lease.flights and lease.profile not in self.openings:
+            log.warning("gateway_lease_connection_lost", profile=lease.profile, lease=lease.held.id,
+                        in_flight=len(lease.flights))
+            task = spawn(self._acquire(lease.profile, adopt=lease), f"gateway-acquire-{lease.profile}")
+            opening = self.openings[lease.profile] = Opening(lease.profile, task)
+            task.add_done_callback(partial(self._opened, opening))
 
     def _event(self, event: dict[str, Any]) -> None:
         """Take gpuswapd's events: a lease of ours that expired or ended."""

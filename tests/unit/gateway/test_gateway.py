@@ -23,6 +23,7 @@ from gpuswapd.gateway import demand as demand_module
 from gpuswapd.gateway.app import Gateway
 from gpuswapd.gateway.demand import Demand
 from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.link import LinkDown
 from gpuswapd.gateway.meters import Meters
 from gpuswapd.gateway.tenants import Tenants
 from gpuswapd.gateway.upstream import Upstream
@@ -100,10 +101,16 @@ class FakeDaemon:
         self.released: list[str] = []
         self.helds: list[FakeHeld] = []
         self.phase = "IDLE"
+        self.renew_fail = 0  # this many renewals fail (gpuswapd busy or away)
+        self.renews = 0
+        self.away = 0  # this many acquires find gpuswapd gone (a restart)
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
                       progress: Callable[[dict[str, Any]], None]) -> FakeHeld:
         self.acquires.append(profile)
+        if self.away:
+            self.away -= 1
+            raise LinkDown("gpuswapd at /run/gpuswapd.sock closed the connection without a reply")
         progress({"event": "phase", "phase": "BOOTING"})
         try:
             await self.gate.wait()
@@ -127,6 +134,10 @@ class FakeDaemon:
             return {"ok": True, "phase": self.phase if leases else "IDLE", "window": window,
                     "resident_back": {"at": time.time() + 42.2, "in_s": 42.2, "close_s": 3.0} if leases else None}
         if op == "renew":
+            self.renews += 1
+            if self.renew_fail:
+                self.renew_fail -= 1
+                raise LinkDown("gpuswapd did not answer renew within 15s")
             lease = self.leases.get(message["lease"])
             if lease is None:
                 raise LeaseNotFound("no such lease")
@@ -172,6 +183,7 @@ def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
 @pytest.fixture(autouse=True)
 def fast_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demand_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(demand_module, "WITHDRAW_GRACE_S", 0.2)
 
 
 def rig(text: str = CONFIG, **gateway: Any) -> Rig:
@@ -324,6 +336,8 @@ def test_hold_passes_before_the_window_opens() -> None:
         reply = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
         assert reply.status_code == 503 and "gateway.hold" in reply.json()["error"]["message"]
         await asyncio.sleep(0.05)
+        assert r.daemon.withdrawn == 0  # the grace: a retry would rejoin the boot
+        await asyncio.sleep(0.3)
         assert r.daemon.withdrawn == 1  # nobody waits: the acquire was withdrawn
     run(main())
 
@@ -357,7 +371,9 @@ def test_a_waiting_client_that_goes_away_withdraws_the_acquire() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.05)
-        assert r.daemon.withdrawn == 1 and r.demand.waiting == 0 and not r.demand.openings
+        assert r.daemon.withdrawn == 0 and r.demand.waiting == 0  # kept for the grace
+        await asyncio.sleep(0.3)
+        assert r.daemon.withdrawn == 1 and not r.demand.openings
     run(main())
 
 
@@ -466,4 +482,140 @@ def test_the_drain_probe_counts_resident_requests_in_flight() -> None:
             assert r.follow.resident_serves()  # a dry run (gpuswapctl plan) holds nothing
         assert (await r.client.get("/gpuswapd/in-flight?draining=1")).json()["resident_in_flight"] == 0
         assert not r.follow.resident_serves()
+    run(main())
+
+
+# -- leases that survive trouble, and the card moved only when it pays -----------------------------
+
+
+async def _hold_request(r: Rig, profile: str, until: asyncio.Event, flights: list[Any] | None = None) -> None:
+    tenant = r.app.tenants.resident if profile == "resident" else r.app.tenants.engines[profile]
+    async with r.demand.serving(tenant, demand_module_quiet) as flight:
+        if flights is not None:
+            flights.append(flight)
+        await until.wait()
+
+
+def test_a_failed_renewal_is_retried_within_seconds_and_the_request_keeps_its_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RENEW_RETRY_S", (0.05, 0.1))
+
+    async def main() -> None:
+        r = rig()
+        r.demand.lease_s = 1.0  # renewed when less than 0.5 s is left
+        r.daemon.renew_fail = 3
+        done = asyncio.Event()
+        task = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(1.6)  # past the first grant's end
+        lease = r.demand.leases.get("default")
+        assert lease is not None and not lease.ending, "the lease ran out after a failed renewal"
+        assert r.daemon.renews >= 4 and lease.expires_at > time.time()
+        assert r.daemon.leases and r.app.meters.renew_failures._value.get() == 3
+        done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
+def test_a_request_does_not_board_a_lease_that_cannot_outlive_it() -> None:
+    async def main() -> None:
+        r = rig()
+        assert (await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))).status_code == 200
+        lease = r.demand.leases["default"]
+        lease.expires_at = time.time() + lease.margin / 2  # renewals failed: too little is left
+        assert (await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))).status_code == 200
+        assert r.daemon.acquires == ["default", "default"]  # the second took a lease of its own
+        assert r.demand.leases["default"] is not lease
+        await r.demand.close()
+    run(main())
+
+
+def test_the_lease_is_given_back_as_its_last_request_ends_while_the_gateways_request_for_another_waits() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        other = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("qwen-eval")))
+        await asyncio.sleep(0.2)
+        assert r.daemon.acquires == ["default"]  # batched: default's request still runs
+        assert r.demand.queue() == {"eval": 1}
+        done.set()
+        await first
+        reply = await other
+        assert reply.status_code == 200, reply.text
+        assert r.daemon.released == ["lease-1"] and r.daemon.acquires == ["default", "eval"]  # at once, not idle later
+        await r.demand.close()
+    run(main())
+
+
+def test_past_its_residency_the_card_tenant_stops_boarding_and_the_waiter_goes_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RESIDENCY_MIN_S", 0.4)
+
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        r.demand.price = {"default": 0.0, "eval": 0.0}  # the bound is its least, 0.4 s
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        r.daemon.gate.clear()  # the card is default's: another window waits in gpuswapd's queue
+        other = asyncio.create_task(_hold_request(r, "eval", done))
+        await asyncio.sleep(0.1)
+        assert r.daemon.acquires == ["default"]  # batched behind default's request
+        await asyncio.sleep(0.4)
+        later = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.2)
+        assert r.daemon.acquires == ["default", "eval"]  # eval waited its share: its acquire went
+        assert not later.done() and r.demand.queue().get("default") == 1  # a new default request does not board
+        done.set()
+        await asyncio.sleep(0.1)
+        assert r.daemon.released == ["lease-1"]  # default's last request ended: given back at once
+        r.daemon.gate.set()
+        await asyncio.gather(first, other)
+        assert (await later).status_code == 200
+        await r.demand.close()
+    run(main())
+
+
+def test_a_gpuswapd_restart_does_not_fail_waiting_requests_and_in_flight_ones_move_to_a_new_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "REACQUIRE_S", (0.05, 0.1))
+
+    async def main() -> None:
+        r = rig()
+        r.daemon.away = 2  # the first two acquires find gpuswapd gone
+        replies = await asyncio.gather(*(r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+                                         for _ in range(6)))
+        assert [x.status_code for x in replies] == [200] * 6
+        done = asyncio.Event()
+        flights: list[Any] = []
+        task = asyncio.create_task(_hold_request(r, "default", done, flights))
+        await asyncio.sleep(0.1)
+        old = r.demand.leases["default"]
+        r.daemon.helds[-1].events_in.put_nowait(None)  # the lease's connection ends: gpuswapd restarted
+        await asyncio.sleep(0.3)
+        new = r.demand.leases["default"]
+        assert new is not old and flights[0].lease is new and flights[0] in new.flights
+        done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
+def test_a_client_that_hangs_up_while_its_window_boots_is_rejoined_by_its_retry() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        first = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.1)
+        first.cancel()  # the client's own timeout
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        retry = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.3)  # past the grace: the retry holds the boot
+        r.daemon.gate.set()
+        assert (await retry).status_code == 200
+        assert r.daemon.acquires == ["default"] and r.daemon.withdrawn == 0
+        await r.demand.close()
     run(main())
