@@ -32,16 +32,19 @@ from gpuswapd.gateway.errors import (
     ClientTooSlow,
     GatewayError,
     NoRoute,
+    Preempted,
     TooManyWaiting,
     Unavailable,
     UnknownModel,
     UpstreamFailed,
+    UpstreamUnreached,
 )
 from gpuswapd.gateway.follow import Follow
 from gpuswapd.gateway.meters import UNKNOWN_MODEL, Meters
 from gpuswapd.gateway.tenants import RESIDENT, Tenant, Tenants
 from gpuswapd.gateway.upstream import WRITE_S, Answer, Upstream
 from gpuswapd.logs import log
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import in_daemon_thread, reap, spawn, uncancel
 
 Scope = MutableMapping[str, Any]
@@ -53,6 +56,8 @@ MODEL_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embedd
 BODY_S = 60.0  # the whole request body must arrive within this
 MODELS_FRESH_S = 10.0  # the resident's model list is read again at most this often
 SAVE_S = 5.0
+PROBE_S = 2.0  # the resident, down, is asked its model list with this deadline
+PROBE_BACKOFF_S = (0.2, 2.0)  # and again after this backoff until it answers
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
        (b"x-accel-buffering", b"no")]
@@ -98,6 +103,7 @@ class Gateway:
         self.meters = meters
         self._models_read = -MODELS_FRESH_S
         self._following: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
         follow.listeners.append(self._event)
 
     # -- lifespan ------------------------------------------------------------------------------
@@ -112,6 +118,7 @@ class Gateway:
         """Give back the gateway's leases and close the upstream connections."""
         await self.demand.close()
         await reap(self._following)
+        await reap(self._prober)
         await self.upstream.aclose()
 
     # -- ASGI ----------------------------------------------------------------------------------
@@ -200,14 +207,62 @@ class Gateway:
             self.meters.requests.labels(model, tenant.name, outcome).inc()
 
     async def _serve(self, call: Call, scope: Scope, raw: bytes) -> str:
+        """Wait for the tenant, send the request, relay its answer.
+
+        The resident refusing the connection (it is down: restarted, or its server not up yet), the
+        request was not sent: it waits for the resident to answer again, within ``hold``, and is
+        sent then. A preemption that cuts the window while the request is in prefill ends it as
+        preempted, not as a server that broke off.
+        """
         assert call.tenant is not None
         tell = self._heartbeat(call) if call.stream else _quiet
-        async with self.demand.serving(call.tenant, tell) as flight:
-            answer = await self.upstream.open("POST", call.tenant.base + scope["path"], scope["headers"], raw)
+        task = asyncio.current_task()
+        assert task is not None
+        started = clock.monotonic()
+        while True:
+            async with self.demand.serving(call.tenant, tell) as flight:
+                flight.on_cut = task.cancel
+                try:
+                    answer = await self.upstream.open("POST", call.tenant.base + scope["path"], scope["headers"], raw)
+                except asyncio.CancelledError:
+                    if flight.cut is None:
+                        raise
+                    uncancel()
+                    raise Preempted(f"{flight.cut}; the request was in prefill") from None
+                except UpstreamUnreached as err:
+                    if call.tenant.engine or clock.monotonic() - started > self.config.gateway.hold:
+                        raise _preempted(flight, err) from err
+                    self._resident_down(err)
+                    continue
+                except UpstreamFailed as err:
+                    raise _preempted(flight, err) from err
+                finally:
+                    flight.on_cut = None
+                try:
+                    return await self._relay(call, answer, flight)
+                finally:
+                    await answer.close()
+
+    def _resident_down(self, err: UpstreamFailed) -> None:
+        """Hold resident requests until the resident answers again; follow it meanwhile."""
+        self.follow.mark_resident(down=True)
+        if self._prober is None or self._prober.done():
+            log.warning("gateway_resident_refused", error=err.message)
+            self._prober = spawn(self._probe_resident(), "gateway-resident-probe")
+
+    async def _probe_resident(self) -> None:
+        """Ask the resident's model list until it answers; then resident requests go to it again."""
+        url = f"{self.tenants.resident.base}/v1/models"
+        failures = 0
+        while True:
             try:
-                return await self._relay(call, answer, flight)
-            finally:
-                await answer.close()
+                await self.upstream.get_json(url, timeout=PROBE_S)
+            except GatewayError:
+                failures += 1
+                await asyncio.sleep(backoff(PROBE_BACKOFF_S, failures))
+                continue
+            self.follow.mark_resident(down=False)
+            return
 
     async def _relay(self, call: Call, answer: Answer, flight: Flight) -> str:
         """Pass the answer through; an upstream that breaks off ends an SSE stream with an error event."""
@@ -228,11 +283,11 @@ class Gateway:
             if flight.cut is None:
                 raise
             uncancel()
-            raise Unavailable(flight.cut) from None
+            raise Preempted(flight.cut) from None
         except UpstreamFailed as err:
             if not (call.stream or answer.event_stream):
                 raise _Truncated(err.message) from err  # a JSON answer cut short cannot be mended: drop the connection
-            raise
+            raise _preempted(flight, err) from err
         finally:
             flight.on_cut = None
         await call.body(b"", more=False)
@@ -337,6 +392,15 @@ class Gateway:
     def _event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "window_finished" and not event.get("switched_to"):
             spawn(self._learn_models(), "gateway-models")
+
+
+def _preempted(flight: Flight, err: UpstreamFailed) -> GatewayError:
+    """Say a broken-off upstream was preempted when its lease was (the engine stops at the grace's end)."""
+    lease = flight.lease
+    if flight.cut is not None or (lease is not None and lease.doomed):
+        why = flight.cut or f"the window of profile {flight.tenant!r} was preempted"
+        return Preempted(f"{why}; the request was in prefill ({err.message})")
+    return err
 
 
 class _Gone(Exception):

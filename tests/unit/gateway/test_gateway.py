@@ -161,8 +161,13 @@ class Rig:
     client: httpx.AsyncClient
 
 
-def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
+Hook = Callable[[httpx.Request], Any]
+
+
+def _upstream(calls: list[httpx.Request], hook: Hook | None = None) -> httpx.MockTransport:
     async def handler(request: httpx.Request) -> httpx.Response:
+        if hook is not None:
+            await hook(request)
         if request.method == "GET":  # the resident's model list
             return httpx.Response(200, json={"object": "list", "data": [{"id": "strata", "object": "model"}]})
         calls.append(request)
@@ -186,7 +191,7 @@ def fast_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demand_module, "WITHDRAW_GRACE_S", 0.2)
 
 
-def rig(text: str = CONFIG, **gateway: Any) -> Rig:
+def rig(text: str = CONFIG, hook: Hook | None = None, **gateway: Any) -> Rig:
     config = parse_config(text)
     if gateway:
         config = dataclasses.replace(config, gateway=dataclasses.replace(config.gateway, **gateway))
@@ -196,7 +201,7 @@ def rig(text: str = CONFIG, **gateway: Any) -> Rig:
     meters = Meters()
     demand = Demand(config.gateway, daemon, follow, meters, holder="gpuswapd-gateway[test]")
     calls: list[httpx.Request] = []
-    app = Gateway(config, demand, follow, Tenants(config), Upstream(_upstream(calls)), meters)
+    app = Gateway(config, demand, follow, Tenants(config), Upstream(_upstream(calls, hook)), meters)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
     return Rig(app, daemon, follow, demand, calls, client)
 
@@ -617,5 +622,54 @@ def test_a_client_that_hangs_up_while_its_window_boots_is_rejoined_by_its_retry(
         r.daemon.gate.set()
         assert (await retry).status_code == 200
         assert r.daemon.acquires == ["default"] and r.daemon.withdrawn == 0
+        await r.demand.close()
+    run(main())
+
+
+def test_a_resident_request_while_the_resident_is_down_waits_for_it_and_is_answered() -> None:
+    down = {"on": True}
+    refused: list[str] = []
+
+    async def hook(request: httpx.Request) -> None:
+        if request.url.port == 8090 and down["on"]:
+            refused.append(request.method)
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    async def main() -> None:
+        r = rig(hook=hook)
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        await asyncio.sleep(0.3)
+        assert not ask.done() and refused[0] == "POST" and not r.follow.resident_serves()
+        down["on"] = False  # the resident is back: its model list answers
+        reply = await ask
+        assert reply.status_code == 200, reply.text
+        assert [str(c.url) for c in r.upstream_calls] == ["http://127.0.0.1:8090/v1/chat/completions"]
+        await r.app.shutdown()
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_preemption_in_prefill_says_preempted(stream: bool) -> None:
+    prefill = asyncio.Event()
+
+    async def hook(request: httpx.Request) -> None:
+        if request.url.port == 18020:
+            prefill.set()
+            await asyncio.sleep(30)  # the engine's prefill, cut by the preemption
+
+    async def main() -> None:
+        r = rig(hook=hook)
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=stream)))
+        await prefill.wait()
+        held = r.daemon.helds[0]
+        held.events_in.put_nowait({"event": "preempting", "by": "urgent", "grace_s": 0})
+        held.events_in.put_nowait({"event": "preempted", "by": "urgent", "priority": 10})
+        await asyncio.wait({ask}, timeout=5)
+        assert ask.done(), "the request went on after the preemption cut its window"
+        reply = ask.result()
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "preempted" and "preempted by urgent" in error["message"]
+        assert "prefill" in error["message"]
         await r.demand.close()
     run(main())
