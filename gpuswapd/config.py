@@ -490,6 +490,7 @@ class GatewayConfig:
     priority: int = _key(_int(-1000, 1000), 0)
     max_body: int = _key(_size, 32 * 1024**2)
     max_waiting: int = _key(_int(1, 65536), 256)
+    loading_state: bool = _key(_bool, False)
 
 
 @dataclass(frozen=True, kw_only=True)

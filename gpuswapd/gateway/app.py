@@ -143,6 +143,7 @@ class Gateway:
                                         "phase": self.follow.phase, "waiting": self.demand.waiting,
                                         "resident_in_flight": self.demand.resident_in_flight()})
             elif path == "/metrics" and method == "GET":
+                self.demand.sample([tenant.name for tenant in (self.tenants.resident, *self.tenants.engines.values())])
                 await _reply(send, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
                              self.meters.render())
             elif path == GATEWAY_IN_FLIGHT_PATH and method == "GET":
@@ -215,7 +216,8 @@ class Gateway:
         preempted, not as a server that broke off.
         """
         assert call.tenant is not None
-        tell = self._heartbeat(call) if call.stream else _quiet
+        loading = self.config.gateway.loading_state and scope["path"] == "/v1/chat/completions"
+        tell = self._heartbeat(call, loading) if call.stream else _quiet
         task = asyncio.current_task()
         assert task is not None
         started = clock.monotonic()
@@ -293,11 +295,22 @@ class Gateway:
         await call.body(b"", more=False)
         return "ok" if answer.status < 400 else "client_error" if answer.status < 500 else "upstream_error"
 
-    def _heartbeat(self, call: Call) -> Callable[[str, float], Awaitable[None]]:
+    def _heartbeat(self, call: Call, loading: bool) -> Callable[[str, float], Awaitable[None]]:
+        """Tell a waiting stream how its window comes on: an SSE comment, or (``loading_state``) reasoning text.
+
+        The reasoning text is a chat.completion.chunk whose delta has ``reasoning_content``, as
+        llama-swap's ``sendLoadingState`` sends it: clients that show nothing of SSE comments show it.
+        """
         async def tell(phase: str, waited: float) -> None:
             if not call.started:
                 await call.start(200, SSE)
-            await call.body(f": gpuswapd {phase} {waited:.0f}s\n\n".encode())
+            if not loading:
+                await call.body(f": gpuswapd {phase} {waited:.0f}s\n\n".encode())
+                return
+            chunk = {"id": "gpuswapd-loading", "object": "chat.completion.chunk", "created": int(clock.wall()),
+                     "model": call.model, "choices": [{"index": 0, "finish_reason": None, "delta": {
+                         "role": "assistant", "reasoning_content": f"gpuswapd: {phase} {waited:.0f}s\n"}}]}
+            await call.body(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         return tell
 
     async def _fail(self, call: Call, err: GatewayError) -> None:

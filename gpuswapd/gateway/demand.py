@@ -182,6 +182,24 @@ class Demand:
         """Count the requests waiting for each tenant now."""
         return {tenant: len(starts) for tenant, starts in self.waits.items() if starts}
 
+    def on_card(self) -> str | None:
+        """Return the tenant of the gateway's on the card, as it sees it (None: another holder's, or moving)."""
+        if self.follow.resident_serves():
+            return RESIDENT
+        ready = [lease.profile for lease in self.leases.values() if not lease.ending]
+        return ready[0] if ready else None
+
+    def sample(self, tenants: list[str]) -> None:
+        """Set the schedule's gauges: the tenant on the card, the queue per tenant, the residency left."""
+        on = self.on_card()
+        self.meters.residency_left.clear()
+        for tenant in tenants:
+            self.meters.on_card.labels(tenant).set(1 if tenant == on else 0)
+            self.meters.queue.labels(tenant).set(len(self.waits.get(tenant, [])))
+        if on is not None:
+            left = self.residency_left(on)
+            self.meters.residency_left.labels(on).set(math.inf if left is None else left)
+
     def residency_left(self, tenant: str) -> float | None:
         """Return how long ``tenant`` may still keep the card before a waiting tenant is owed it (None: unbounded)."""
         oldest = self._oldest_other(tenant)
@@ -303,6 +321,7 @@ class Demand:
 
     async def _wait_engine(self, profile: str, tell: Tell, started: float, deadline: float) -> Flight:
         opening = self.openings.get(profile)
+        joined = opening is not None  # this request waited for the card to move
         told = clock.monotonic()
         while True:
             changed = self.follow.changed()
@@ -310,7 +329,7 @@ class Demand:
             phase = "WAITING"
             if lease is not None and lease.usable():
                 if not self._owed(profile):
-                    if opening is None or opening.task.done():
+                    if not joined:
                         self.meters.no_swap.labels(profile).inc()
                     return self._board(lease)
                 phase = "YIELDING"  # another tenant is owed the card: this lease goes once its requests end
@@ -321,6 +340,7 @@ class Demand:
                     opening = None  # granted, and ended since: acquire again
                 if opening is None and self._turn(profile):
                     opening = self._opening(profile)
+                joined = joined or opening is not None
                 phase = opening.phase if opening is not None else "BATCHED"
             now = clock.monotonic()
             left = deadline - now

@@ -673,3 +673,47 @@ def test_a_preemption_in_prefill_says_preempted(stream: bool) -> None:
         assert "prefill" in error["message"]
         await r.demand.close()
     run(main())
+
+
+def test_loading_state_streams_the_windows_progress_as_reasoning_text() -> None:
+    async def main() -> None:
+        r = rig(loading_state=True)
+        r.daemon.gate.clear()
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=True)))
+        await asyncio.sleep(0.3)
+        r.daemon.gate.set()
+        reply = await ask
+        events = [json.loads(line.removeprefix("data: ")) for line in reply.text.splitlines()
+                  if line.startswith("data: {")]
+        said = events[0]["choices"][0]["delta"]["reasoning_content"]
+        assert events[0]["object"] == "chat.completion.chunk" and said.startswith("gpuswapd: BOOTING ")
+        assert not reply.text.startswith(":")  # no SSE comments for clients that show nothing of them
+        assert '"usage": {"completion_tokens": 3}' in reply.text and reply.text.endswith("data: [DONE]\n\n")
+        await r.demand.close()
+    run(main())
+
+
+def test_metrics_show_the_schedule() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        waiter = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        again = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))  # boards: no swap
+        assert again.status_code == 200
+        await asyncio.sleep(0.1)
+        text = (await r.client.get("/metrics")).text
+        assert 'gpuswapd_gateway_on_card{tenant="default"} 1.0' in text
+        assert 'gpuswapd_gateway_on_card{tenant="resident"} 0.0' in text
+        assert 'gpuswapd_gateway_queue{tenant="resident"} 1.0' in text
+        left = float(text.split('gpuswapd_gateway_residency_left_seconds{tenant="default"} ')[1].split()[0])
+        assert 0 < left <= 10.0
+        assert 'gpuswapd_gateway_no_swap_total{tenant="default"} 1.0' in text
+        done.set()
+        await first
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        assert (await waiter).status_code == 200
+        await r.demand.close()
+    run(main())
