@@ -3,8 +3,10 @@
 An engine model with no window open: the gateway takes a lease for its profile at
 ``gateway.priority``, bound to its connection (it ends if the gateway dies), and the request waits
 until the window is READY, at most ``gateway.hold``. Every request for that profile waits on the
-same acquire; when the last of them goes away, the acquire is withdrawn (a window nobody else
-wants is rolled back). The lease is renewed while requests flow, and released ``gateway.idle``
+same acquire; when the last of them goes away, the acquire is kept for a grace
+(``WITHDRAW_GRACE_S``) so that a client's retry rejoins the boot, then withdrawn (a window nobody
+else wants is rolled back); a window granted in the grace with nobody back is given back when the
+grace ends. The lease is renewed while requests flow, and released ``gateway.idle``
 after the last one ended; a renewal capped by gpuswapd is taken as it comes (the lease ends at its
 real expiry, and the next request acquires again).
 
@@ -46,7 +48,7 @@ RENEW_MARGIN_S = 60.0  # a lease lasts idle plus this; it is renewed when less t
 RENEW_RETRY_S = (0.5, 5.0)  # a failed renewal is tried again after this backoff, until the lease ends
 BOARD_MIN_S = 10.0  # a request boards a lease only with this much of it left, or its longest request's 1.5x
 REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again after this backoff
-WITHDRAW_GRACE_S = 30.0  # the last waiter gone, the acquire is kept this long so that a retry rejoins it
+WITHDRAW_GRACE_S = 15.0  # the last waiter gone, the acquire is kept this long so that a retry rejoins it
 RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
 RESIDENCY_MIN_S = 10.0
 STATUS_FRESH_S = 0.5  # a status read is reused this long by the resident requests that wait
@@ -119,6 +121,7 @@ class OurLease:
 
     renew_failures: int = 0
     retry_at: float = 0.0  # monotonic: a failed renewal is tried again from then
+    boarded: bool = False  # a request has been served under it
     margin: float = BOARD_MIN_S  # a request boards only with this much of the lease left
 
     def usable(self) -> bool:
@@ -448,6 +451,7 @@ class Demand:
         else:
             flight = Flight(lease.profile, lease)
             lease.flights.add(flight)
+            lease.boarded = True
             lease.wake.set()
         return flight
 
@@ -528,6 +532,7 @@ class Demand:
         if previous is not None and previous is not lease:
             previous.ending = True  # a preempted one whose flights still run out their grace
         if adopt is not None:
+            lease.boarded = True
             for flight in list(adopt.flights):
                 flight.lease = lease
                 lease.flights.add(flight)
@@ -552,8 +557,11 @@ class Demand:
                     not self._wanted(lease.profile) and self._others_wait(lease.profile))):
                 await self._release(lease, "its last request ended while another tenant's request waits")
                 return
-            if not lease.flights and not self._wanted(lease.profile) and now - lease.last_end >= idle:
-                await self._release(lease, f"idle for {idle:g}s")
+            # A lease granted after its waiters went away (their clients hung up) is kept only for
+            # the grace their retries had: a window nobody came back for is not held for ``idle``.
+            keep = idle if lease.boarded else min(idle, WITHDRAW_GRACE_S)
+            if not lease.flights and not self._wanted(lease.profile) and now - lease.last_end >= keep:
+                await self._release(lease, f"idle for {keep:g}s")
                 return
             left = lease.expires_at - clock.wall()
             if left <= 0:
@@ -570,7 +578,7 @@ class Demand:
             else:
                 wake_in = [left - self.lease_s / 2 if left > self.lease_s / 2 else left]
             if not lease.flights:
-                wake_in.append(lease.last_end + idle - now)
+                wake_in.append(lease.last_end + keep - now)
             lease.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.05, min(wake_in))):

@@ -717,3 +717,19 @@ def test_metrics_show_the_schedule() -> None:
         assert (await waiter).status_code == 200
         await r.demand.close()
     run(main())
+
+
+def test_a_window_granted_after_its_client_hung_up_is_given_back_when_the_grace_ends() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0)
+        r.daemon.gate.clear()
+        first = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        r.daemon.gate.set()  # the boot ends in the grace: granted, nobody back
+        await asyncio.sleep(0.1)
+        assert r.daemon.leases and r.daemon.withdrawn == 0
+        await asyncio.sleep(0.4)
+        assert r.daemon.released == ["lease-1"]  # the grace (0.2 s), not idle (60 s)
+    run(main())
