@@ -51,6 +51,7 @@ REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again
 WITHDRAW_GRACE_S = 15.0  # the last waiter gone, the acquire is kept this long so that a retry rejoins it
 RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
 RESIDENCY_MIN_S = 10.0
+BATCH_GAP_S = 1.0  # a tenant whose last request ended this recently still uses the card (a client's next comes)
 STATUS_FRESH_S = 0.5  # a status read is reused this long by the resident requests that wait
 
 Tell = Callable[[str, float], Awaitable[None]]  # (phase, seconds waited): a waiting request's heartbeat
@@ -160,6 +161,7 @@ class Demand:
         self.price: dict[str, float] = {}  # tenant: seconds the card took to move to it, last time
         self.longest: dict[str, float] = {}  # profile: its longest request of late (for the boarding margin)
         self.resident_flights: set[Flight] = set()
+        self.resident_last_end = -math.inf
         self.waiting = 0
         self._status: tuple[float, dict[str, Any]] | None = None
         follow.listeners.append(self._event)
@@ -276,11 +278,13 @@ class Demand:
         return oldest is not None and clock.monotonic() - oldest[1] > self.residency(tenant, oldest[0])
 
     def _busy(self) -> str | None:
-        """Return the tenant of the gateway's that uses the card now (requests in flight or boarding)."""
-        if self.follow.resident_serves() and (self.resident_flights or self.waits.get(RESIDENT)):
+        """Return the tenant of the gateway's that uses the card now (requests in flight, or one just ended)."""
+        recent = clock.monotonic() - BATCH_GAP_S
+        if self.follow.resident_serves() and (self.resident_flights or self.waits.get(RESIDENT)
+                                              or self.resident_last_end > recent):
             return RESIDENT
         for lease in self.leases.values():
-            if lease.flights and not lease.ending:
+            if (lease.flights or lease.last_end > recent) and not lease.ending:
                 return lease.profile
         return None
 
@@ -458,6 +462,7 @@ class Demand:
     def _done(self, flight: Flight) -> None:
         if flight.lease is None:
             self.resident_flights.discard(flight)
+            self.resident_last_end = clock.monotonic()
             self.follow.poke()  # an engine request batched behind the resident may go now
             return
         lease = flight.lease
@@ -553,8 +558,11 @@ class Demand:
         idle = self.config.idle
         while not lease.ending:
             now = clock.monotonic()
+            # Another tenant's request waits: the lease goes once its own requests are done (none
+            # in flight, and no next one within BATCH_GAP_S), or at once past its residency.
+            gap = lease.last_end + BATCH_GAP_S - now
             if not lease.flights and (self._owed(lease.profile) or (
-                    not self._wanted(lease.profile) and self._others_wait(lease.profile))):
+                    not self._wanted(lease.profile) and self._others_wait(lease.profile) and gap <= 0)):
                 await self._release(lease, "its last request ended while another tenant's request waits")
                 return
             # A lease granted after its waiters went away (their clients hung up) is kept only for
@@ -579,6 +587,8 @@ class Demand:
                 wake_in = [left - self.lease_s / 2 if left > self.lease_s / 2 else left]
             if not lease.flights:
                 wake_in.append(lease.last_end + keep - now)
+                if gap > 0:
+                    wake_in.append(gap)
             lease.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.05, min(wake_in))):

@@ -18,7 +18,11 @@ The workloads (the issue's three, shortened to ``--minutes`` each; the price is 
 1. ``agent``: an agent on the resident (a request a second, 2 s each) and one engine user (a
    request every 10 s);
 2. ``alternate``: two engine models, each requested by its own user, one request after another;
-3. ``burst``: the agent, and a burst of 40 engine requests 10 s in.
+3. ``burst``: the agent, and a burst of 40 engine requests 10 s in;
+4. ``soak``: 6 clients, one request after another, for the resident, the default engine and a
+   second profile in 5:4:1, while the stand-in gpuswapd drops every connection (as a kill -9 of
+   a socket-activated gpuswapd does; its window is kept for 2 s for its holders to come back)
+   every 20-60 s.
 
 Per workload and policy: the card's moves (swaps) and the time it spent moving, requests
 answered per minute per tenant, the wait per tenant (a request's time less its service time)
@@ -40,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -56,7 +61,8 @@ from tests.benchmarks.report import parser, write_results
 REPO = Path(__file__).resolve().parents[2]
 SERVICE_S = 2.0
 HOLD_S = 300.0
-WORKLOADS = ("agent", "alternate", "burst")
+WORKLOADS = ("agent", "alternate", "burst", "soak")
+RECLAIM_S = 2.0  # after a restart the stand-in keeps an adopted window this long for its holders to come back
 MODELS = {"resident": "strata", "default": "hyperqwen", "eval": "qwen-eval"}
 CONFIG = """
 [resident]
@@ -117,9 +123,19 @@ class Card:
     swaps: int = 0
     moving_s: float = 0.0
     made: int = 0
+    restarts: int = 0
+    adopted_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.wake = asyncio.Event()
+        self.connections: set[asyncio.StreamWriter] = set()
+
+    def restart(self) -> None:
+        """Drop every connection, as gpuswapd killed with -9 does (its socket unit keeps the socket)."""
+        self.restarts += 1
+        self.adopted_until = time.monotonic() + RECLAIM_S
+        for writer in list(self.connections):
+            writer.transport.abort()
 
     def emit(self, event: dict[str, Any]) -> None:
         line = json.dumps(event).encode() + b"\n"
@@ -151,6 +167,10 @@ class Card:
                         self.leases[lease] = w.profile
                         w.granted.set_result({"id": lease, "holder": "gateway", "expires_at": time.time() + 3600})
             if self.leases:
+                continue
+            if time.monotonic() < self.adopted_until:  # an adopted window: its holders may come back
+                await asyncio.sleep(self.adopted_until - time.monotonic())
+                self.wake.set()
                 continue
             if self.queue:
                 await self.move(self.queue[0].profile)
@@ -186,6 +206,7 @@ class Card:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # CancelledError: the run is over and its connections are dropped (nothing to say).
+        self.connections.add(writer)
         with contextlib.suppress(ConnectionError, ValueError, asyncio.IncompleteReadError, asyncio.CancelledError):
             request = json.loads(await reader.readline())
             op = request.get("op")
@@ -208,6 +229,7 @@ class Card:
                 writer.write(json.dumps({"ok": True, "lease": {"id": request.get("lease"),
                                                                "expires_at": time.time() + 3600}}).encode() + b"\n")
             await writer.drain()
+        self.connections.discard(writer)
         writer.close()
 
     async def acquire(self, profile: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -292,7 +314,7 @@ async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back
     spawned = asyncio.ensure_future(card.run())
     servers[-1]._bench_card_task = spawned  # type: ignore[attr-defined]  # kept alive with the server
     async with httpx.AsyncClient(trust_env=False) as http:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get(f"http://127.0.0.1:{rig.port}/health")).status_code == 200:
@@ -351,6 +373,18 @@ async def workload(name: str, rig: Rig, seconds: float) -> None:
         elif name == "alternate":
             await asyncio.gather(closed_loop(until, lambda: one(http, rig, "default")),
                                  closed_loop(until, lambda: one(http, rig, "eval")))
+        elif name == "soak":
+            async def restarts() -> None:
+                draw = random.Random(37)
+                while time.monotonic() < until:
+                    await asyncio.sleep(draw.uniform(20, 60))
+                    rig.card.restart()
+
+            async def client(n: int) -> None:
+                draw = random.Random(n)
+                while time.monotonic() < until:
+                    await one(http, rig, draw.choices(("resident", "default", "eval"), (5, 4, 1))[0])
+            await asyncio.gather(restarts(), *(client(n) for n in range(6)))
         else:
             async def burst() -> None:
                 await asyncio.sleep(10)
@@ -367,7 +401,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary(rig: Rig, seconds: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"swaps": rig.card.swaps, "moving_s": round(rig.card.moving_s, 1), "tenants": {}}
+    out: dict[str, Any] = {"swaps": rig.card.swaps, "moving_s": round(rig.card.moving_s, 1),
+                           "restarts": rig.card.restarts, "tenants": {}}
     for tenant in MODELS:
         mine = [r for r in rig.results if r["tenant"] == tenant]
         if not mine:
@@ -403,7 +438,8 @@ async def run(names: list[str], seconds: float, boot_s: float, back_s: float) ->
 
 
 def print_workload(name: str, figures: dict[str, Any]) -> None:
-    print(f"\n== {name} ==")
+    print(f"\n== {name} ==  " + "  ".join(f"{p}: {f['swaps']} swaps, {f['restarts']} gpuswapd restarts"
+                                         for p, f in figures.items()))
     print(f"{'policy':6} {'swaps':>5} {'moving_s':>8}  {'tenant':9} {'n':>4} {'ok':>4} {'fail':>4} {'per_min':>7} "
           f"{'wait_p50':>8} {'wait_p99':>8} {'wait_max':>8}")
     for policy, f in figures.items():
