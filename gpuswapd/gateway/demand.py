@@ -61,6 +61,7 @@ class HeldLease(Protocol):
     """A lease bound to its acquire connection (``link.Held``, or a fake)."""
 
     lease: dict[str, Any]
+    token: str | None  # its reclaim token (after a restart of gpuswapd, the lease is taken back with it)
 
     @property
     def id(self) -> str:
@@ -80,8 +81,8 @@ class Daemon(Protocol):
     """What the on-demand logic asks of gpuswapd (``link.Link``, or a fake)."""
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
-                      progress: Callable[[dict[str, Any]], None]) -> HeldLease:
-        """Acquire a connection-bound lease, waiting for READY."""
+                      progress: Callable[[dict[str, Any]], None], reclaim: str | None = None) -> HeldLease:
+        """Acquire a connection-bound lease, waiting for READY (``reclaim``: an earlier acquire's token)."""
         ...
 
     async def request(self, message: dict[str, Any], timeout: float = ...) -> dict[str, Any]:
@@ -216,8 +217,9 @@ class Demand:
     def residency(self, tenant: str, waiter: str) -> float:
         """Return how long ``tenant`` keeps the card while ``waiter`` waits: RESIDENCY_PER_SWAP times the price.
 
-        The price is what the two swaps would cost (to ``waiter``, and back), as the gateway last
-        saw them (a tenant not seen yet costs RESIDENCY_MIN_S). The bound is at least
+        The price is what the two swaps would cost (to ``waiter``, and back): gpuswapd's medians
+        from ``status`` (``price``), else what the gateway saw its own acquires take (a tenant not
+        seen yet costs RESIDENCY_MIN_S). The bound is at least
         RESIDENCY_MIN_S and at most half of ``gateway.hold``, so that the waiter is served within
         its own bound.
         """
@@ -225,9 +227,15 @@ class Demand:
         return min(self.config.hold / 2, max(RESIDENCY_MIN_S, RESIDENCY_PER_SWAP * price))
 
     async def start(self) -> None:
-        """Release the leases an earlier gateway left bound to this unit (a unit's leases are found by its cgroup)."""
+        """Learn the price of each swap; release the leases an earlier gateway left bound to this unit.
+
+        Not a unit, an earlier gateway's leases ended with its connections; a unit's are found by
+        its cgroup.
+        """
+        with contextlib.suppress(GpuswapError):
+            self.take_price(await self.daemon.request({"op": "status"}))
         if self.holder is not None:
-            return  # not a unit: an earlier gateway's leases ended with its connections
+            return
         with contextlib.suppress(GpuswapError):
             gone = await self.daemon.request({"op": "release"})
             if gone.get("released"):
@@ -433,7 +441,21 @@ class Demand:
                 self._status = (now, await self.daemon.request({"op": "status"}))
             except GpuswapError as err:
                 raise Unavailable(f"cannot ask gpuswapd who holds the card: {err.message}") from None
+            self.take_price(self._status[1])
         return self._status[1]
+
+    def take_price(self, status: dict[str, Any]) -> None:
+        """Take the price of each swap from gpuswapd's ``status`` (medians of its history), where it has one."""
+        prices = status.get("price")
+        if not isinstance(prices, dict):
+            return
+        for profile, price in prices.items():
+            if not isinstance(price, dict):
+                continue
+            if isinstance(price.get("open_s"), (int, float)):
+                self.price[str(profile)] = float(price["open_s"])
+            if isinstance(price.get("resident_restart_s"), (int, float)):
+                self.price[RESIDENT] = float(price["resident_restart_s"])
 
     async def _retry_after(self) -> int | None:
         with contextlib.suppress(Unavailable):
@@ -496,17 +518,23 @@ class Demand:
         """Take a lease for ``profile``; first give back the gateway's idle leases of other profiles.
 
         gpuswapd away (it restarted, or its socket waits for it), the acquire is made again after a
-        short backoff, for as long as someone waits for it (they withdraw it after their bound).
-        ``adopt``: a lease whose connection ended under requests in flight; they move to the new one.
+        short backoff, with its reclaim token (its place in gpuswapd's queue is kept), for as long
+        as someone waits for it (they withdraw it after their bound). ``adopt``: a lease whose
+        connection ended under requests in flight; it is reclaimed with its token, and they move
+        to it.
         """
         for other in [x for x in self.leases.values()
                       if x.profile != profile and not x.flights and not self._wanted(x.profile)]:
             log.info("gateway_switching", from_profile=other.profile, to_profile=profile)
             await self._release(other, f"a request for profile {profile!r}")
         opening = self.openings.get(profile)
+        token = adopt.held.token if adopt is not None else None
 
         def progress(event: dict[str, Any]) -> None:
-            if opening is not None and isinstance(event.get("phase"), str):
+            nonlocal token
+            if event.get("event") == "accepted" and isinstance(event.get("token"), str):
+                token = str(event["token"])  # sent again after a restart: the place in the queue is kept
+            elif opening is not None and isinstance(event.get("phase"), str):
                 opening.phase = str(event["phase"])
             elif opening is not None and event.get("event") == "queued":
                 opening.phase = f"QUEUED {event.get('position')}"
@@ -516,7 +544,8 @@ class Demand:
         while True:
             asked = clock.monotonic()
             try:
-                held = await self.daemon.acquire(profile, self.lease_s, self.config.priority, self.holder, progress)
+                held = await self.daemon.acquire(profile, self.lease_s, self.config.priority, self.holder, progress,
+                                                 reclaim=token)
                 break
             except LinkDown as err:
                 failures += 1

@@ -71,6 +71,7 @@ class FakeHeld:
 
     def __init__(self, daemon: FakeDaemon, lease: dict[str, Any], profile: str) -> None:
         self.daemon, self.lease, self.profile = daemon, lease, profile
+        self.token: str | None = f"token-{lease['id']}"
         self.events_in: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     @property
@@ -104,10 +105,13 @@ class FakeDaemon:
         self.renew_fail = 0  # this many renewals fail (gpuswapd busy or away)
         self.renews = 0
         self.away = 0  # this many acquires find gpuswapd gone (a restart)
+        self.reclaims: list[str | None] = []  # the token each acquire sent again
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
-                      progress: Callable[[dict[str, Any]], None]) -> FakeHeld:
+                      progress: Callable[[dict[str, Any]], None], reclaim: str | None = None) -> FakeHeld:
         self.acquires.append(profile)
+        self.reclaims.append(reclaim)
+        progress({"event": "accepted", "token": reclaim or f"token-{len(self.acquires)}", "reclaim_s": 30})
         if self.away:
             self.away -= 1
             raise LinkDown("gpuswapd at /run/gpuswapd.sock closed the connection without a reply")
@@ -593,6 +597,7 @@ def test_a_gpuswapd_restart_does_not_fail_waiting_requests_and_in_flight_ones_mo
         replies = await asyncio.gather(*(r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
                                          for _ in range(6)))
         assert [x.status_code for x in replies] == [200] * 6
+        assert r.daemon.reclaims[:3] == [None, "token-1", "token-1"]  # its place in the queue reclaimed
         done = asyncio.Event()
         flights: list[Any] = []
         task = asyncio.create_task(_hold_request(r, "default", done, flights))
@@ -602,6 +607,7 @@ def test_a_gpuswapd_restart_does_not_fail_waiting_requests_and_in_flight_ones_mo
         await asyncio.sleep(0.3)
         new = r.demand.leases["default"]
         assert new is not old and flights[0].lease is new and flights[0] in new.flights
+        assert r.daemon.reclaims[-1] == old.held.token  # the lease was reclaimed with its token
         done.set()
         await task
         await r.demand.close()
@@ -732,4 +738,22 @@ def test_a_window_granted_after_its_client_hung_up_is_given_back_when_the_grace_
         assert r.daemon.leases and r.daemon.withdrawn == 0
         await asyncio.sleep(0.4)
         assert r.daemon.released == ["lease-1"]  # the grace (0.2 s), not idle (60 s)
+    run(main())
+
+
+def test_the_residency_grows_with_gpuswapds_price_of_a_swap() -> None:
+    async def main() -> None:
+        r = rig(hold=3600.0)
+        before = r.demand.residency("resident", "default")
+        price = {"default": {"open_s": 45.0, "resident_restart_s": 12.0}, "eval": {"open_s": None}}
+        real_request = r.daemon.request
+
+        async def request(message: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+            reply = await real_request(message, timeout)
+            return {**reply, "price": price} if message["op"] == "status" else reply
+        r.daemon.request = request  # type: ignore[method-assign]
+        await r.demand.start()
+        assert r.demand.price == {"default": 45.0, "resident": 12.0}
+        assert r.demand.residency("resident", "default") == demand_module.RESIDENCY_PER_SWAP * 57.0 > before
+        assert r.demand.residency("resident", "eval") == demand_module.RESIDENCY_PER_SWAP * (12.0 + 10.0)
     run(main())
