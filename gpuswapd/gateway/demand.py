@@ -288,12 +288,13 @@ class Demand:
     def _busy(self) -> str | None:
         """Return the tenant of the gateway's that uses the card now (requests in flight, or one just ended)."""
         recent = clock.monotonic() - BATCH_GAP_S
-        if self.follow.resident_serves() and (self.resident_flights or self.waits.get(RESIDENT)
-                                              or self.resident_last_end > recent):
-            return RESIDENT
         for lease in self.leases.values():
             if (lease.flights or lease.last_end > recent) and not lease.ending:
                 return lease.profile
+        # The resident's requests in flight, or waiting for it to come back (then it is the tenant
+        # the card is moving to: another's acquire would take it away as soon as it arrived).
+        if self.resident_flights or self.waits.get(RESIDENT) or self.resident_last_end > recent:
+            return RESIDENT
         return None
 
     def _turn(self, profile: str) -> bool:

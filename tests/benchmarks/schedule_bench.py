@@ -426,8 +426,10 @@ async def run(names: list[str], seconds: float, boot_s: float, back_s: float) ->
     subprocess.run(["tar", "-x", "-C", str(old_code)], input=archive.stdout, check=True)  # noqa: ASYNC221
     results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "workloads": {}}
     for name in names:
-        rigs = [await start_rig(policy, root, old_code, boot_s, back_s) for policy in ("old", "new")]
+        rigs: list[Rig] = []
         try:
+            for policy in ("old", "new"):
+                rigs.append(await start_rig(policy, root, old_code, boot_s, back_s))
             await asyncio.gather(*(workload(name, rig, seconds) for rig in rigs))
         finally:
             for rig in rigs:
