@@ -161,6 +161,7 @@ class Demand:
         self.waits: dict[str, list[float]] = {}  # tenant: when each of its waiting requests began to wait
         self.price: dict[str, float] = {}  # tenant: seconds the card took to move to it, last time
         self.longest: dict[str, float] = {}  # profile: its longest request of late (for the boarding margin)
+        self.lost: dict[str, float] = {}  # tenant: when it last gave the card up for another of the gateway's
         self.resident_flights: set[Flight] = set()
         self.resident_last_end = -math.inf
         self.waiting = 0
@@ -272,9 +273,21 @@ class Demand:
             lease.wake.set()
         self.follow.poke()
 
+    def _waiting_since(self, tenant: str) -> float | None:
+        """Return since when ``tenant`` waits for its turn: its oldest request, or the moment it last gave the card up.
+
+        A tenant that gave the card up for another waits for its turn again from then: else its
+        requests that waited through the other's residency would take the card straight back.
+        """
+        starts = self.waits.get(tenant)
+        if not starts:
+            return None
+        return max(min(starts), self.lost.get(tenant, -math.inf))
+
     def _oldest_other(self, tenant: str) -> tuple[str, float] | None:
-        """Return the tenant other than ``tenant`` whose request has waited longest, and since when."""
-        found = [(min(starts), other) for other, starts in self.waits.items() if other != tenant and starts]
+        """Return the tenant other than ``tenant`` whose request has waited longest for its turn, and since when."""
+        found = [(since, other) for other in self.waits if other != tenant
+                 and (since := self._waiting_since(other)) is not None]
         if not found:
             return None
         since, other = min(found)
@@ -302,8 +315,8 @@ class Demand:
         busy = self._busy()
         if busy is None or busy == profile:
             return True
-        starts = self.waits.get(profile)
-        return not starts or clock.monotonic() - min(starts) > self.residency(busy, profile)
+        since = self._waiting_since(profile)
+        return since is None or clock.monotonic() - since > self.residency(busy, profile)
 
     async def _engine(self, profile: str, tell: Tell) -> Flight:
         lease = self.leases.get(profile)
@@ -425,6 +438,7 @@ class Demand:
                 for lease in idle:
                     log.info("gateway_swap_back", profile=lease.profile, lease=lease.held.id,
                              reason="a resident request while only the gateway's idle lease kept the window")
+                    self.lost[lease.profile] = clock.monotonic()
                     await self._release(lease, "swap back to the resident")
                 self._status = None
             return  # the gateway's own requests keep it: they end, then it is given back
@@ -527,6 +541,7 @@ class Demand:
         for other in [x for x in self.leases.values()
                       if x.profile != profile and not x.flights and not self._wanted(x.profile)]:
             log.info("gateway_switching", from_profile=other.profile, to_profile=profile)
+            self.lost[other.profile] = clock.monotonic()
             await self._release(other, f"a request for profile {profile!r}")
         opening = self.openings.get(profile)
         token = adopt.held.token if adopt is not None else None
@@ -563,6 +578,8 @@ class Demand:
         left = lease.expires_at - clock.wall()
         lease.margin = min(self.lease_s / 3, left / 2, max(BOARD_MIN_S, 1.5 * self.longest.get(profile, 0.0)))
         previous = self.leases.get(profile)
+        if not any(x.profile != profile and not x.ending for x in self.leases.values()):
+            self.lost[RESIDENT] = clock.monotonic()  # the card came from the resident (or another holder)
         self.leases[profile] = lease
         if previous is not None and previous is not lease:
             previous.ending = True  # a preempted one whose flights still run out their grace
@@ -593,6 +610,7 @@ class Demand:
             gap = lease.last_end + BATCH_GAP_S - now
             if not lease.flights and (self._owed(lease.profile) or (
                     not self._wanted(lease.profile) and self._others_wait(lease.profile) and gap <= 0)):
+                self.lost[lease.profile] = now
                 await self._release(lease, "its last request ended while another tenant's request waits")
                 return
             # A lease granted after its waiters went away (their clients hung up) is kept only for
