@@ -757,3 +757,36 @@ def test_the_residency_grows_with_gpuswapds_price_of_a_swap() -> None:
         assert r.demand.residency("resident", "default") == demand_module.RESIDENCY_PER_SWAP * 57.0 > before
         assert r.demand.residency("resident", "eval") == demand_module.RESIDENCY_PER_SWAP * (12.0 + 10.0)
     run(main())
+
+
+def test_a_tenant_that_gave_the_card_up_waits_its_turn_again_and_does_not_take_it_straight_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RESIDENCY_MIN_S", 0.3)
+    monkeypatch.setattr(demand_module, "RESIDENCY_PER_SWAP", 0.0)  # every residency is its least, 0.3 s
+
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        first_done, resident_done = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", first_done))
+        await asyncio.sleep(0.05)
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        resident_flights: list[Any] = []
+        resident = asyncio.create_task(_hold_request(r, "resident", resident_done, resident_flights))
+        await asyncio.sleep(0.4)  # the resident request has waited past default's residency
+        second = asyncio.create_task(_hold_request(r, "default", resident_done))
+        await asyncio.sleep(0.05)
+        assert r.demand.queue() == {"resident": 1, "default": 1}  # default's new request yields
+        first_done.set()
+        await first
+        await asyncio.sleep(0.05)
+        assert r.daemon.released == ["lease-1"]
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        await asyncio.sleep(0.1)
+        assert resident_flights, "the resident did not get its turn: default took the card straight back"
+        assert r.daemon.acquires == ["default"]
+        await asyncio.sleep(0.4)  # default waits the resident's residency, then asks for the card
+        assert r.daemon.acquires == ["default", "default"]
+        resident_done.set()
+        await asyncio.gather(resident, second)
+        await r.demand.close()
+    run(main())
