@@ -776,6 +776,7 @@ def test_a_tenant_that_gave_the_card_up_waits_its_turn_again_and_does_not_take_i
         second = asyncio.create_task(_hold_request(r, "default", resident_done))
         await asyncio.sleep(0.05)
         assert r.demand.queue() == {"resident": 1, "default": 1}  # default's new request yields
+        await asyncio.sleep(0.4)  # and waits past the resident's residency meanwhile
         first_done.set()
         await first
         await asyncio.sleep(0.05)
