@@ -11,9 +11,14 @@
 | ``gpuswapd_gateway_on_card`` | gauge: 1 for the tenant the gateway sees on the card | ``tenant`` |
 | ``gpuswapd_gateway_queue`` | gauge: requests waiting, by the tenant they wait for | ``tenant`` |
 | ``gpuswapd_gateway_residency_left_seconds`` | gauge: what is left of the card's tenant's residency | ``tenant`` |
+| ``gpuswapd_gateway_connections_cut_total`` | counter: connections cut before their request was read | ``reason`` |
 
 A model name no tenant serves is counted as ``model="(unknown)"``: a client cannot grow the
-series without bound.
+series without bound; a request passed to llama-swap as it is (``/running``, ``/logs``, ...), as
+``model="(passed)"``. The outcomes: ``ok``, ``client_error`` (a 4xx, the gateway's or the
+upstream's), ``client_slow`` (its body did not come in time), ``not_reading`` (cut: it stopped
+reading its answer), ``gone`` (it hung up), ``too_many`` (429), ``unavailable`` (503),
+``upstream_error`` (the upstream failed or broke off), ``cut`` (a preemption ended it).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0)
-OUTCOMES = ("ok", "client_error", "unavailable", "too_many", "upstream_error", "cut", "gone")
+OUTCOMES = ("ok", "client_error", "client_slow", "unavailable", "too_many", "upstream_error", "cut", "gone",
+            "not_reading")
 UNKNOWN_MODEL = "(unknown)"
+PASSED = "(passed)"  # a request passed to llama-swap as it is (not routed by model)
 
 
 class Meters:
@@ -49,6 +56,14 @@ class Meters:
         self.residency_left = Gauge("gpuswapd_gateway_residency_left_seconds", "How long the tenant on the card "
                                     "keeps it while another tenant's request waits", ["tenant"],
                                     registry=self.registry)
+
+        self.connections_cut = Counter("gpuswapd_gateway_connections_cut", "Connections cut before their request "
+                                       "was read: slow, large (headers), crowded (too many heads coming), full",
+                                       ["reason"], registry=self.registry)
+
+    def cut(self, reason: str) -> None:
+        """Count a connection cut before its request was read."""
+        self.connections_cut.labels(reason).inc()
 
     def render(self) -> bytes:
         """Return the metrics in Prometheus's text format."""
