@@ -221,11 +221,11 @@ class Demand:
         The price is what the two swaps would cost (to ``waiter``, and back): gpuswapd's medians
         from ``status`` (``price``), else what the gateway saw its own acquires take (a tenant not
         seen yet costs RESIDENCY_MIN_S). The bound is at least
-        RESIDENCY_MIN_S and at most half of ``gateway.hold``, so that the waiter is served within
-        its own bound.
+        RESIDENCY_MIN_S and at most a quarter of ``gateway.hold``: the waiter keeps the rest of
+        its own bound for the move itself (a drain of what is in flight, and a boot).
         """
         price = self.price.get(waiter, RESIDENCY_MIN_S) + self.price.get(tenant, RESIDENCY_MIN_S)
-        return min(self.config.hold / 2, max(RESIDENCY_MIN_S, RESIDENCY_PER_SWAP * price))
+        return min(self.config.hold / 4, max(RESIDENCY_MIN_S, RESIDENCY_PER_SWAP * price))
 
     async def start(self) -> None:
         """Learn the price of each swap; release the leases an earlier gateway left bound to this unit.
