@@ -3,11 +3,10 @@
 An engine model with no window open: the gateway takes a lease for its profile at
 ``gateway.priority``, bound to its connection (it ends if the gateway dies), and the request waits
 until the window is READY, at most ``gateway.hold``. Every request for that profile waits on the
-same acquire; when the last of them goes away, the acquire is kept for a grace
-(``WITHDRAW_GRACE_S``) so that a client's retry rejoins the boot, then withdrawn (a window nobody
-else wants is rolled back); a window granted in the grace with nobody back is given back when the
-grace ends. The lease is renewed while requests flow, and released ``gateway.idle``
-after the last one ended; a renewal capped by gpuswapd is taken as it comes (the lease ends at its
+same acquire; when the last of them goes away, the acquire is withdrawn: gpuswapd keeps the
+opening for ``daemon.abandon_grace`` so that a client's retry rejoins the boot, then rolls it
+back. The lease is renewed while requests flow, and released ``gateway.idle`` after the last one
+ended; a renewal capped by gpuswapd is taken as it comes (the lease ends at its
 real expiry, and the next request acquires again).
 
 A resident request while a window is open: if the only leases are the gateway's own and nothing
@@ -48,7 +47,9 @@ RENEW_MARGIN_S = 60.0  # a lease lasts idle plus this; it is renewed when less t
 RENEW_RETRY_S = (0.5, 5.0)  # a failed renewal is tried again after this backoff, until the lease ends
 BOARD_MIN_S = 10.0  # a request boards a lease only with this much of it left, or its longest request's 1.5x
 REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again after this backoff
-WITHDRAW_GRACE_S = 15.0  # the last waiter gone, the acquire is kept this long so that a retry rejoins it
+# The last waiter gone, the acquire is withdrawn after this: gpuswapd keeps the opening for its own
+# daemon.abandon_grace, and a retry's acquire rejoins it there (0: the gateway adds no grace of its own).
+WITHDRAW_GRACE_S = 0.0
 RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
 RESIDENCY_MIN_S = 10.0
 BATCH_GAP_S = 1.0  # a tenant whose last request ended this recently still uses the card (a client's next comes)

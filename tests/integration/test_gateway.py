@@ -173,6 +173,30 @@ def test_a_resident_request_swaps_back_or_waits_or_fails_as_configured(gpuswapd:
     assert_resident_back(probe)
 
 
+def test_a_client_that_hangs_up_while_waiting_leaves_nothing(gpuswapd: Start, gateway: Gate, probe: Probe,
+                                                             world: Stack) -> None:
+    # A slow boot: the window is still opening when the client hangs up. With no grace for a retry
+    # (daemon.abandon_grace = 0), the opening is rolled back at once.
+    daemon = gpuswapd(**gateway_sections(), daemon={"abandon_grace": "0"},
+                      window__container={"env": {**_engine_env(), "ENGINE_BOOT_DELAY": "4"}})
+    gateway(daemon)
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{URL}/v1/chat/completions",
+            json={"model": "hyperqwen", "stream": True, "max_tokens": 8,
+                  "messages": [{"role": "user", "content": "x"}]}) as resp:
+        assert resp.status_code == 200
+        first = next(resp.iter_lines())
+        assert first.startswith(": gpuswapd "), first  # an SSE comment while the window opens
+        wait_for(lambda: daemon.status()["phase"] in ("BOOTING", "WAITING_VRAM", "STOPPING_RESIDENT"),
+                 "the window to be opening", 30)
+    # Hung up: the request withdraws, nobody else waits, the window is rolled back.
+    status = daemon.wait_phase("IDLE", timeout=90)
+    assert status["last"]["outcome"] == "rolled_back", status["last"]
+    assert daemon.logged("window_abandoned")
+    assert_resident_back(probe)
+    assert get("/health")[1]["waiting"] == 0
+
+
 def test_resident_requests_in_flight_hold_the_drain_and_new_ones_wait_for_the_swap_back(
         gpuswapd: Start, gateway: Gate, probe: Probe, world: Stack) -> None:
     world.use_model(llama.ensure_model(world.cache, "slow"))
