@@ -532,6 +532,7 @@ class GatewayConfig:
     max_body: int = _key(_size, 32 * 1024**2)
     max_bodies: int = _key(_size, 128 * 1024**2)
     max_waiting: int = _key(_int(1, 65536), 256)
+    loading_state: bool = _key(_bool, False)
     upstream_idle: float = _key(_span(1.0), 120.0)
 
 

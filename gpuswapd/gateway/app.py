@@ -37,11 +37,13 @@ from gpuswapd.gateway.errors import (
     BodyTooLarge,
     ClientTooSlow,
     GatewayError,
+    Preempted,
     Refused,
     TooManyWaiting,
     Unavailable,
     UnknownModel,
     UpstreamFailed,
+    UpstreamUnreached,
 )
 from gpuswapd.gateway.follow import Follow
 from gpuswapd.gateway.meters import PASSED, UNKNOWN_MODEL, Meters
@@ -59,6 +61,7 @@ from gpuswapd.gateway.routes import (
 from gpuswapd.gateway.tenants import RESIDENT, Tenant, Tenants
 from gpuswapd.gateway.upstream import WRITE_S, Answer, Upstream
 from gpuswapd.logs import log
+from gpuswapd.retry import backoff
 from gpuswapd.tasks import in_daemon_thread, reap, spawn, uncancel
 
 Scope = MutableMapping[str, Any]
@@ -73,6 +76,8 @@ RETRY_S = 5  # Retry-After of a 429 or 503 that knows no better
 LISTED = 20  # a 404 names at most this many models
 HELD = "gpuswapd.held"  # in an ASGI scope: the bytes of its body counted against gateway.max_bodies
 SAVE_S = 5.0
+PROBE_S = 2.0  # the resident, down, is asked its model list with this deadline
+PROBE_BACKOFF_S = (0.2, 2.0)  # and again after this backoff until it answers
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
        (b"x-accel-buffering", b"no")]
@@ -125,6 +130,7 @@ class Gateway:
         self._asking = asyncio.Lock()
         self.bodies = 0  # the bytes of request bodies held now (gateway.max_bodies)
         self._following: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
         follow.listeners.append(self._event)
 
     # -- lifespan ------------------------------------------------------------------------------
@@ -139,6 +145,7 @@ class Gateway:
         """Give back the gateway's leases and close the upstream connections."""
         await self.demand.close()
         await reap(self._following)
+        await reap(self._prober)
         await self.upstream.aclose()
 
     # -- ASGI ----------------------------------------------------------------------------------
@@ -162,6 +169,7 @@ class Gateway:
                                         "phase": self.follow.phase, "waiting": self.demand.waiting,
                                         "resident_in_flight": self.demand.resident_in_flight()})
             elif path == "/metrics" and method == "GET":
+                self.demand.sample([tenant.name for tenant in (self.tenants.resident, *self.tenants.engines.values())])
                 await _reply(send, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
                              self.meters.render())
             elif path == GATEWAY_IN_FLIGHT_PATH and method == "GET":
@@ -285,16 +293,65 @@ class Gateway:
             self.meters.requests.labels(call.model, tenant.name, outcome).inc()
 
     async def _serve(self, call: Call, scope: Scope, url: str, raw: bytes, work: bool) -> str:
+        """Wait for the tenant, send the request, relay its answer.
+
+        The resident refusing the connection (it is down: restarted, or its server not up yet), the
+        request was not sent: it waits for the resident to answer again, within ``hold``, and is
+        sent then. A preemption that cuts the window while the request is in prefill ends it as
+        preempted, not as a server that broke off.
+        """
         assert call.tenant is not None
-        tell = self._heartbeat(call) if call.stream else _quiet
-        async with self.demand.serving(call.tenant, tell) as flight:
-            if not work:  # passed through: waits for the resident like its work, but holds no drain
-                self.demand.resident_flights.discard(flight)
-            answer = await self.upstream.open(scope["method"], url, scope["headers"], raw)
+        loading = self.config.gateway.loading_state and scope["path"] == "/v1/chat/completions"
+        tell = self._heartbeat(call, loading) if call.stream else _quiet
+        task = asyncio.current_task()
+        assert task is not None
+        started = clock.monotonic()
+        while True:
+            async with self.demand.serving(call.tenant, tell) as flight:
+                if not work:  # passed through: waits for the resident like its work, but holds no drain
+                    self.demand.resident_flights.discard(flight)
+                flight.on_cut = task.cancel
+                try:
+                    answer = await self.upstream.open(scope["method"], url, scope["headers"], raw)
+                except asyncio.CancelledError:
+                    if flight.cut is None:
+                        raise
+                    uncancel()
+                    raise Preempted(f"{flight.cut}; the request was in prefill") from None
+                except UpstreamUnreached as err:
+                    if call.tenant.engine or clock.monotonic() - started > self.config.gateway.hold:
+                        raise _preempted(flight, err) from err
+                    self._resident_down(err)
+                    continue
+                except UpstreamFailed as err:
+                    raise _preempted(flight, err) from err
+                finally:
+                    flight.on_cut = None
+                try:
+                    return await self._relay(call, answer, flight)
+                finally:
+                    await answer.close()
+
+    def _resident_down(self, err: UpstreamFailed) -> None:
+        """Hold resident requests until the resident answers again; follow it meanwhile."""
+        self.follow.mark_resident(down=True)
+        if self._prober is None or self._prober.done():
+            log.warning("gateway_resident_refused", error=err.message)
+            self._prober = spawn(self._probe_resident(), "gateway-resident-probe")
+
+    async def _probe_resident(self) -> None:
+        """Ask the resident's model list until it answers; then resident requests go to it again."""
+        url = f"{self.tenants.resident.base}/v1/models"
+        failures = 0
+        while True:
             try:
-                return await self._relay(call, answer, flight)
-            finally:
-                await answer.close()
+                await self.upstream.get_json(url, timeout=PROBE_S)
+            except GatewayError:
+                failures += 1
+                await asyncio.sleep(backoff(PROBE_BACKOFF_S, failures))
+                continue
+            self.follow.mark_resident(down=False)
+            return
 
     async def _relay(self, call: Call, answer: Answer, flight: Flight) -> str:
         """Pass the answer through; an upstream that breaks off ends an SSE stream with an error event."""
@@ -326,21 +383,32 @@ class Gateway:
             if flight.cut is None:
                 raise
             uncancel()
-            raise Unavailable(flight.cut) from None
+            raise Preempted(flight.cut) from None
         except UpstreamFailed as err:
             if not (call.stream or answer.event_stream):
                 raise _Truncated(err.message) from err  # a JSON answer cut short cannot be mended: drop the connection
-            raise
+            raise _preempted(flight, err) from err
         finally:
             flight.on_cut = None
         await call.body(b"", more=False)
         return "ok" if answer.status < 400 else "client_error" if answer.status < 500 else "upstream_error"
 
-    def _heartbeat(self, call: Call) -> Callable[[str, float], Awaitable[None]]:
+    def _heartbeat(self, call: Call, loading: bool) -> Callable[[str, float], Awaitable[None]]:
+        """Tell a waiting stream how its window comes on: an SSE comment, or (``loading_state``) reasoning text.
+
+        The reasoning text is a chat.completion.chunk whose delta has ``reasoning_content``, as
+        llama-swap's ``sendLoadingState`` sends it: clients that show nothing of SSE comments show it.
+        """
         async def tell(phase: str, waited: float) -> None:
             if not call.started:
                 await call.start(200, SSE)
-            await call.body(f": gpuswapd {phase} {waited:.0f}s\n\n".encode())
+            if not loading:
+                await call.body(f": gpuswapd {phase} {waited:.0f}s\n\n".encode())
+                return
+            chunk = {"id": "gpuswapd-loading", "object": "chat.completion.chunk", "created": int(clock.wall()),
+                     "model": call.model, "choices": [{"index": 0, "finish_reason": None, "delta": {
+                         "role": "assistant", "reasoning_content": f"gpuswapd: {phase} {waited:.0f}s\n"}}]}
+            await call.body(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         return tell
 
     async def _fail(self, call: Call, err: GatewayError) -> None:
@@ -449,6 +517,15 @@ class Gateway:
     def _event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "window_finished" and not event.get("switched_to"):
             spawn(self._learn_models(), "gateway-models")
+
+
+def _preempted(flight: Flight, err: UpstreamFailed) -> GatewayError:
+    """Say a broken-off upstream was preempted when its lease was (the engine stops at the grace's end)."""
+    lease = flight.lease
+    if flight.cut is not None or (lease is not None and lease.doomed):
+        why = flight.cut or f"the window of profile {flight.tenant!r} was preempted"
+        return Preempted(f"{why}; the request was in prefill ({err.message})")
+    return err
 
 
 class _Gone(Exception):

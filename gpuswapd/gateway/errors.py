@@ -10,8 +10,10 @@ GpuswapError (gpuswapd.errors)
     ├── TooManyWaiting           429 rate_limit_error       (gateway.max_waiting wait already)
     ├── ClientTooSlow            408 invalid_request_error  (the body did not arrive in time)
     ├── Unavailable              503 service_unavailable    (the window failed, hold passed, the card is held)
+    │   ├── Preempted            503 service_unavailable    (a preemption took the card, the request in prefill or on)
     │   └── BodiesFull           503 service_unavailable    (gateway.max_bodies are held in memory already)
     └── UpstreamFailed           502 upstream_error         (the model server broke off or is unreachable)
+        └── UpstreamUnreached    502 upstream_error         (nothing answers at its address: the request was not sent)
 """
 
 from __future__ import annotations
@@ -115,3 +117,15 @@ class UpstreamFailed(GatewayError):
     code = "upstream_failed"
     status = 502
     kind = "upstream_error"
+
+
+class Preempted(Unavailable):
+    """A preemption took the card from the request's window, in its prefill or while it streamed."""
+
+    code = "preempted"
+
+
+class UpstreamUnreached(UpstreamFailed):
+    """Nothing answers at the model server's address: the request was not sent (it may be sent again)."""
+
+    code = "upstream_unreachable"

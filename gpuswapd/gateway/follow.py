@@ -46,6 +46,7 @@ class Follow:
         self.listeners: list[Listener] = []
         self._changed = asyncio.Event()
         self._drain_mark: float | None = None
+        self.resident_down = False  # the resident refused a connection: nothing goes to it until it answers
 
     def changed(self) -> asyncio.Event:
         """Return the event set at the next change (take it before looking at the state)."""
@@ -61,11 +62,20 @@ class Follow:
 
     def resident_serves(self) -> bool:
         """Tell whether resident requests may go to the resident now."""
+        if self.resident_down:
+            return False
         if self._drain_mark is not None:
             if clock.monotonic() - self._drain_mark < DRAIN_MARK_S:
                 return False
             self._drain_mark = None
         return self.phase is None or self.phase in RESIDENT_SERVES
+
+    def mark_resident(self, down: bool) -> None:
+        """Hold resident requests while the resident refuses connections; let them go once it answers."""
+        if down != self.resident_down:
+            log.info("gateway_resident_down" if down else "gateway_resident_back", phase=self.phase)
+        self.resident_down = down
+        self._pulse()
 
     def mark_draining(self) -> None:
         """Hold new resident requests: a window drains the resident (its probe just asked)."""

@@ -39,6 +39,7 @@ class Held:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    token: str | None = None  # its reclaim token: sent again after a restart of gpuswapd, the lease is kept
 
     @property
     def id(self) -> str:
@@ -96,17 +97,21 @@ class Link:
             writer.close()
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
-                      progress: Events) -> Held:
+                      progress: Events, reclaim: str | None = None) -> Held:
         """Acquire a lease bound to its connection, waiting until the window is READY.
 
         Cancelled (nobody waits any more), the connection closes and gpuswapd withdraws the
-        request: a window nobody else wants is rolled back.
+        request: a window nobody else wants is rolled back. ``reclaim``: the token of an acquire
+        made before gpuswapd restarted (its ``accepted`` event said it): its lease, or its place
+        in the queue, is taken back.
         """
         reader, writer = await self._connect()
         message: dict[str, Any] = {"op": "acquire", "for": duration, "profile": profile, "priority": priority,
                                    "bind": "connection"}
         if holder is not None:
             message["holder"] = holder
+        if reclaim is not None:
+            message["reclaim"] = reclaim
         try:
             writer.write(encode(message))
             await writer.drain()
@@ -116,7 +121,8 @@ class Link:
             if isinstance(err, (ConnectionError, asyncio.IncompleteReadError)):
                 raise LinkDown(f"lost the connection to gpuswapd at {self.path} while the window opened") from None
             raise
-        return Held(dict(reply["lease"]), profile, reader, writer)
+        token = reply.get("token")
+        return Held(dict(reply["lease"]), profile, reader, writer, token=token if isinstance(token, str) else reclaim)
 
     async def watch(self) -> AsyncIterator[dict[str, Any]]:
         """Yield gpuswapd's events (``{"event": "subscribed"}`` first) until the connection ends."""

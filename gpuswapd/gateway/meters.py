@@ -6,6 +6,11 @@
 | ``gpuswapd_gateway_waiting`` | gauge: requests waiting for a window now | |
 | ``gpuswapd_gateway_in_flight`` | gauge: requests being answered now | ``tenant`` |
 | ``gpuswapd_gateway_window_wait_seconds`` | histogram: the time a request waited for its window | ``tenant`` |
+| ``gpuswapd_gateway_no_swap_total`` | counter: requests that boarded an open window (a swap avoided) | ``tenant`` |
+| ``gpuswapd_gateway_renew_failures_total`` | counter: lease renewals that failed (each is tried again) | |
+| ``gpuswapd_gateway_on_card`` | gauge: 1 for the tenant the gateway sees on the card | ``tenant`` |
+| ``gpuswapd_gateway_queue`` | gauge: requests waiting, by the tenant they wait for | ``tenant`` |
+| ``gpuswapd_gateway_residency_left_seconds`` | gauge: what is left of the card's tenant's residency | ``tenant`` |
 | ``gpuswapd_gateway_connections_cut_total`` | counter: connections cut before their request was read | ``reason`` |
 
 A model name no tenant serves is counted as ``model="(unknown)"``: a client cannot grow the
@@ -40,6 +45,17 @@ class Meters:
         self.window_wait = Histogram("gpuswapd_gateway_window_wait_seconds",
                                      "Time a request waited for its model's window", ["tenant"],
                                      buckets=WAIT_BUCKETS, registry=self.registry)
+        self.no_swap = Counter("gpuswapd_gateway_no_swap", "Requests that boarded a window already open (a swap "
+                               "avoided), by tenant", ["tenant"], registry=self.registry)
+        self.renew_failures = Counter("gpuswapd_gateway_renew_failures", "Lease renewals that failed (each is "
+                                      "tried again until the lease ends)", registry=self.registry)
+        self.on_card = Gauge("gpuswapd_gateway_on_card", "1 for the tenant the gateway sees on the card",
+                             ["tenant"], registry=self.registry)
+        self.queue = Gauge("gpuswapd_gateway_queue", "Requests waiting now, by the tenant they wait for",
+                           ["tenant"], registry=self.registry)
+        self.residency_left = Gauge("gpuswapd_gateway_residency_left_seconds", "How long the tenant on the card "
+                                    "keeps it while another tenant's request waits", ["tenant"],
+                                    registry=self.registry)
 
         self.connections_cut = Counter("gpuswapd_gateway_connections_cut", "Connections cut before their request "
                                        "was read: slow, large (headers), crowded (too many heads coming), full",

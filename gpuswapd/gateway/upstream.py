@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gpuswapd.gateway.errors import UpstreamFailed
+from gpuswapd.gateway.errors import UpstreamFailed, UpstreamUnreached
 
 CONNECT_S = 5.0
 READ_S = 600.0  # between two pieces of an answer (a long prefill comes before the first)
@@ -110,7 +110,7 @@ def _mapped(url: str) -> Iterator[None]:
     try:
         yield
     except httpx.ConnectError as err:
-        raise UpstreamFailed(f"{url}: nothing answers ({err or 'connection refused'})") from err
+        raise UpstreamUnreached(f"{url}: nothing answers ({err or 'connection refused'})") from err
     except httpx.TimeoutException as err:
         raise UpstreamFailed(f"{url}: no answer in time ({type(err).__name__})") from err
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:

@@ -314,6 +314,9 @@ MEANINGS: dict[str, str] = {
                              "other answer cut short. The wait for the headers (a non-streamed completion's whole "
                              "generation) is bounded by 10 minutes.",
     "gateway.max_waiting": "How many requests may wait for a window at once; beyond that 429.",
+    "gateway.loading_state": "A streamed chat request that waits for its window gets the window's progress as "
+                             "reasoning text (reasoning_content chunks, as llama-swap's sendLoadingState), not SSE "
+                             "comments: for clients that show nothing of comments.",
 }
 
 _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -45,11 +45,14 @@ WORLDLESS = {
                       ["gpuswapd-gateway (uvicorn) against direct, 1 cycles a phase", "added p50, per cycle",
                        "tokens/s, gateway / direct, per cycle", "just after the streams",
                        "concurrent streams, uvicorn: 10 of 10 complete", "hypercorn: added p50", "targets"]),
+    "schedule_bench": (["--minutes", "0.2", "--boot", "1", "--back", "0.5"],
+                       ["== agent ==", "== alternate ==", "== burst ==", "wait_p99"]),
 }
 # Benchmarks whose smoke run is in the fast layer, and where.
 FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
            "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore",
+           "schedule_bench": "schedule",
            "warm_bench": "warm"}
 EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 

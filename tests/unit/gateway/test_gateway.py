@@ -25,6 +25,7 @@ from gpuswapd.gateway.app import Gateway
 from gpuswapd.gateway.demand import Demand
 from gpuswapd.gateway.errors import BadBody
 from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.link import LinkDown
 from gpuswapd.gateway.meters import Meters
 from gpuswapd.gateway.tenants import Tenants
 from gpuswapd.gateway.upstream import Upstream
@@ -72,6 +73,7 @@ class FakeHeld:
 
     def __init__(self, daemon: FakeDaemon, lease: dict[str, Any], profile: str) -> None:
         self.daemon, self.lease, self.profile = daemon, lease, profile
+        self.token: str | None = f"token-{lease['id']}"
         self.events_in: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     @property
@@ -102,10 +104,19 @@ class FakeDaemon:
         self.released: list[str] = []
         self.helds: list[FakeHeld] = []
         self.phase = "IDLE"
+        self.renew_fail = 0  # this many renewals fail (gpuswapd busy or away)
+        self.renews = 0
+        self.away = 0  # this many acquires find gpuswapd gone (a restart)
+        self.reclaims: list[str | None] = []  # the token each acquire sent again
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
-                      progress: Callable[[dict[str, Any]], None]) -> FakeHeld:
+                      progress: Callable[[dict[str, Any]], None], reclaim: str | None = None) -> FakeHeld:
         self.acquires.append(profile)
+        self.reclaims.append(reclaim)
+        progress({"event": "accepted", "token": reclaim or f"token-{len(self.acquires)}", "reclaim_s": 30})
+        if self.away:
+            self.away -= 1
+            raise LinkDown("gpuswapd at /run/gpuswapd.sock closed the connection without a reply")
         progress({"event": "phase", "phase": "BOOTING"})
         try:
             await self.gate.wait()
@@ -129,6 +140,10 @@ class FakeDaemon:
             return {"ok": True, "phase": self.phase if leases else "IDLE", "window": window,
                     "resident_back": {"at": time.time() + 42.2, "in_s": 42.2, "close_s": 3.0} if leases else None}
         if op == "renew":
+            self.renews += 1
+            if self.renew_fail:
+                self.renew_fail -= 1
+                raise LinkDown("gpuswapd did not answer renew within 15s")
             lease = self.leases.get(message["lease"])
             if lease is None:
                 raise LeaseNotFound("no such lease")
@@ -152,8 +167,13 @@ class Rig:
     client: httpx.AsyncClient
 
 
-def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
+Hook = Callable[[httpx.Request], Any]
+
+
+def _upstream(calls: list[httpx.Request], hook: Hook | None = None) -> httpx.MockTransport:
     async def handler(request: httpx.Request) -> httpx.Response:
+        if hook is not None:
+            await hook(request)
         if request.method == "GET" and request.url.path == "/v1/models":  # the resident's model list
             names = ["strata"]
             if request.headers.get("authorization") == "Bearer sk-llama-swap":  # llama-swap's apiKeys
@@ -181,9 +201,10 @@ def _upstream(calls: list[httpx.Request]) -> httpx.MockTransport:
 @pytest.fixture(autouse=True)
 def fast_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demand_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(demand_module, "WITHDRAW_GRACE_S", 0.2)
 
 
-def rig(text: str = CONFIG, **gateway: Any) -> Rig:
+def rig(text: str = CONFIG, hook: Hook | None = None, **gateway: Any) -> Rig:
     config = parse_config(text)
     if gateway:
         config = dataclasses.replace(config, gateway=dataclasses.replace(config.gateway, **gateway))
@@ -193,7 +214,7 @@ def rig(text: str = CONFIG, **gateway: Any) -> Rig:
     meters = Meters()
     demand = Demand(config.gateway, daemon, follow, meters, holder="gpuswapd-gateway[test]")
     calls: list[httpx.Request] = []
-    app = Gateway(config, demand, follow, Tenants(config), Upstream(_upstream(calls)), meters)
+    app = Gateway(config, demand, follow, Tenants(config), Upstream(_upstream(calls, hook)), meters)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
     return Rig(app, daemon, follow, demand, calls, client)
 
@@ -335,6 +356,8 @@ def test_hold_passes_before_the_window_opens() -> None:
         reply = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
         assert reply.status_code == 503 and "gateway.hold" in reply.json()["error"]["message"]
         await asyncio.sleep(0.05)
+        assert r.daemon.withdrawn == 0  # the grace: a retry would rejoin the boot
+        await asyncio.sleep(0.3)
         assert r.daemon.withdrawn == 1  # nobody waits: the acquire was withdrawn
     run(main())
 
@@ -368,7 +391,9 @@ def test_a_waiting_client_that_goes_away_withdraws_the_acquire() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.05)
-        assert r.daemon.withdrawn == 1 and r.demand.waiting == 0 and not r.demand.openings
+        assert r.daemon.withdrawn == 0 and r.demand.waiting == 0  # kept for the grace
+        await asyncio.sleep(0.3)
+        assert r.daemon.withdrawn == 1 and not r.demand.openings
     run(main())
 
 
@@ -480,6 +505,38 @@ def test_the_drain_probe_counts_resident_requests_in_flight() -> None:
     run(main())
 
 
+# -- leases that survive trouble, and the card moved only when it pays -----------------------------
+
+
+async def _hold_request(r: Rig, profile: str, until: asyncio.Event, flights: list[Any] | None = None) -> None:
+    tenant = r.app.tenants.resident if profile == "resident" else r.app.tenants.engines[profile]
+    async with r.demand.serving(tenant, demand_module_quiet) as flight:
+        if flights is not None:
+            flights.append(flight)
+        await until.wait()
+
+
+def test_a_failed_renewal_is_retried_within_seconds_and_the_request_keeps_its_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RENEW_RETRY_S", (0.05, 0.1))
+
+    async def main() -> None:
+        r = rig()
+        r.demand.lease_s = 1.0  # renewed when less than 0.5 s is left
+        r.daemon.renew_fail = 3
+        done = asyncio.Event()
+        task = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(1.6)  # past the first grant's end
+        lease = r.demand.leases.get("default")
+        assert lease is not None and not lease.ending, "the lease ran out after a failed renewal"
+        assert r.daemon.renews >= 4 and lease.expires_at > time.time()
+        assert r.daemon.leases and r.app.meters.renew_failures._value.get() == 3
+        done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
 # -- every client through the front door: llama-swap's routes and names, error shapes, bounded bodies ------
 
 RESIDENT = "http://127.0.0.1:8090"
@@ -525,6 +582,161 @@ def test_every_model_route_goes_to_the_models_tenant_and_the_rest_to_llama_swap(
         unload = await r.client.post("/unload")
         assert unload.status_code == 403 and "gpuswapctl acquire" in unload.json()["error"]["message"]
         assert r.upstream_calls == []
+        await r.demand.close()
+    run(main())
+
+
+def test_a_request_does_not_board_a_lease_that_cannot_outlive_it() -> None:
+    async def main() -> None:
+        r = rig()
+        assert (await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))).status_code == 200
+        lease = r.demand.leases["default"]
+        lease.expires_at = time.time() + lease.margin / 2  # renewals failed: too little is left
+        assert (await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))).status_code == 200
+        assert r.daemon.acquires == ["default", "default"]  # the second took a lease of its own
+        assert r.demand.leases["default"] is not lease
+        await r.demand.close()
+    run(main())
+
+
+def test_the_lease_is_given_back_as_its_last_request_ends_while_the_gateways_request_for_another_waits() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        other = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("qwen-eval")))
+        await asyncio.sleep(0.2)
+        assert r.daemon.acquires == ["default"]  # batched: default's request still runs
+        assert r.demand.queue() == {"eval": 1}
+        done.set()
+        await first
+        reply = await other
+        assert reply.status_code == 200, reply.text
+        assert r.daemon.released == ["lease-1"] and r.daemon.acquires == ["default", "eval"]  # at once, not idle later
+        await r.demand.close()
+    run(main())
+
+
+def test_past_its_residency_the_card_tenant_stops_boarding_and_the_waiter_goes_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RESIDENCY_MIN_S", 0.4)
+
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        r.demand.price = {"default": 0.0, "eval": 0.0}  # the bound is its least, 0.4 s
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        r.daemon.gate.clear()  # the card is default's: another window waits in gpuswapd's queue
+        other = asyncio.create_task(_hold_request(r, "eval", done))
+        await asyncio.sleep(0.1)
+        assert r.daemon.acquires == ["default"]  # batched behind default's request
+        await asyncio.sleep(0.4)
+        later = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.2)
+        assert r.daemon.acquires == ["default", "eval"]  # eval waited its share: its acquire went
+        assert not later.done() and r.demand.queue().get("default") == 1  # a new default request does not board
+        done.set()
+        await asyncio.sleep(0.1)
+        assert r.daemon.released == ["lease-1"]  # default's last request ended: given back at once
+        r.daemon.gate.set()
+        await asyncio.gather(first, other)
+        assert (await later).status_code == 200
+        await r.demand.close()
+    run(main())
+
+
+def test_a_gpuswapd_restart_does_not_fail_waiting_requests_and_in_flight_ones_move_to_a_new_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "REACQUIRE_S", (0.05, 0.1))
+
+    async def main() -> None:
+        r = rig()
+        r.daemon.away = 2  # the first two acquires find gpuswapd gone
+        replies = await asyncio.gather(*(r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+                                         for _ in range(6)))
+        assert [x.status_code for x in replies] == [200] * 6
+        assert r.daemon.reclaims[:3] == [None, "token-1", "token-1"]  # its place in the queue reclaimed
+        done = asyncio.Event()
+        flights: list[Any] = []
+        task = asyncio.create_task(_hold_request(r, "default", done, flights))
+        await asyncio.sleep(0.1)
+        old = r.demand.leases["default"]
+        r.daemon.helds[-1].events_in.put_nowait(None)  # the lease's connection ends: gpuswapd restarted
+        await asyncio.sleep(0.3)
+        new = r.demand.leases["default"]
+        assert new is not old and flights[0].lease is new and flights[0] in new.flights
+        assert r.daemon.reclaims[-1] == old.held.token  # the lease was reclaimed with its token
+        done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
+def test_a_client_that_hangs_up_while_its_window_boots_is_rejoined_by_its_retry() -> None:
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        first = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.1)
+        first.cancel()  # the client's own timeout
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        retry = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.3)  # past the grace: the retry holds the boot
+        r.daemon.gate.set()
+        assert (await retry).status_code == 200
+        assert r.daemon.acquires == ["default"] and r.daemon.withdrawn == 0
+        await r.demand.close()
+    run(main())
+
+
+def test_a_resident_request_while_the_resident_is_down_waits_for_it_and_is_answered() -> None:
+    down = {"on": True}
+    refused: list[str] = []
+
+    async def hook(request: httpx.Request) -> None:
+        if request.url.port == 8090 and down["on"]:
+            refused.append(request.method)
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    async def main() -> None:
+        r = rig(hook=hook)
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        await asyncio.sleep(0.3)
+        assert not ask.done() and refused[0] == "POST" and not r.follow.resident_serves()
+        down["on"] = False  # the resident is back: its model list answers
+        reply = await ask
+        assert reply.status_code == 200, reply.text
+        assert [str(c.url) for c in r.upstream_calls] == ["http://127.0.0.1:8090/v1/chat/completions"]
+        await r.app.shutdown()
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_preemption_in_prefill_says_preempted(stream: bool) -> None:
+    prefill = asyncio.Event()
+
+    async def hook(request: httpx.Request) -> None:
+        if request.url.port == 18020:
+            prefill.set()
+            await asyncio.sleep(30)  # the engine's prefill, cut by the preemption
+
+    async def main() -> None:
+        r = rig(hook=hook)
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=stream)))
+        await prefill.wait()
+        held = r.daemon.helds[0]
+        held.events_in.put_nowait({"event": "preempting", "by": "urgent", "grace_s": 0})
+        held.events_in.put_nowait({"event": "preempted", "by": "urgent", "priority": 10})
+        await asyncio.wait({ask}, timeout=5)
+        assert ask.done(), "the request went on after the preemption cut its window"
+        reply = ask.result()
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "preempted" and "preempted by urgent" in error["message"]
+        assert "prefill" in error["message"]
         await r.demand.close()
     run(main())
 
@@ -575,6 +787,24 @@ def test_a_name_not_known_yet_is_asked_of_llama_swap_with_the_clients_key() -> N
     run(main())
 
 
+def test_loading_state_streams_the_windows_progress_as_reasoning_text() -> None:
+    async def main() -> None:
+        r = rig(loading_state=True)
+        r.daemon.gate.clear()
+        ask = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=True)))
+        await asyncio.sleep(0.3)
+        r.daemon.gate.set()
+        reply = await ask
+        events = [json.loads(line.removeprefix("data: ")) for line in reply.text.splitlines()
+                  if line.startswith("data: {")]
+        said = events[0]["choices"][0]["delta"]["reasoning_content"]
+        assert events[0]["object"] == "chat.completion.chunk" and said.startswith("gpuswapd: BOOTING ")
+        assert not reply.text.startswith(":")  # no SSE comments for clients that show nothing of them
+        assert '"usage": {"completion_tokens": 3}' in reply.text and reply.text.endswith("data: [DONE]\n\n")
+        await r.demand.close()
+    run(main())
+
+
 def test_errors_take_the_shape_of_the_route_and_every_429_and_503_says_when_to_retry() -> None:
     async def main() -> None:
         r = rig(max_waiting=1)
@@ -591,6 +821,100 @@ def test_errors_take_the_shape_of_the_route_and_every_429_and_503_says_when_to_r
         assert crowded.json()["error"]["type"] == "rate_limit_error"
         r.daemon.gate.set()
         assert (await first).status_code == 200
+        await r.demand.close()
+    run(main())
+
+
+def test_metrics_show_the_schedule() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.1)
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        waiter = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("strata")))
+        again = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))  # boards: no swap
+        assert again.status_code == 200
+        await asyncio.sleep(0.1)
+        text = (await r.client.get("/metrics")).text
+        assert 'gpuswapd_gateway_on_card{tenant="default"} 1.0' in text
+        assert 'gpuswapd_gateway_on_card{tenant="resident"} 0.0' in text
+        assert 'gpuswapd_gateway_queue{tenant="resident"} 1.0' in text
+        left = float(text.split('gpuswapd_gateway_residency_left_seconds{tenant="default"} ')[1].split()[0])
+        assert 0 < left <= 10.0
+        assert 'gpuswapd_gateway_no_swap_total{tenant="default"} 1.0' in text
+        done.set()
+        await first
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        assert (await waiter).status_code == 200
+        await r.demand.close()
+    run(main())
+
+
+def test_a_window_granted_after_its_client_hung_up_is_given_back_when_the_grace_ends() -> None:
+    async def main() -> None:
+        r = rig(idle=60.0)
+        r.daemon.gate.clear()
+        first = asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen")))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        r.daemon.gate.set()  # the boot ends in the grace: granted, nobody back
+        await asyncio.sleep(0.1)
+        assert r.daemon.leases and r.daemon.withdrawn == 0
+        await asyncio.sleep(0.4)
+        assert r.daemon.released == ["lease-1"]  # the grace (0.2 s), not idle (60 s)
+    run(main())
+
+
+def test_the_residency_grows_with_gpuswapds_price_of_a_swap() -> None:
+    async def main() -> None:
+        r = rig(hold=3600.0)
+        before = r.demand.residency("resident", "default")
+        price = {"default": {"open_s": 45.0, "resident_restart_s": 12.0}, "eval": {"open_s": None}}
+        real_request = r.daemon.request
+
+        async def request(message: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+            reply = await real_request(message, timeout)
+            return {**reply, "price": price} if message["op"] == "status" else reply
+        r.daemon.request = request  # type: ignore[method-assign]
+        await r.demand.start()
+        assert r.demand.price == {"default": 45.0, "resident": 12.0}
+        assert r.demand.residency("resident", "default") == demand_module.RESIDENCY_PER_SWAP * 57.0 > before
+        assert r.demand.residency("resident", "eval") == demand_module.RESIDENCY_PER_SWAP * (12.0 + 10.0)
+    run(main())
+
+
+def test_a_tenant_that_gave_the_card_up_waits_its_turn_again_and_does_not_take_it_straight_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demand_module, "RESIDENCY_MIN_S", 0.3)
+    monkeypatch.setattr(demand_module, "RESIDENCY_PER_SWAP", 0.0)  # every residency is its least, 0.3 s
+
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        first_done, resident_done = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", first_done))
+        await asyncio.sleep(0.05)
+        r.follow.take({"event": "phase_entered", "phase": "READY"})
+        resident_flights: list[Any] = []
+        resident = asyncio.create_task(_hold_request(r, "resident", resident_done, resident_flights))
+        await asyncio.sleep(0.4)  # the resident request has waited past default's residency
+        second = asyncio.create_task(_hold_request(r, "default", resident_done))
+        await asyncio.sleep(0.05)
+        assert r.demand.queue() == {"resident": 1, "default": 1}  # default's new request yields
+        await asyncio.sleep(0.4)  # and waits past the resident's residency meanwhile
+        first_done.set()
+        await first
+        await asyncio.sleep(0.05)
+        assert r.daemon.released == ["lease-1"]
+        r.follow.take({"event": "window_finished", "outcome": "closed"})
+        await asyncio.sleep(0.1)
+        assert resident_flights, "the resident did not get its turn: default took the card straight back"
+        assert r.daemon.acquires == ["default"]
+        await asyncio.sleep(0.4)  # default waits the resident's residency, then asks for the card
+        assert r.daemon.acquires == ["default", "default"]
+        resident_done.set()
+        await asyncio.gather(resident, second)
         await r.demand.close()
     run(main())
 
