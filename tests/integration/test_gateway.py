@@ -100,10 +100,14 @@ def test_the_openai_client_gets_every_model_and_a_window_opens_on_demand(gpuswap
 
     looker = threading.Thread(target=look)
     looker.start()
-    text, usage = "", None
+    text, usage, leases, ctl_status, on_card = "", None, None, "", None
     for chunk in client.chat.completions.create(model="hyperqwen", max_tokens=64, stream=True,
                                                 stream_options={"include_usage": True},
                                                 messages=[{"role": "user", "content": "Write a haiku"}]):
+        if leases is None:  # while the stream runs, the gateway's lease holds the window
+            leases = _leases(daemon)
+            ctl_status = daemon.ctl("status").stdout
+            on_card = {m.id: m.model_extra for m in client.models.list().data}["hyperqwen"]["on_card"]
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
         if chunk.usage is not None:
@@ -111,10 +115,10 @@ def test_the_openai_client_gets_every_model_and_a_window_opens_on_demand(gpuswap
     looker.join(60)
     assert seen.get("open") is True, seen
     assert text and usage is not None and usage.completion_tokens >= len(text.split())
-    [lease] = _leases(daemon)
+    [lease] = leases or []
     assert lease["holder"].startswith("gpuswapd-gateway[") and lease["bind"] == "connection"
-    assert "ends with its connection" in daemon.ctl("status").stdout  # gpuswapctl status shows it
-    assert {m.id: m.model_extra for m in client.models.list().data}["hyperqwen"]["on_card"] is True
+    assert "ends with its connection" in ctl_status  # gpuswapctl status shows it
+    assert on_card is True
 
     # idle (2 s) after the last request, the lease is given back and the resident restored.
     status = daemon.wait_phase("IDLE", timeout=90)
@@ -166,7 +170,8 @@ def test_a_resident_request_swaps_back_or_waits_or_fails_as_configured(gpuswapd:
     assert "trainer until in " in body["error"]["message"]
     retry = int({k.lower(): v for k, v in headers.items()}["retry-after"])
     back = daemon.status()["resident_back"]["in_s"]
-    assert 100 <= retry <= 125 and abs(retry - back) < 5, (retry, back)  # 2 minutes, less what has passed
+    # 2 minutes less what has passed, and the close with the resident's restart (their measured price)
+    assert 100 <= retry <= 120 + 60 and abs(retry - back) < 5, (retry, back)
     assert [x["holder"] for x in _leases(daemon)] == ["trainer"]  # nothing else changed
     assert daemon.ctl("release", "--holder", "trainer").returncode == 0
     daemon.wait_phase("IDLE", timeout=90)
