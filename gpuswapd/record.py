@@ -544,7 +544,8 @@ def _lease(data: Any, where: str) -> Lease:
         raise ValueError(f"{where}.bind: expected null or 'connection', got {bind!r}")
     return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
                  d.text("unit", optional=True), None if uid is None else int(uid),
-                 int(d.number("priority", default=0)), bind == "connection")
+                 int(d.number("priority", default=0)), bind == "connection", d.text("token", optional=True),
+                 d.number("reclaim_by", optional=True))
 
 
 # What the window's container record says that a parked engine's does not need.
