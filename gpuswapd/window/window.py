@@ -703,6 +703,8 @@ class Window:
         # The engine it took down is still being freed: the next window waits for it, never blames it.
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
         nxt.after_bare = rec.kind == ProfileKind.BARE or rec.after_bare
+        # The resident stays down: its saved slots are the next window's to restore (warm.py).
+        nxt.cache = dict(rec.cache) if rec.cache is not None else None
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, outcome, switch_to=nxt)
 

@@ -308,7 +308,8 @@ class Host:
         run = self.run
         daemon = Daemon(run.config, systems=Systems(run.world.systemd, run.world.docker, run.world.http,  # type: ignore[arg-type]
                                                     run.world.card, run.world.store,  # type: ignore[arg-type]
-                                                    files=run.world.files, host=run.world.peers))
+                                                    files=run.world.files, host=run.world.peers,
+                                                    slot_files=run.world.slots))
         daemon.outside.inject(run.faults.inject)
         daemon.server.max_buffered = SERVER_CAP
         daemon.window.notifier = daemon.notifier = run.notifier  # type: ignore[assignment]

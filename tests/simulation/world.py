@@ -30,6 +30,7 @@ from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.props import ServerProps
+from gpuswapd.adapters.slots import FileIdentity, Slot, SlotFile
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import (
@@ -37,6 +38,7 @@ from gpuswapd.errors import (
     ContainerNotFound,
     DockerError,
     EndpointUnreachable,
+    FilesError,
     ImageNotFound,
     UnitNotFound,
 )
@@ -48,6 +50,8 @@ GiB = 1 << 30
 CANARY = "2, 3, 5, 7, 11"
 MODELS = "/models"
 MODEL_BYTES = 21_600_000_000  # the resident's GGUF
+SLOTS = "/var/cache/gpuswapd/slots"  # the resident's --slot-save-path
+AGENT_TOKENS = 1566  # what an agent's context holds in strata's first slot once it has served
 # True while a blocking call that outlived its deadline does its work late: an engine it starts
 # then may find the card taken (an out-of-memory gpuswapd could not prevent: the call was gone).
 LATE = [False]
@@ -404,8 +408,8 @@ class Systemd:
         if u is None:
             raise UnitNotFound(f"unit {unit} is not-found")
         stem = unit.removesuffix(".service")
-        argv = u.exec_start or (("/usr/bin/llama-server", "-m", f"{MODELS}/{stem}.gguf") if u.gpu_bytes
-                                else (f"/usr/bin/{stem}",))
+        argv = u.exec_start or (("/usr/bin/llama-server", "-m", f"{MODELS}/{stem}.gguf", "--slot-save-path", SLOTS)
+                                if u.gpu_bytes else (f"/usr/bin/{stem}",))
         return Commands(unit, (argv,))
 
     # -- how units change ----------------------------------------------------------------------
@@ -843,7 +847,7 @@ class Http:
         self.completions.append((self.world.clock.now, c.name))
         return Completion(text[::-1] if c.garbled else text, "", "stop", 5, 1, 1, 0.001, 0.001)
 
-    async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
+    async def verify(self, check: Any, retry_until: float | None = None, fields: Any = None) -> Completion:
         """Get a real answer, retrying while the server loads."""
         while True:
             try:
@@ -860,6 +864,32 @@ class Http:
         if urlsplit(url).netloc != self.props_host or strata.active_state != "active" or strata.fit is None:
             raise EndpointUnreachable(f"GET {url}: connection refused")
         return ServerProps(strata.n_ctx, strata.fit.slots, "/models/strata.gguf", "strata")
+
+    async def slots(self, url: str, timeout: float) -> list[Slot]:
+        """Answer strata's /slots: an agent's context in the first slot once it has served."""
+        await asyncio.sleep(0)
+        if urlsplit(url).netloc != self.props_host or not self.world.resident_serves():
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        return [Slot(i, 4096, n, False) for i, n in sorted(self.world.slots.held().items())]
+
+    async def slot_file(self, url: str, slot: int, action: str, filename: str, timeout: float) -> SlotFile:
+        """Save a slot to strata's save path (a second per GiB), or restore one."""
+        slots = self.world.slots
+        if urlsplit(url).netloc != self.props_host or not self.world.resident_serves():
+            raise EndpointUnreachable(f"POST {url}/{slot}: connection refused")
+        held = slots.held()
+        if action == "save":
+            nbytes = held[slot] * slots.PER_TOKEN
+            await asyncio.sleep(nbytes / GiB)
+            slots.files[filename] = (held[slot], nbytes)
+            return SlotFile(slot, filename, held[slot], nbytes, nbytes / GiB * 1000)
+        await asyncio.sleep(0)
+        if filename not in slots.files:
+            raise BadResponse(f"POST {url}/{slot}?action=restore: HTTP 400: Unable to restore slot")
+        tokens, nbytes = slots.files[filename]
+        held[slot] = tokens
+        slots.restored += tokens
+        return SlotFile(slot, filename, tokens, nbytes, 1.0)
 
     async def model_ids(self, url: str, timeout: float) -> list[str]:
         """Answer llama-swap's /v1/models."""
@@ -961,6 +991,47 @@ class Store:
     def set_aside(self) -> list[str]:
         """Nothing to set aside."""
         return []
+
+
+class Slots:
+    """strata's slots and its slot save directory (llama-server's --slot-save-path), and its model file."""
+
+    PER_TOKEN = 160 * 1024  # bytes of KV cache per token (a 27B-class model's, at f16)
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.files: dict[str, tuple[int, int]] = {}  # name: (tokens, bytes)
+        self.tokens: dict[int, int] = {}
+        self.starts = -1  # strata's starts when ``tokens`` was last true: a start empties its slots
+        self.restored = 0  # tokens restored, ever
+
+    def held(self) -> dict[int, int]:
+        """Return what each slot holds now: an agent's context once strata has served since its start."""
+        strata = self.world.systemd.units.get("strata.service")
+        starts = strata.starts if strata is not None else 0
+        if starts != self.starts:
+            self.starts, self.tokens = starts, {0: AGENT_TOKENS, 1: 0}
+        return self.tokens
+
+    def identity(self, path: str) -> FileIdentity:
+        """Stat the model file."""
+        if path not in self.world.files.sizes:
+            raise FilesError(f"{path}: No such file or directory")
+        return FileIdentity(path, self.world.files.sizes[path], 1, 7)
+
+    def listing(self, directory: str, prefix: str) -> dict[str, int]:
+        """List the save directory's files."""
+        if directory != SLOTS:
+            raise FilesError(f"{directory}: No such file or directory")
+        return {n: b for n, (_, b) in self.files.items() if n.startswith(prefix)}
+
+    def free(self, directory: str) -> int:
+        """Say how much room the disk has."""
+        return 500 * GiB - sum(b for _, b in self.files.values())
+
+    def remove(self, directory: str, names: list[str]) -> list[str]:
+        """Remove files of the save directory."""
+        return [n for n in names if self.files.pop(n, None) is not None]
 
 
 class Files:
@@ -1079,6 +1150,7 @@ class World:
         self.docker = Docker(self)
         self.http = Http(self)
         self.files = Files(self)
+        self.slots = Slots(self)
         self.store = Store(clock)
         self.peers = Peers(self)
         self.resident_units: tuple[str, ...] = ()
