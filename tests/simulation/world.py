@@ -265,6 +265,8 @@ class Timer:
     runs_s: float
     next_run: int | None = None
     job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
+    stopped_at: float | None = None  # when it was last stopped (paused)
+    resident_was_up: bool = False  # whether the resident served when it was stopped
 
 
 class Systemd:
@@ -283,6 +285,13 @@ class Systemd:
         self.operator_jobs: set[str] = set()  # units whose pending start their operator asked for
         self.operator_started: list[float] = []
         self.history: list[tuple[float, str, str]] = []  # (time, unit, state): what went on
+        # Invariant 14: who last stopped each unit and timer that is down ("gpuswapd", "its operator",
+        # "a crash", "nobody": it never ran); gpuswapd may start only what it stopped itself.
+        self.operator_hand = False  # set while the history's operator calls systemd
+        self.stopped_by: dict[str, str] = {}
+        self._stopping: dict[str, str] = {}  # stops under way: who asked
+        self._cause: str | None = None  # who stops what a stop takes down with it
+        self.start_violations: list[str] = []
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -303,6 +312,8 @@ class Systemd:
         self.units[service] = Unit(service)
         if active:
             self._schedule_timer(self.timer_units[name])
+        else:
+            self.stopped_by[name] = "nobody (it never ran)"
 
     def _key(self, unit: Unit) -> str:
         return f"{unit.name}#{unit.starts}"
@@ -417,8 +428,27 @@ class Systemd:
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)
 
+    def _whose_start(self, name: str) -> None:
+        """Invariant 14: a start gpuswapd asks for is of a unit or timer that is up, or that it stopped itself."""
+        if self.operator_hand:
+            return
+        timer = self.timer_units.get(name)
+        unit = self.units.get(name)
+        down = (not timer.active) if timer is not None else (
+            unit is not None and unit.active_state in ("inactive", "failed", "deactivating"))
+        who = self.stopped_by.get(name, "nobody (it never ran)")
+        if down and who != "gpuswapd":
+            self.start_violations.append(f"gpuswapd started {name} at {self.world.clock.now:.2f}s, "
+                                         f"which {who} stopped, not gpuswapd")
+
     def _queue(self, method: str, name: str) -> str:
         path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
+        who = "its operator" if self.operator_hand else "gpuswapd"
+        if method == "StartUnit":
+            self._whose_start(name)
+        elif (name in self.timer_units and self.timer_units[name].active) or (
+                name in self.units and self.units[name].active_state in ("active", "activating")):
+            self._stopping[name] = who
         if name in self.timer_units:
             timer = self.timer_units[name]
             if timer.job is not None and timer.job[0] == method:
@@ -458,9 +488,13 @@ class Systemd:
             if unit.active_state in ("inactive", "failed"):
                 self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
                 return path
-            for dep in self._dependents(name):  # a stop propagates to what Requires= it
-                if self.units[dep].active_state in ("active", "activating"):
-                    self._stop_now(self.units[dep])
+            outer, self._cause = self._cause, who  # a stop propagates to what Requires= it, for the same reason
+            try:
+                for dep in self._dependents(name):
+                    if self.units[dep].active_state in ("active", "activating"):
+                        self._stop_now(self.units[dep])
+            finally:
+                self._cause = outer
             self._set(unit, "deactivating")
             action = self.world.scheduler.after(unit.stop_s, lambda: self._stopped(unit))
         unit.job, unit.job_paths = (verb, action), [path]
@@ -498,6 +532,7 @@ class Systemd:
             self._finish(unit, "failed")
             return
         unit.started_at.append(self.world.clock.now)
+        self.stopped_by.pop(unit.name, None)
         if unit.name in self.operator_jobs:
             self.operator_jobs.discard(unit.name)
             self.operator_started.append(self.world.clock.now)
@@ -517,9 +552,16 @@ class Systemd:
     def _exit(self, unit: Unit, state: str = "inactive") -> None:
         if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
             self.world.card.release(self._key(unit))
-        for dep in self._dependents(unit.name):
-            if self.units[dep].active_state in ("active", "activating", "deactivating"):
-                self._stop_now(self.units[dep])
+        outer = self._cause
+        cause = self._stopping.pop(unit.name, None) or outer or "a crash"
+        self.stopped_by[unit.name] = cause
+        self._cause = cause  # what it takes down goes for the same reason
+        try:
+            for dep in self._dependents(unit.name):
+                if self.units[dep].active_state in ("active", "activating", "deactivating"):
+                    self._stop_now(self.units[dep])
+        finally:
+            self._cause = outer
         self._set(unit, state)
 
     def _set(self, unit: Unit, state: str) -> None:
@@ -543,6 +585,7 @@ class Systemd:
             unit.starts += 1
             unit.pid = next(self._pids)
             unit.started_at.append(self.world.clock.now)
+            self.stopped_by.pop(unit.name, None)
             self._set(unit, "active")
 
     # -- timers and their agent jobs ----------------------------------------------------------
@@ -551,6 +594,15 @@ class Systemd:
         timer = self.timer_units[name]
         assert timer.job is not None
         paths, timer.job = timer.job[2], None
+        if method == "StartUnit" and not timer.active:
+            self._timer_resumed(timer)
+        if method != "StartUnit" and timer.active:
+            timer.stopped_at = self.world.clock.now
+            timer.resident_was_up = self.world.resident_serves()
+        if method == "StartUnit":
+            self.stopped_by.pop(name, None)
+        elif timer.active:
+            self.stopped_by[name] = self._stopping.pop(name, "gpuswapd")
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None
@@ -559,6 +611,31 @@ class Systemd:
         self.history.append((self.world.clock.now, name, "active" if timer.active else "inactive"))
         for path in paths:
             self.jobs.removed(path, "done")
+
+    def _timer_resumed(self, timer: Timer) -> None:
+        """Invariant 12: a timer runs again only once the resident started while it was stopped has answered.
+
+        A resident that served when the timer stopped must serve again, and one started again since
+        the timer stopped (gpuswapd's restore) must have answered a completion since that start: the
+        agents the timer runs use the resident. One already down when the timer stopped (its
+        operator's stop, a crash) is not this rule's: the timer ran with it down before.
+        """
+        world = self.world
+        if timer.stopped_at is None:
+            return
+        if timer.resident_was_up and not world.resident_serves():
+            states = {u: self.units[u].active_state for u in world.resident_units}
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident, up when it was stopped "
+                f"at {timer.stopped_at:.2f}s, is not serving ({states})")
+            return
+        since = max((t for u in world.resident_units for t in self.units[u].started_at), default=0.0)
+        if since < timer.stopped_at:
+            return
+        if not any(t >= since and who == "resident" for t, who in world.http.completions):
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident started at {since:.2f}s "
+                "has answered no completion since")
 
     def _schedule_timer(self, timer: Timer) -> None:
         timer.next_run = self.world.scheduler.after(timer.every_s, lambda: self._run_agent(timer))
@@ -598,6 +675,7 @@ class Container:
     sleeping: int | None = None
     garbled: bool = False
     starts: int = 0
+    since: float = 0.0  # its last start or wake: a lease needs a completion from it after this
 
     def state(self) -> ContainerState:
         """Inspect it."""
@@ -667,6 +745,7 @@ class Docker:
         c.starts += 1
         c.pid = next(self._pids)
         c.key = f"engine:{name}#{c.starts}"
+        c.since = self.world.clock.now
         c.sleeping, c.garbled, c.dead = None, False, False
         self.world.files.evict()  # the engine's weights push the resident's model out of the page cache
         if self.world.card.claim(c.key, c.pid, c.vram):
@@ -765,6 +844,7 @@ class Docker:
         if not self.world.card.grow(c.key, c.vram):
             return False
         c.sleeping = None
+        c.since = self.world.clock.now
         self.woke.append((name, self.world.clock.now))
         c.garbled = self.garble_wakes > 0
         self.garble_wakes -= c.garbled
@@ -1157,6 +1237,7 @@ class World:
         self.agent_runs = 0
         self.agent_failures: list[str] = []
         self.short_starts: list[str] = []  # the resident fit itself smaller: it was started short of memory
+        self.timer_violations: list[str] = []  # invariant 12: a timer started before the resident answered
 
     def resident_serves(self) -> bool:
         """Tell whether the resident answers completions now (its units active)."""
