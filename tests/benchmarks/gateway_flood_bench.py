@@ -16,6 +16,16 @@ granting leases at once, the real ``gpuswapd-gateway`` pinned to CPU 1, everythi
 - **Bodies**: ``--bodies`` clients at once each send a ``--body-mib`` MiB JSON body; what each got
   (200, or 503 with Retry-After past ``gateway.max_bodies``) is counted.
 
+What bounds the result:
+  - two cores: the flooder shares CPU 0 with the client and the upstreams, so its churn (a
+    slowloris connection closed as crowded comes back 0.2 s later) slows the direct side too; the
+    gateway on CPU 1 pays for every accept, head byte and cut;
+  - the gateway's limits (guard.py): a head within 10 s and under 64 KiB, at most 1024 heads
+    coming at once (so most of 5,000 slowloris connections are cut as crowded and come back);
+  - gateway.max_bodies (128 MiB by default, a body counted twice): how many bodies are held;
+  - a machine shared with other work: the load average is printed; nice -10 (root) keeps only part
+    of a neighbour's time out of the figures.
+
 Throughout, the gateway runs in a memory cgroup of its own and its peak (cgroup v2
 ``memory.peak``, v1 ``memory.max_usage_in_bytes``: what a spill to tmpfs would count too, not its
 RSS) is read per phase (target: under 256 MB). Needs root (the cgroup). Results: tables on stdout,

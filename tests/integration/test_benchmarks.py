@@ -44,16 +44,21 @@ WORLDLESS = {
     "gateway_bench": (["--requests", "20", "--tokens", "60", "--streams", "10"],
                       ["gpuswapd-gateway (uvicorn) against direct, 1 cycles a phase", "added p50, per cycle",
                        "tokens/s, gateway / direct, per cycle", "just after the streams",
-                       "concurrent streams, uvicorn: 10 of 10 complete", "hypercorn: added p50", "targets"]),
+                       "concurrent streams, uvicorn: 10 of 10 complete", "hypercorn: added p50", "targets",
+                       "a small multipart form", "one Anthropic Messages stream"]),
     "schedule_bench": (["--minutes", "0.2", "--boot", "1", "--back", "0.5"],
                        ["== agent ==", "== alternate ==", "== burst ==", "wait_p99"]),
+    "gateway_flood_bench": (["--requests", "20", "--slowloris", "50", "--huge", "2", "--huge-mib", "1",
+                             "--bodies", "8", "--body-mib", "1"],
+                            ["quiet and under 50 slowloris connections", "flooded / quiet p50, per cycle",
+                             "8 bodies of 1 MiB at once", "gateway cgroup peak", "targets"]),
 }
 # Benchmarks whose smoke run is in the fast layer, and where.
 FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
            "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore",
            "schedule_bench": "schedule",
-           "warm_bench": "warm"}
+           "warm_bench": "warm", "gateway_flood_bench": "gateway_flood"}
 EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 
 
