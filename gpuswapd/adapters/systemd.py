@@ -16,7 +16,7 @@ from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
 from gpuswapd import clock
-from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
+from gpuswapd.adapters.unitnames import Owner, cgroup_of, owner_of, unit_from_path
 from gpuswapd.adapters.unitstates import ACTIVE, Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
 
@@ -26,7 +26,6 @@ R = TypeVar("R")
 _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
-ROOT_SLICE = "-.slice"  # the unit of every process in no other one
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
 _SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
@@ -73,6 +72,7 @@ class Systemd:
         self._state_subscription: Any = None
         self._timer_units: dict[str, str] = {}
         self._state_watchers: list[Callable[[str, str], None]] = []
+        self._owners: dict[str, str] = {}  # cgroups this manager confirmed are a unit's (unitnames.owner_of)
 
     @_systemd_errors
     def connect(self) -> None:
@@ -304,22 +304,32 @@ class Systemd:
                                 int(props.get("MainPID") or 0), int(props.get("ControlPID") or 0))
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit a process belongs to (from its cgroup, else asking systemd); None: it is gone."""
+        """Name whose a process is: its system unit, else a stranger's (never a unit name); None: it is gone."""
+        owner = self.owner_of_pid(pid)
+        return None if owner is None else owner.name
+
+    def owner_of_pid(self, pid: int) -> Owner | None:
+        """Find the system unit that owns a process, as this manager confirms it (None: the process is gone).
+
+        The process's cgroup is read from /proc and its outermost unit confirmed by the manager's
+        ``ControlGroup`` (cached by cgroup path): a user manager's ``strata.service`` is a stranger's,
+        and so is a process in a cgroup no system unit owns (the root cgroup, Docker's cgroupfs
+        driver). Where /proc hides the process (hidepid=), the manager's ``GetUnitByPID`` says.
+        """
         try:
-            unit = unit_from_cgroup(pid)
+            cgroup = cgroup_of(pid)
         except OSError:
             pass  # /proc hides it (hidepid=), or it has exited: ask systemd
         else:
-            # Alive in a cgroup that names no unit (the root cgroup, Docker's cgroupfs driver, a host
-            # without systemd): systemd would name the root slice too. None would say it had exited,
-            # and its memory would be counted as coming free.
-            return unit if unit is not None else ROOT_SLICE
+            return owner_of(cgroup or "/", self.control_group, self._owners)
         try:
             path = self._mgr().GetUnitByPID(pid, timeout=self._timeout)
             props = self._properties(path).GetAll(_UNIT_IFACE, timeout=self._timeout)
         except GLib.Error:
             return None
-        return str(props["Id"])
+        unit = str(props["Id"])
+        # A slice holds no process of its own: one in a slice's cgroup is in no service or scope.
+        return Owner(None if unit.endswith(".slice") else unit, f"the cgroup of {unit}")
 
     def watch_active_state(self, watcher: Callable[[str, str], None]) -> None:
         """Call ``watcher(unit, active_state)`` from the signal thread when a unit's state changes."""

@@ -46,6 +46,7 @@ IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
 READ_ONLY = frozenset({"status", "history", "watch"})
 BACKLOG = 1024
+NAMES_S = 10.0  # the user and group databases (files, LDAP, sssd) answer within this, or are taken as silent
 # accept() fails with these when the process or the system is out of descriptors or memory:
 # wait a little (never spin), and let the caps bring the count down.
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -79,14 +80,35 @@ class Server:
         self._clients = Clients(self.admission)
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
         self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
+        self._group_gid: int | None = None  # socket_group's gid, resolved off the loop at start
+        self._group_known = False
 
     def _in_group(self, peer: Peer) -> bool:
         """Tell whether the caller was in ``socket_group`` when it connected (SO_PEERGROUPS, not /proc)."""
         group = self.config.daemon.socket_group
-        return bool(group) and peer.member(self.host.group_id(group))
+        if not group:
+            return False
+        if not self._group_known:  # not started on a socket (the simulation's streams): its host is in memory
+            self._group_gid, self._group_known = self.host.group_id(group), True
+        return peer.member(self._group_gid)
+
+    async def _resolve_group(self) -> None:
+        """Resolve ``socket_group`` once, on a thread: the group database may be LDAP or sssd, which can block."""
+        group = self.config.daemon.socket_group
+        if not group:
+            return
+        try:
+            self._group_gid = await asyncio.wait_for(asyncio.to_thread(self.host.group_id, group), NAMES_S)
+            self._group_known = True
+        except TimeoutError:
+            self._group_gid = None
+            self._group_known = True
+            log.error("socket_group_unresolved", group=group, waited_s=NAMES_S,
+                      consequence="only root is served until gpuswapd restarts; check nsswitch (LDAP, sssd)")
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on a listening socket (our own, or one systemd handed over)."""
+        await self._resolve_group()
         # A burst of clients must queue in the kernel, not be refused: listen() again with more room.
         sock.listen(BACKLOG)
         sock.setblocking(False)
