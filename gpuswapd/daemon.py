@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpuswapd import __version__, clock, failpoints, instances
+from gpuswapd import __version__, clock, failpoints, instances, naps
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -143,6 +143,7 @@ class Daemon:
 
     async def startup(self) -> socket.socket:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
+        clock.anchor()  # the daemon's time starts at the wall clock: the state document's times read as such
         self.store.prepare()
         raise_fd_limit(self.config.daemon.max_clients)
         await self.connect()
@@ -169,8 +170,22 @@ class Daemon:
             loop.call_soon_threadsafe(self.window.resident_state, unit, state)
 
         await self.outside.systemd.call("connect", self.systemd.watch_active_state, on_state)
+        await self._watch_resume(loop)
         docker_up = await self._check_image()
         await self._check_engines(docker_up)
+
+    async def _watch_resume(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake every nap when the machine resumes (logind); without logind, naps stay a few seconds."""
+        watch = getattr(self.systemd, "watch_resume", None)  # the simulation's systemd has no logind
+        told = False
+        if watch is not None:
+            try:
+                told = await self.outside.systemd.call("connect", watch,
+                                                       lambda: loop.call_soon_threadsafe(naps.resumed))
+            except GpuswapError as err:
+                log.info("resume_unwatched", error=err.message)
+        naps.resumes_told(told)
+        log.info("durations_on_boottime", resume_from="logind" if told else None, longest_nap_s=naps.longest())
 
     async def begin(self) -> None:
         """Take up what an earlier gpuswapd left, before serving anyone; then keep the resident up while idle."""

@@ -1,4 +1,9 @@
-"""Leases on the GPU window: who holds it, until when. Pure logic; the caller owns the clock."""
+"""Leases on the GPU window: who holds it, until when. Pure logic; the caller owns the clock.
+
+A lease's times are the daemon's (``clock.now``: a wall step moves none); what it says of itself
+to the wire and the state document is in wall-clock time (``clock.to_wall``), what it reads back
+is turned into the daemon's again.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuswapd import ids
+from gpuswapd import clock, ids
 from gpuswapd.errors import LeaseNotFound
 
 
@@ -30,8 +35,8 @@ class Lease:
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize; with ``now``, include the seconds remaining."""
-        expires_at = self.expires_at if math.isfinite(self.expires_at) else None  # null: until released
-        out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
+        expires_at = clock.to_wall(self.expires_at) if math.isfinite(self.expires_at) else None  # null: until released
+        out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": clock.to_wall(self.granted_at),
                                "expires_at": expires_at, "unit": self.unit, "uid": self.uid,
                                "priority": self.priority, "bind": "connection" if self.bound else None}
         if now is not None:
@@ -42,8 +47,9 @@ class Lease:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:
         """Rebuild a lease from ``to_dict`` output."""
-        return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
-                   _expiry(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0),
+        return cls(str(data["id"]), str(data["holder"]), clock.from_wall(float(data["granted_at"])),
+                   clock.from_wall(_expiry(data["expires_at"])), data.get("unit"), data.get("uid"),
+                   int(data.get("priority") or 0),
                    data.get("bind") == "connection")
 
 

@@ -26,6 +26,7 @@ R = TypeVar("R")
 _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+_LOGIND = "org.freedesktop.login1"
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
 _SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
@@ -72,6 +73,8 @@ class Systemd:
         self._state_subscription: Any = None
         self._timer_units: dict[str, str] = {}
         self._state_watchers: list[Callable[[str, str], None]] = []
+        self._resume_subscription: Any = None
+        self._resume_watchers: list[Callable[[], None]] = []
         self._owners: dict[str, str] = {}  # cgroups this manager confirmed are a unit's (unitnames.owner_of)
 
     @_systemd_errors
@@ -100,9 +103,10 @@ class Systemd:
                 # One subscription per connection; another Systemd on this connection made it.
                 if Gio.DBusError.get_remote_error(err) != "org.freedesktop.systemd1.AlreadySubscribed":
                     raise
-            self._state_subscription = None
+            self._state_subscription = self._resume_subscription = None
             self._bus, self._manager = bus, manager
             self._subscribe_states()
+            self._subscribe_resume()
             _start_glib_loop()
 
     def _subscribe_states(self) -> None:
@@ -112,12 +116,19 @@ class Systemd:
                 arg0=_UNIT_IFACE, signal_fired=self._on_properties_changed,
             )
 
+    def _subscribe_resume(self) -> None:
+        if self._resume_watchers and self._resume_subscription is None and self._bus is not None:
+            self._resume_subscription = self._bus.subscribe(
+                sender=_LOGIND, iface="org.freedesktop.login1.Manager", signal="PrepareForSleep",
+                object="/org/freedesktop/login1", signal_fired=self._on_prepare_for_sleep,
+            )
+
     def close(self) -> None:
         """Stop receiving signals."""
-        for sub in (self._subscription, self._state_subscription):
+        for sub in (self._subscription, self._state_subscription, self._resume_subscription):
             if sub is not None:
                 sub.unsubscribe()
-        self._subscription = self._state_subscription = None
+        self._subscription = self._state_subscription = self._resume_subscription = None
 
     def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
         _job_id, path, _unit, result = params
@@ -337,6 +348,28 @@ class Systemd:
         with self._lock:
             self._state_watchers.append(watcher)
             self._subscribe_states()
+
+    @_systemd_errors
+    def watch_resume(self, watcher: Callable[[], None]) -> bool:
+        """Call ``watcher()`` from the signal thread whenever the machine resumes from a suspend.
+
+        logind says so (``PrepareForSleep(false)``); tell whether logind is on this bus to say it
+        (without it, nobody calls: gpuswapd's naps stay short).
+        """
+        self.connect()
+        with self._lock:
+            self._resume_watchers.append(watcher)
+            self._subscribe_resume()
+            dbus = self._bus.get("org.freedesktop.DBus", "/org/freedesktop/DBus", timeout=self._timeout)
+        if dbus.NameHasOwner(_LOGIND, timeout=self._timeout):
+            return True
+        return _LOGIND in dbus.ListActivatableNames(timeout=self._timeout)
+
+    def _on_prepare_for_sleep(self, _sender: str, _path: str, _iface: str, _sig: str, params: Any) -> None:
+        (sleeping,) = params
+        if not sleeping:  # false: it has resumed
+            for watcher in list(self._resume_watchers):
+                watcher()
 
     def _on_properties_changed(self, _sender: str, path: str, _iface: str, _sig: str, params: Any) -> None:
         iface, changed, _invalidated = params

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import GatewayConfig
 from gpuswapd.errors import GpuswapError, LeaseNotFound
 from gpuswapd.gateway.errors import TooManyWaiting, Unavailable
@@ -100,7 +100,7 @@ class OurLease:
 
     held: HeldLease
     profile: str
-    expires_at: float  # wall clock; math.inf for none
+    expires_at: float  # the gateway's clock.now() (ends_at: from the wire's remaining_s); math.inf for none
     last_end: float = field(default_factory=clock.monotonic)
     flights: set[Flight] = field(default_factory=set)
     doomed: bool = False  # preempting: new requests acquire again
@@ -110,7 +110,7 @@ class OurLease:
 
     def usable(self) -> bool:
         """Tell whether a new request may be served under this lease."""
-        return not self.doomed and not self.ending and clock.wall() < self.expires_at
+        return not self.doomed and not self.ending and clock.now() < self.expires_at
 
 
 @dataclass(eq=False)
@@ -355,7 +355,7 @@ class Demand:
         log.info("gateway_acquiring", profile=profile, priority=self.config.priority, for_s=self.lease_s)
         held = await self.daemon.acquire(profile, self.lease_s, self.config.priority, self.holder, progress)
         expires = held.lease.get("expires_at")
-        lease = OurLease(held, profile, math.inf if expires is None else float(expires))
+        lease = OurLease(held, profile, ends_at(held.lease))
         previous = self.leases.get(profile)
         self.leases[profile] = lease
         if previous is not None and previous is not lease:
@@ -373,21 +373,23 @@ class Demand:
             if not lease.flights and not self._wanted(lease.profile) and now - lease.last_end >= idle:
                 await self._release(lease, f"idle for {idle:g}s")
                 return
-            left = lease.expires_at - clock.wall()
+            left = lease.expires_at - clock.now()
             if left <= 0:
                 log.info("gateway_lease_expired", profile=lease.profile, lease=lease.held.id)
                 self._forget(lease)
                 return
             if left < self.lease_s / 2 and not lease.doomed:
                 await self._renew(lease)
-                left = lease.expires_at - clock.wall()
+                left = lease.expires_at - clock.now()
             wake_in = [max(0.0, left - self.lease_s / 2) if left > self.lease_s / 2 else left]
             if not lease.flights:
                 wake_in.append(lease.last_end + idle - now)
             lease.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.05, min(wake_in))):
-                    await lease.wake.wait()
+            waker = asyncio.ensure_future(lease.wake.wait())
+            try:
+                await naps.nap(max(0.05, min(wake_in)), waker)  # a suspend meanwhile: looked at again on waking
+            finally:
+                waker.cancel()
 
     async def _renew(self, lease: OurLease) -> None:
         try:
@@ -401,7 +403,7 @@ class Demand:
             return
         got = reply.get("lease") or {}
         expires = got.get("expires_at")
-        lease.expires_at = math.inf if expires is None else float(expires)
+        lease.expires_at = ends_at(got)
         if reply.get("capped"):
             log.info("gateway_renew_capped", lease=lease.held.id, expires_at=expires)
 
@@ -469,8 +471,22 @@ def _retry_after(status: dict[str, Any]) -> int | None:
     return max(1, math.ceil(float(back["in_s"])))
 
 
+def ends_at(lease: dict[str, Any]) -> float:
+    """Say when a lease from the wire ends on this process's ``clock.now()`` (math.inf: when released).
+
+    gpuswapd's ``remaining_s`` is measured on its CLOCK_BOOTTIME, and so is ``clock.now()`` here:
+    a wall step in either process moves neither. Without it, the wall-clock ``expires_at``.
+    """
+    if lease.get("expires_at") is None:
+        return math.inf
+    left = lease.get("remaining_s")
+    if isinstance(left, (int, float)):
+        return clock.now() + float(left)
+    return clock.from_wall(float(lease["expires_at"]))
+
+
 def _until(expires_at: Any) -> str:
     if not isinstance(expires_at, (int, float)):
         return "released"
-    left = expires_at - clock.wall()
+    left = expires_at - clock.wall()  # another holder's expiry, from the wire: a wall-clock time
     return f"in {max(0, round(left))}s"

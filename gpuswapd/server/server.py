@@ -72,7 +72,7 @@ class Server:
         self.units = units
         self.outside = outside
         self.planner = planner
-        self.started_at = clock.wall()
+        self.started_at = clock.now()
         d = config.daemon
         self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
         self._listener: socket.socket | None = None
@@ -258,16 +258,16 @@ class Server:
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease, peer)
             lease, claim = await self.window.renew(lease_id, duration, allowed=peer.owns)
-            reply: JsonObject = {"ok": True, "lease": lease.to_dict(clock.wall()),
+            reply: JsonObject = {"ok": True, "lease": lease.to_dict(clock.now()),
                                  "capped": capped or claim is not None,
                                  "capped_by": "fair_after" if claim is not None else "max_lease" if capped else None}
             if claim is not None:
                 reply["waiting"] = {"holder": claim.holder, "profile": claim.profile,
-                                    "waited_s": round(clock.wall() - claim.since, 3)}
+                                    "waited_s": round(clock.now() - claim.since, 3)}
             return reply
         if req.op == "status":
             verify = self.config.window.verify
-            return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
+            return {"ok": True, "version": __version__, "daemon_started_at": round(clock.to_wall(self.started_at), 3),
                     "instance": self.instance, "gpu_index": self.config.gpu.index,
                     "endpoint": {"url": verify.url, "model": verify.model}, "profiles": self._profiles(),
                     **self.window.status()}
@@ -415,7 +415,7 @@ class Server:
                                                                               lease.unit)).active:
                 # The unit died while it waited: its watcher may have fired before the lease existed.
                 await self.window.unit_gone(lease.unit)
-            await self._send(writer, {"ok": True, "lease": lease.to_dict(clock.wall()), "capped": capped,
+            await self._send(writer, {"ok": True, "lease": lease.to_dict(clock.now()), "capped": capped,
                                       "waited_s": round(clock.monotonic() - started, 3), "profile": profile.name,
                                       "kind": profile.kind, "gpu_index": self.config.gpu.index})
         except BaseException:

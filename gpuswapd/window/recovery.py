@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import DEFAULT_PROFILE, Profile, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -57,7 +57,7 @@ async def _read_state(window: Context) -> tuple[Loaded | None, str]:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(lane.deadline):
                     await lane.drained()
-            await asyncio.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
+            await naps.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
     if loaded is not None and loaded.problems:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
     if loaded is not None and loaded.migrated:
@@ -130,7 +130,7 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     if rec.phase is Phase.DRAINING:  # nothing was changed yet
         w.finish(rec, "recovered")
         return
-    rec.leases.expire(clock.wall())
+    rec.leases.expire(clock.now())
     for lease in rec.leases.matching(lambda x: x.bound):
         # Bound to a connection of the gpuswapd that stopped: that connection is gone.
         rec.leases.release(lease.id)
@@ -186,7 +186,7 @@ def baseline_record(w: Context) -> WindowRecord:
     rec = WindowRecord.new()
     c = w.config.window.container
     rec.phase = Phase.CLOSING
-    rec.timings.append(PhaseTiming(Phase.CLOSING, clock.wall(), stage="close"))
+    rec.timings.append(PhaseTiming(Phase.CLOSING, clock.now(), stage="close"))
     # Whatever was running is unknown: the configured engine goes down like any window's.
     rec.container = ContainerHandle(name=c.name, created=c.create, image=c.image)
     rec.baseline = w.baseline_restore or BaselineRestore()

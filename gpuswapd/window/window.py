@@ -167,7 +167,7 @@ class Window:
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
         self._check_serves(profile)
-        rec, now = self.record, clock.wall()
+        rec, now = self.record, clock.now()
         joins = self._joins(rec, profile, now)
         waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
         if joins and rec is not None and rec.phase is Phase.READY:
@@ -262,7 +262,7 @@ class Window:
 
     def queue_status(self, now: float | None = None) -> list[JsonObject]:
         """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
-        now = clock.wall() if now is None else now
+        now = clock.now() if now is None else now
         rec, ahead = self.record, 0.0
         if rec is not None and not rec.closing:
             ends = [lease.expires_at for lease in rec.leases.all() if math.isfinite(lease.expires_at)]
@@ -271,7 +271,7 @@ class Window:
 
     def tell_queue(self) -> None:
         """Tell every queued client its position and ETA."""
-        now = clock.wall()
+        now = clock.now()
         for entry, waiter in zip(self.queue_status(now), self.queue.queued(now), strict=True):
             if waiter.listener is not None:
                 waiter.listener({"event": "queued", **entry,
@@ -318,7 +318,7 @@ class Window:
         rec = self._open_record()
         lease = rec.leases.get(lease_id)
         self._check_owner(lease, allowed, "renew")
-        now = clock.wall()
+        now = clock.now()
         until, capped_by = now + duration, None
         claim = self.queue.fair_claim(rec.profile)
         if claim is not None:
@@ -352,7 +352,7 @@ class Window:
 
     def status(self) -> JsonObject:
         """Describe the window now: phase, leases, waiters, the last window, what is amiss."""
-        now = clock.wall()
+        now = clock.now()
         return {
             "phase": str(self.phase),
             "window": self.record.to_dict(now) if self.record else None,
@@ -429,7 +429,7 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound)
+        lease = rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound)
         try:
             # A lease is granted once it is on disk: one that is not would be gone after a crash.
             await self._recorded(f"the lease for {w.holder}")
@@ -437,7 +437,7 @@ class Window:
             self._drop_lease(lease)  # its client is gone, or it could not be recorded
             raise
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
-                 waited_s=round(clock.wall() - w.since, 3))
+                 waited_s=round(clock.now() - w.since, 3))
         self.wake.set()
         return lease
 
@@ -489,7 +489,7 @@ class Window:
         else:
             await self.persist(required)
         structlog.contextvars.bind_contextvars(phase=str(phase))
-        elapsed = round(clock.wall() - rec.opened_at, 3)
+        elapsed = round(clock.now() - rec.opened_at, 3)
         log.info("phase_entered", elapsed_s=elapsed, stage=rec.timings[-1].stage)
         self.notify_status()
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
@@ -534,7 +534,7 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound))
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound))
                 for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
@@ -569,7 +569,7 @@ class Window:
         self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
-                     waited_s=round(clock.wall() - waiter.since, 3))
+                     waited_s=round(clock.now() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -617,7 +617,7 @@ class Window:
             listener(record)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
-                 took_s=round((rec.closed_at or clock.wall()) - rec.opened_at, 3), switched_to=rec.switched_to)
+                 took_s=round((rec.closed_at or clock.now()) - rec.opened_at, 3), switched_to=rec.switched_to)
         structlog.contextvars.unbind_contextvars("window_id", "phase")
         if switch_to is None:
             parking.watch(self)
@@ -652,7 +652,7 @@ class Window:
             self.writer.request()
         elif (state == "inactive" and self.record is None and not self.resident.jobs_running
               and unit not in self.held_down and not self.stopping.is_set()):
-            self.held_down[unit] = clock.wall()
+            self.held_down[unit] = clock.now()
             log.warning("resident_held_down", unit=unit, reason="it was stopped while no window was open, not by "
                         "gpuswapd: it is left down until it is started again (systemctl start)")
             self.writer.request()
