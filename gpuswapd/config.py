@@ -89,6 +89,16 @@ def _span(minimum: float = 0.0) -> Parser:
     return parse
 
 
+def _number(minimum: float, maximum: float) -> Parser:
+    def parse(value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(path, f"expected a number, got {type(value).__name__}")
+        if not minimum <= value <= maximum:
+            raise _fail(path, f"{value!r} is out of range ({minimum:g}..{maximum:g})")
+        return float(value)
+    return parse
+
+
 def _size(value: Any, path: str) -> int:
     try:
         return parse_size(value)
@@ -256,6 +266,12 @@ class DaemonConfig:
     reserved_clients: int = _key(_int(0, 65536), 32)
     max_queue: int = _key(_int(1, 65536), 64)
     fair_after: float = _key(_span(0.0), 300.0)
+    # The share a request of another profile waits at most before the card moves to it: at least
+    # fair_after, residency_factor times the price of the swaps it costs, at most residency_max.
+    residency_factor: float = _key(_number(0.0, 1000.0), 4.0)
+    residency_max: float = _key(_span(0.0), 900.0)
+    reclaim_grace: float = _key(_span(0.0), 60.0)  # after a restart, a token reclaims its lease or place this long
+    abandon_grace: float = _key(_span(0.0), 30.0)  # an opening whose last client hung up goes on this long
     priority_max_nonroot: int = _key(_int(-1000, 1000), 0)
     priority_min_nonroot: int = _key(_int(-1000, 1000), -10)
     aging: float = _key(_span(0.0), 600.0)

@@ -28,6 +28,8 @@ class Lease:
     uid: int | None = None
     priority: int = 0
     bound: bool = False  # bound to its acquire's connection: it ends when that connection does
+    token: str | None = None  # the hash of its client's reclaim token (protocol.token_hash)
+    reclaim_by: float | None = None  # bound, and its connection gone with a gpuswapd: it ends then, unless reclaimed
 
     def remaining(self, now: float) -> float:
         """Return the seconds left, never negative."""
@@ -39,6 +41,10 @@ class Lease:
         out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": clock.to_wall(self.granted_at),
                                "expires_at": expires_at, "unit": self.unit, "uid": self.uid,
                                "priority": self.priority, "bind": "connection" if self.bound else None}
+        if self.token is not None:
+            out["token"] = self.token
+        if self.reclaim_by is not None:
+            out["reclaim_by"] = clock.to_wall(self.reclaim_by)
         if now is not None:
             left = self.remaining(now)
             out["remaining_s"] = round(left, 3) if math.isfinite(left) else None  # null: until released
@@ -49,8 +55,20 @@ class Lease:
         """Rebuild a lease from ``to_dict`` output."""
         return cls(str(data["id"]), str(data["holder"]), clock.from_wall(float(data["granted_at"])),
                    clock.from_wall(_expiry(data["expires_at"])), data.get("unit"), data.get("uid"),
-                   int(data.get("priority") or 0),
-                   data.get("bind") == "connection")
+                   int(data.get("priority") or 0), data.get("bind") == "connection", _hex(data.get("token")),
+                   _from_wall(_when(data.get("reclaim_by"))))
+
+
+def _from_wall(value: float | None) -> float | None:
+    return None if value is None else clock.from_wall(value)
+
+
+def _hex(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _when(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _expiry(value: Any) -> float:
@@ -72,9 +90,9 @@ class LeaseBook:
         return sorted(self._leases.values(), key=lambda lease: lease.granted_at)
 
     def grant(self, holder: str, duration: float, now: float, unit: str | None = None,
-              uid: int | None = None, priority: int = 0, bound: bool = False) -> Lease:
+              uid: int | None = None, priority: int = 0, bound: bool = False, token: str | None = None) -> Lease:
         """Grant a new lease of ``duration`` seconds from ``now``."""
-        lease = Lease(ids.token(6), holder, now, now + duration, unit, uid, priority, bound)
+        lease = Lease(ids.token(6), holder, now, now + duration, unit, uid, priority, bound, token)
         self._leases[lease.id] = lease
         return lease
 
@@ -102,15 +120,21 @@ class LeaseBook:
         return [lease for lease in self.all() if match(lease)]
 
     def expire(self, now: float) -> list[Lease]:
-        """Remove and return the leases that have run out."""
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        """Remove and return the leases that have run out, or were not reclaimed within their grace."""
+        gone = [lease for lease in self._leases.values() if lease.expires_at <= now
+                or (lease.reclaim_by is not None and lease.reclaim_by <= now)]
         for lease in gone:
             del self._leases[lease.id]
         return gone
 
     def next_expiry(self) -> float | None:
         """Return when the next lease runs out, if any."""
-        return min((lease.expires_at for lease in self._leases.values()), default=None)
+        return min((min(lease.expires_at, lease.reclaim_by if lease.reclaim_by is not None else math.inf)
+                    for lease in self._leases.values()), default=None)
+
+    def by_token(self, token: str) -> Lease | None:
+        """Find the lease of a reclaim token's hash, if any."""
+        return next((lease for lease in self._leases.values() if lease.token == token), None)
 
     def clear(self) -> list[Lease]:
         """End every lease; return them."""

@@ -4,10 +4,18 @@ A request is ``{"op": ..., ...}``. The daemon answers with zero or more events
 (``{"event": "phase", ...}``) and then exactly one reply: ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {"code", "message", "phase"?}}``. ``watch`` is answered with events
 only (``{"event": "subscribed"}`` first), until the client hangs up.
+
+An ``acquire`` is answered first with ``{"event": "accepted", "token": T, "reclaim_s": G}``: its
+reclaim token. Its lease's reply carries the same ``token``. After gpuswapd restarts (its
+connection dropped), the client sends its acquire again with ``"reclaim": T``: within ``G``
+seconds of the restart it gets its lease back (a lease bound to its connection is kept that long
+for it), or its place in the queue (the time it had waited). A token is a secret of its client:
+the state document keeps only its hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -30,7 +38,7 @@ MAX_PRIORITY = 1000
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 OPS = ("acquire", "release", "renew", "status", "plan", "history", "park", "watch")
 _FIELDS: dict[str, set[str]] = {
-    "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold", "bind"},
+    "acquire": {"for", "holder", "wait", "timeout", "profile", "priority", "hold", "bind", "reclaim"},
     "release": {"lease", "holder"},
     "renew": {"lease", "holder", "for"},
     "status": set(),
@@ -57,6 +65,7 @@ class Request:
     priority: int = 0
     hold: bool = False  # keep the connection for the lease's events (preempting, preempted)
     bind: bool = False  # "bind": "connection": the lease ends when its acquire connection does (implies hold)
+    reclaim: str | None = None  # the token of an acquire made to a gpuswapd before its restart
 
 
 def _span(value: Any, key: str, infinite: bool = False) -> float:
@@ -127,7 +136,23 @@ def parse_request(line: bytes) -> Request:
         priority=_priority(data.get("priority", 0)),
         hold=_flag(data.get("hold", False), "hold"),
         bind=_bind(data.get("bind")),
+        reclaim=_token(data["reclaim"]) if "reclaim" in data else None,
     )
+
+
+_TOKEN = re.compile(r"^[0-9a-f]{16,128}$")
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise RequestError("'reclaim' must be the token of an earlier acquire (the \"token\" of its "
+                           "\"accepted\" event: lowercase hex)")
+    return value
+
+
+def token_hash(token: str) -> str:
+    """Return what the state document keeps of a reclaim token: its SHA-256, in hex."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _bind(value: Any) -> bool:

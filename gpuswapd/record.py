@@ -545,7 +545,8 @@ def _lease(data: Any, where: str) -> Lease:
     # Written as wall-clock times (Lease.to_dict): back to the daemon's time, as the wall clock reads now.
     return Lease(d.text("id"), d.text("holder"), clock.from_wall(d.number("granted_at")), clock.from_wall(expires_at),
                  d.text("unit", optional=True), None if uid is None else int(uid),
-                 int(d.number("priority", default=0)), bind == "connection")
+                 int(d.number("priority", default=0)), bind == "connection", d.text("token", optional=True),
+                 d.number("reclaim_by", optional=True))
 
 
 # What the window's container record says that a parked engine's does not need.

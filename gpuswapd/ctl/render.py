@@ -82,6 +82,32 @@ def queued_line(entry: dict[str, Any]) -> str:
             f"{format_span(round(entry.get('waited_s') or 0))}, {eta_text}{behind}")
 
 
+def _seconds(value: Any) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.1f}s"
+
+
+def schedule_lines(reply: dict[str, Any]) -> list[str]:
+    """Say what the schedule stands at, and each profile's price of a swap (medians of recent windows)."""
+    lines: list[str] = []
+    schedule = reply.get("schedule")
+    if schedule:
+        queue = ", ".join(f"{p} {n}" for p, n in (schedule.get("queue") or {}).items()) or "empty"
+        left = schedule.get("residency_left_s")
+        residency = (f"; {schedule.get('next')} takes the card in {format_span(max(1, round(left)))} at most "
+                     f"(share {format_span(max(1, round(schedule.get('share_s') or 0)))})"
+                     if isinstance(left, (int, float)) else "")
+        lines.append(f"tenant: {schedule.get('tenant')}; waiting per profile: {queue}{residency}; swaps avoided "
+                     f"{schedule.get('swaps_avoided', 0)}")
+    for name, price in (reply.get("price") or {}).items():
+        if not price.get("windows"):
+            continue
+        lines.append(f"price of a swap, profile {name}: open {_seconds(price.get('open_s'))} (boot "
+                     f"{_seconds(price.get('boot_s'))}, wake {_seconds(price.get('wake_s'))}), close "
+                     f"{_seconds(price.get('close_s'))}, resident restart {_seconds(price.get('resident_restart_s'))}"
+                     f" (of {price['windows']} window{'s' if price['windows'] != 1 else ''})")
+    return lines
+
+
 def _left(lease: dict[str, Any]) -> str:
     if lease["remaining_s"] is None:
         return "until released"
@@ -138,6 +164,8 @@ def print_status(reply: dict[str, Any], out: TextIO = sys.stdout) -> None:
         took = ", ".join(f"{b:.1f}s" for b in boots["last_s"])
         out.write(f"boot to healthy, profile {name}: last {took}; longest {boots['longest_s']:.1f}s "
                   f"(of {boots['count']} boot{'s' if boots['count'] != 1 else ''})\n")
+    for line in schedule_lines(reply):
+        out.write(line + "\n")
     out.write(f"parked: {parked_line(reply.get('parked'))}\n")
     resident = reply.get("resident") or {}
     baseline = resident.get("baseline")

@@ -8,7 +8,7 @@ system manager says of a service (its cgroup, ``User=``, its main and control pr
 names of users and groups. ``LinuxHost`` is the real one; the tests and the simulation hand the
 server another.
 
-The binding rule (README, "Who may ask"): a lease taken without ``--holder`` is bound to the
+The binding rule (docs/operating/systemd.md, "Who may ask"): a lease taken without ``--holder`` is bound to the
 caller's system service only when that service is the caller's own:
 
 - the system manager confirms the caller's cgroup is the service's (a cgroup made inside a

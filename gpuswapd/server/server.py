@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from gpuswapd import __version__, clock
+from gpuswapd import __version__, clock, ids
 from gpuswapd.config import Config, Profile
 from gpuswapd.errors import (
     AcquireTimeout,
@@ -28,7 +28,7 @@ from gpuswapd.errors import (
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
-from gpuswapd.protocol import MAX_LINE, JsonObject, Request, encode, error_reply, parse_request
+from gpuswapd.protocol import MAX_LINE, JsonObject, Request, encode, error_reply, parse_request, token_hash
 from gpuswapd.retry import backoff
 from gpuswapd.server.admission import Admission
 from gpuswapd.server.clients import Clients
@@ -345,15 +345,23 @@ class Server:
         self._check_priority(peer, req.priority)
         started = clock.monotonic()
         progress = self._progress_to(writer, req.holder or peer.holder)
-        acquire = asyncio.create_task(self.window.acquire(
-            req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
-            wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind))
-        retrieve(acquire)
-        lease = await self._until_granted(acquire, peer, req, reader)
+        # Its reclaim token, told first: a client whose gpuswapd restarts sends it back ("reclaim").
+        token = req.reclaim or ids.token(16)
+        progress({"event": "accepted", "token": token, "reclaim_s": self.config.daemon.reclaim_grace})
+        hashed = token_hash(token)
+        lease = await self.window.reclaim(hashed, peer.owns) if req.reclaim is not None else None
         if lease is None:
-            return None
-        await self._hand_over(lease, writer, profile, capped=capped, started=started)
-        if req.hold or req.bind:
+            since = self.window.reclaimed_since(hashed, profile.name) if req.reclaim is not None else None
+            acquire = asyncio.create_task(self.window.acquire(
+                req.holder or peer.holder, duration, unit=None if req.holder else peer.unit, uid=peer.uid,
+                wait=req.wait, listener=progress, profile=profile.name, priority=req.priority, bound=req.bind,
+                token=hashed, since=since))
+            retrieve(acquire)
+            lease = await self._until_granted(acquire, peer, req, reader)
+            if lease is None:
+                return None
+        await self._hand_over(lease, writer, profile, capped=capped, started=started, token=token)
+        if req.hold or req.bind or lease.bound:
             await self._hold(lease, reader, progress)
         return None
 
@@ -408,14 +416,15 @@ class Server:
                              f"{self.window.phase}); the acquire was withdrawn", phase=str(self.window.phase))
 
     async def _hand_over(self, lease: Lease, writer: asyncio.StreamWriter, profile: Profile, *, capped: bool,
-                         started: float) -> None:
+                         started: float, token: str) -> None:
         """Send a granted lease to its client, or release it if the client cannot have it."""
         try:
             if lease.unit is not None and not (await self.outside.systemd.call("unit_state", self.units.state,
                                                                               lease.unit)).active:
                 # The unit died while it waited: its watcher may have fired before the lease existed.
                 await self.window.unit_gone(lease.unit)
-            await self._send(writer, {"ok": True, "lease": lease.to_dict(clock.now()), "capped": capped,
+            await self._send(writer, {"ok": True, "lease": {**lease.to_dict(clock.now()), "token": token},
+                                      "capped": capped,
                                       "waited_s": round(clock.monotonic() - started, 3), "profile": profile.name,
                                       "kind": profile.kind, "gpu_index": self.config.gpu.index})
         except BaseException:
@@ -433,14 +442,17 @@ class Server:
         """
         self.window.lease_watchers[lease.id] = tell
         self.window.end_watchers("ended")  # it may have ended already
+        mine = True
         try:
             with contextlib.suppress(ConnectionError):
                 while await reader.read(4096):
                     pass  # the client says nothing more; anything it sends is ignored
         finally:
-            if self.window.lease_watchers.get(lease.id) is tell:
+            mine = self.window.lease_watchers.get(lease.id) is tell
+            if mine:
                 del self.window.lease_watchers[lease.id]
-        if lease.bound and lease.id in {x.id for x in self.window.leases()}:
+        # A lease its client reclaimed on a newer connection is that connection's now.
+        if lease.bound and mine and lease.id in {x.id for x in self.window.leases()}:
             with contextlib.suppress(GpuswapError):
                 await asyncio.shield(self.window.release(lease.id, reason="its connection ended"))
 

@@ -35,7 +35,8 @@ from gpuswapd.record import BaselineRestore, Parked, WindowRecord
 from gpuswapd.state.store import StateStore
 from gpuswapd.state.writer import StateWriter
 from gpuswapd.window.baseline import Known
-from gpuswapd.window.queueing import Queue, Times, Waiter
+from gpuswapd.window.price import Times
+from gpuswapd.window.queueing import Queue, Waiter
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,41 @@
 """The requests waiting for a window: who joins the open one, who queues for a later one, and when.
 
-One window is open at a time. A request for the open window's profile joins it; a request for
-another profile queues, by priority and first come first served within one. A queued request
-gains one level of effective priority per ``daemon.aging`` it waits, so none starves (aging
-orders the queue; preemption looks at the base priority only). Fairness: once a queued request
-for another profile has waited ``daemon.fair_after``, new requests for the open profile queue
-behind it instead of joining, so the open window closes when its current leases end. Renewals
-follow the same claim: while a request for another profile waits, a renewal may extend a lease
-only up to the moment that request has waited ``fair_after``, never past it (a lease that already
-ends later keeps its expiry). A holder that keeps renewing cannot keep the other profile out.
+One window is open at a time: its profile is the card's tenant. A request for the tenant joins
+its window (the card stays: a batch costs no swap); a request for another profile queues, by
+priority and first come first served within one, so the next tenant is the one with the oldest
+waiting request. A queued request gains one level of effective priority per ``daemon.aging`` it
+waits, so none starves (aging orders the queue; preemption looks at the base priority only).
 
-Waiting requests live only in memory (and in the state document's ``queue``, for the record):
-they do not survive a restart of gpuswapd, whose clients then see their connection drop.
+Every wait is bounded by a *share*: a queued request for another profile waits at most
+
+    share = max(fair_after, min(residency_max, residency_factor * price))
+
+where ``price`` is what the swaps it costs took in history: the tenant's close and its own
+open, and back again (``Times.swap_price``, the round trip). Once it has waited its share, new
+requests for the tenant queue behind it instead of joining (the mirror of the drain guard), a
+renewal may extend a lease only up to that moment, never past it (a lease that already ends later
+keeps its expiry), and the window closes when its leases in flight end. With nobody waiting for
+another profile, the tenant keeps the card; the window closes at once when its last lease ends
+while another profile waits (no linger for nobody).
+
+Waiting requests live in memory and in the state document's ``queue``: after a restart of
+gpuswapd, a client that sends its acquire again with its token (``"reclaim"``) within
+``daemon.reclaim_grace`` keeps the time it had waited, so its place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE
-from gpuswapd.phases import Phase
 from gpuswapd.protocol import JsonObject
-from gpuswapd.record import Finished
+from gpuswapd.window.price import Times
 
 Listener = Callable[[JsonObject], None]
-TIMES_KEPT = 20  # windows per profile whose open times estimate the next
 
 
 @dataclass(eq=False)
@@ -47,101 +52,56 @@ class Waiter:
     since: float = field(default_factory=clock.now)
     window: str | None = None  # the window it joined; None while it queues for a later one
     bound: bool = False  # its lease ends with its connection ("bind": "connection")
+    token: str | None = None  # the hash of its reclaim token (protocol.token_hash)
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def to_dict(self) -> dict[str, Any]:
         """Describe it for the state document."""
         return {"holder": self.holder, "profile": self.profile, "since": self.since, "unit": self.unit,
-                "uid": self.uid, "priority": self.priority}
+                "uid": self.uid, "priority": self.priority, "token": self.token}
 
 
-class Times:
-    """What history says windows take: the open time of each profile, its boots, and the resident's restore."""
+@dataclass(frozen=True)
+class Kept:
+    """A request that waited in the queue of the gpuswapd before a restart, kept for its client to reclaim."""
 
-    def __init__(self) -> None:
-        self._open: dict[str, deque[float]] = {}
-        self._restore: deque[float] = deque(maxlen=TIMES_KEPT)
-        self._close: deque[float] = deque(maxlen=TIMES_KEPT)
-        self._boots: dict[str, Boots] = {}
-
-    def learn(self, record: Finished) -> None:
-        """Take the timings of one finished window (a history record)."""
-        timings = record.timings
-        ready = next((t for t in timings if t.phase == str(Phase.READY)), None)
-        opened = record.opened_at
-        if ready is not None and opened is not None and ready.started_at is not None:
-            self._open.setdefault(record.profile, deque(maxlen=TIMES_KEPT)).append(ready.started_at - opened)
-        restored = [t.took_s for t in timings if t.phase == str(Phase.RESTORING)
-                    and t.stage == "close" and t.took_s is not None]
-        if restored and record.outcome == "closed" and not record.degraded:
-            self._restore.append(sum(restored))
-        closed = [t.took_s for t in timings if t.stage == "close" and t.took_s is not None]
-        if closed and restored and record.outcome == "closed" and not record.switched_to:
-            self._close.append(sum(closed))
-        booted = boot_took(record)
-        if booted is not None:
-            self._boots.setdefault(record.profile, Boots()).add(booted)
-
-    def close_time(self) -> float | None:
-        """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
-        return float(statistics.median(self._close)) if self._close else None
-
-    def boots(self) -> dict[str, JsonObject]:
-        """Describe each profile's boots to healthy (BOOTING): the last two, the longest, how many."""
-        return {profile: boots.to_dict() for profile, boots in sorted(self._boots.items())}
-
-    def open_time(self, profile: str) -> float | None:
-        """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""
-        seen = self._open.get(profile)
-        return float(statistics.median(seen)) if seen else None
-
-    def saved(self) -> JsonObject | None:
-        """Say what a direct switch saves: the resident's start and verify, as last measured."""
-        if not self._restore:
-            return None
-        return {"resident_restore_s": round(float(statistics.median(self._restore)), 3),
-                "measured_windows": len(self._restore)}
-
-
-@dataclass
-class Boots:
-    """How long one profile's engine took to boot to healthy, as history has it."""
-
-    last: deque[float] = field(default_factory=lambda: deque(maxlen=2))
-    longest: float = 0.0
-    count: int = 0
-
-    def add(self, seconds: float) -> None:
-        """Take one boot's duration."""
-        self.last.append(seconds)
-        self.longest = max(self.longest, seconds)
-        self.count += 1
-
-    def to_dict(self) -> dict[str, Any]:
-        """Describe them for ``status``: the newest boot first."""
-        return {"last_s": [round(s, 3) for s in reversed(self.last)], "longest_s": round(self.longest, 3),
-                "count": self.count}
-
-
-def boot_took(record: Finished) -> float | None:
-    """Return how long a finished window's engine booted to healthy (BOOTING); None if it did not boot.
-
-    A window that woke a parked engine did not boot; one whose boot failed never became healthy.
-    """
-    timings = [t for t in record.timings if t.stage == "open"]
-    phases = [t.phase for t in timings]
-    if str(Phase.BOOTING) not in phases or str(Phase.WARMING) not in phases:
-        return None
-    return timings[phases.index(str(Phase.BOOTING))].took_s
+    since: float
+    profile: str
+    until: float  # its client reclaims it by then, or it is forgotten
 
 
 class Queue:
     """The waiting acquires, in arrival order."""
 
-    def __init__(self, fair_after: float, aging: float = 0.0) -> None:
+    def __init__(self, fair_after: float, aging: float = 0.0, factor: float = 0.0, most: float = 0.0,
+                 times: Times | None = None) -> None:
         self.fair_after = fair_after
         self.aging = aging  # seconds of waiting per level of effective priority (0: no aging)
+        self.factor = factor  # daemon.residency_factor
+        self.most = most  # daemon.residency_max
+        self.times = times or Times()
         self.waiters: list[Waiter] = []
+        self.kept: dict[str, Kept] = {}  # token hash -> a request of the gpuswapd before a restart
+
+    def keep(self, entries: list[Any], now: float, grace: float) -> int:
+        """Keep the queue a state document held for its clients to reclaim within ``grace``; return how many."""
+        for entry in entries:
+            token, since, profile = (entry.get(k) for k in ("token", "since", "profile")) \
+                if isinstance(entry, dict) else (None, None, None)
+            if isinstance(token, str) and isinstance(since, (int, float)) and isinstance(profile, str):
+                self.kept[token] = Kept(float(since), profile, now + grace)
+        return len(self.kept)
+
+    def reclaim(self, token: str, profile: str, now: float) -> float | None:
+        """Return when a kept request of this token (and profile) began waiting, and forget it; None if none."""
+        self.kept = {k: v for k, v in self.kept.items() if v.until > now}
+        kept = self.kept.pop(token, None)
+        return kept.since if kept is not None and kept.profile == profile else None
+
+    def share(self, tenant: str, profile: str) -> float:
+        """Return how long a request for ``profile`` waits at most while ``tenant`` holds the card."""
+        price = self.times.swap_price(tenant, profile) + self.times.swap_price(profile, tenant)
+        return max(self.fair_after, min(self.most, self.factor * price))
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -173,21 +133,28 @@ class Queue:
         return [w for w in self.waiters if w.window == window]
 
     def blocked(self, profile: str, now: float) -> Waiter | None:
-        """Return a queued request for another profile that has waited ``fair_after``, if any."""
+        """Return a queued request for another profile that has waited its share, if any."""
         for w in self.queued():
-            if w.profile != profile and now - w.since >= self.fair_after:
+            if w.profile != profile and now - w.since >= self.share(profile, w.profile):
                 return w
         return None
 
     def fair_claim(self, profile: str) -> tuple[float, Waiter] | None:
         """Return the earliest fair claim on a window of ``profile``: its moment and its request.
 
-        The moment is when a request for another profile has waited ``fair_after``; None while
+        The moment is when a request for another profile has waited its share; None while
         nobody waits for another profile. A renewal of a lease of that window may not extend it
         past that moment (see ``Window.renew``).
         """
-        claims = [(w.since + self.fair_after, w) for w in self.queued() if w.profile != profile]
+        claims = [(w.since + self.share(profile, w.profile), w) for w in self.queued() if w.profile != profile]
         return min(claims, key=lambda c: c[0], default=None)
+
+    def per_profile(self) -> dict[str, int]:
+        """Count the requests waiting, per profile (queued for a later window, or joined to the opening one)."""
+        out: dict[str, int] = {}
+        for w in self.waiters:
+            out[w.profile] = out.get(w.profile, 0) + 1
+        return dict(sorted(out.items()))
 
     def wants_other(self, profile: str) -> bool:
         """Tell whether anybody queues for a window of another profile (the open one should not linger)."""
@@ -198,7 +165,7 @@ class Queue:
         taken, behind = [], False
         for w in self.queued():
             if w.profile != profile:
-                behind = behind or now - w.since >= self.fair_after
+                behind = behind or now - w.since >= self.share(profile, w.profile)
             elif not behind:
                 w.window = window
                 taken.append(w)

@@ -86,10 +86,12 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
         except ValueError as err:  # its container is nobody's now: the orphan sweep removes it
             log.error("parked_state_unreadable", error=str(err))
     if document.queue:
-        # Waiting requests are not kept across a restart: their clients saw the connection drop.
-        log.warning("queue_dropped", waiting=len(document.queue),
-                    holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20],
-                    reason="waiting requests do not survive a restart of gpuswapd; their clients acquire again")
+        # Their clients saw the connection drop: each sends its acquire again with its token and
+        # keeps its place (the time it had waited) within the grace.
+        kept = window.queue.keep(document.queue, clock.now(), window.config.daemon.reclaim_grace)
+        log.warning("queue_kept_for_reclaim", waiting=len(document.queue), reclaimable=kept,
+                    grace_s=window.config.daemon.reclaim_grace,
+                    holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20])
         window.writer.request()
     return record
 
@@ -131,8 +133,14 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         w.finish(rec, "recovered")
         return
     rec.leases.expire(clock.now())
+    grace = w.config.daemon.reclaim_grace
     for lease in rec.leases.matching(lambda x: x.bound):
-        # Bound to a connection of the gpuswapd that stopped: that connection is gone.
+        # Bound to a connection of the gpuswapd that stopped: that connection is gone. Its client
+        # may reclaim it with its token within the grace (gpuswapctl run, the gateway); else it ends.
+        if lease.token is not None and grace > 0:
+            lease.reclaim_by = clock.now() + grace
+            log.info("lease_kept_for_reclaim", lease=lease.id, holder=lease.holder, grace_s=grace)
+            continue
         rec.leases.release(lease.id)
         log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
     if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):

@@ -45,13 +45,15 @@ from gpuswapd.protocol import JsonObject
 from gpuswapd.record import BaselineRestore, Finished, Parked, WindowRecord
 from gpuswapd.state.store import Document, StateStore
 from gpuswapd.state.writer import StateWriter
+from gpuswapd.tasks import reap, spawn
 from gpuswapd.window import identity, opening, parking, preempting
 from gpuswapd.window.baseline import Known
 from gpuswapd.window.context import Backoffs
 from gpuswapd.window.driver import Driver
 from gpuswapd.window.prefetch import ResidentFiles
+from gpuswapd.window.price import Times
 from gpuswapd.window.progress import progress
-from gpuswapd.window.queueing import Listener, Queue, Times, Waiter
+from gpuswapd.window.queueing import Listener, Queue, Waiter
 
 Owner = Callable[[Lease], bool]
 
@@ -80,9 +82,12 @@ class Window:
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
         self.baseline_restore: BaselineRestore | None = None
-        self.queue = Queue(config.daemon.fair_after, config.daemon.aging)
+        self.times = Times()  # what history says a swap costs: ETAs, what a switch saves, the shares
+        d = config.daemon
+        self.queue = Queue(d.fair_after, d.aging, d.residency_factor, d.residency_max, self.times)
         self.lease_watchers: dict[str, Listener] = {}  # lease id -> its client's connection (run, bench)
-        self.times = Times()  # open and restore times from history, for ETAs and what a switch saves
+        self.abandoning: asyncio.Task[None] | None = None  # an opening nobody waits for, given up after a grace
+        self.swaps_avoided = 0  # requests that joined the tenant on the card while an older one waited for another
         self.closed_windows: set[str] = set()  # ids history shows closed (an orphan of another is a lost record)
         self._listeners: set[Listener] = set()
         # Told of every finished window, as history keeps it (metrics).
@@ -160,7 +165,8 @@ class Window:
 
     async def acquire(self, holder: str, duration: float, *, unit: str | None = None, uid: int | None = None,
                       wait: bool = True, listener: Listener | None = None, profile: str = DEFAULT_PROFILE,
-                      priority: int = 0, bound: bool = False) -> Lease:
+                      priority: int = 0, bound: bool = False, token: str | None = None,
+                      since: float | None = None) -> Lease:
         """Get a lease: at once if a window of ``profile`` is READY, else by joining its opening or queueing.
 
         A request for the open window's profile joins it, unless a queued request for another
@@ -169,7 +175,10 @@ class Window:
         self._check_serves(profile)
         rec, now = self.record, clock.now()
         joins = self._joins(rec, profile, now)
-        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound)
+        waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound, token=token,
+                        since=now if since is None else since)
+        if joins and self.queue.wants_other(profile):
+            self.swaps_avoided += 1  # first come first served would have moved the card first
         if joins and rec is not None and rec.phase is Phase.READY:
             return await self._grant(rec, waiter)
         await self._check_may_wait(rec, profile, wait=wait, joins=joins)
@@ -254,10 +263,30 @@ class Window:
         if waiter.future.done():
             return
         waiter.future.cancel()
+        if self._nobody_waits(waiter.window):
+            grace = self.config.daemon.abandon_grace
+            if grace <= 0:
+                self._abandon()
+            elif self.abandoning is None or self.abandoning.done():
+                # A client with a short timeout retries: its retry rejoins the opening under way.
+                self.abandoning = spawn(self._abandon_after(grace), "window-abandon")
+
+    def _nobody_waits(self, window: str | None) -> bool:
+        """Tell whether ``window`` is the opening window and nobody waits for it or holds it any more."""
         rec = self.record
-        if (rec is not None and waiter.window == rec.id and not self.queue.joined(rec.id)
-                and self.driver.opening is not None and not len(rec.leases)):
-            log.info("window_abandoned", reason="the last waiting client went away")
+        return (rec is not None and window == rec.id and not self.queue.joined(rec.id)
+                and self.driver.opening is not None and not len(rec.leases))
+
+    async def _abandon_after(self, grace: float) -> None:
+        """Abandon the opening window if, ``grace`` from now, still nobody waits for it."""
+        rec = self.record
+        await asyncio.sleep(grace)
+        if rec is not None and self.record is rec and self._nobody_waits(rec.id):
+            self._abandon()
+
+    def _abandon(self) -> None:
+        log.info("window_abandoned", reason="the last waiting client went away")
+        if self.driver.opening is not None:
             self.driver.opening.cancel()
 
     def queue_status(self, now: float | None = None) -> list[JsonObject]:
@@ -294,6 +323,27 @@ class Window:
                 log.info("lease_released", lease=lease.id, holder=lease.holder, reason=reason)
         await self._leases_changed()
         return gone
+
+    async def reclaim(self, token: str, allowed: Owner) -> Lease | None:
+        """Give a lease back to the client of its reclaim token's hash (its connection is new); None if none."""
+        rec = self.record
+        lease = rec.leases.by_token(token) if rec is not None and not rec.sealed else None
+        if lease is None:
+            return None
+        self._check_owner(lease, allowed, "reclaim")
+        was, lease.reclaim_by = lease.reclaim_by, None
+        try:
+            await self._recorded(f"the reclaim of lease {lease.id}")
+        except BaseException:
+            lease.reclaim_by = was
+            raise
+        log.info("lease_reclaimed", lease=lease.id, holder=lease.holder)
+        self.wake.set()
+        return lease
+
+    def reclaimed_since(self, token: str, profile: str) -> float | None:
+        """Return when the request of a reclaim token's hash began waiting before a restart; None if unknown."""
+        return self.queue.reclaim(token, profile, clock.now())
 
     async def unit_gone(self, unit: str) -> list[Lease]:
         """End the leases held by a unit that became inactive or failed (it may have crashed)."""
@@ -367,8 +417,28 @@ class Window:
             "next_open": "warm" if self.parked is not None else "cold",
             "resident_back": self.resident_back(now),
             "boots": self.times.boots(),  # per profile: each boot to healthy, as history has it
+            "price": self.times.price(sorted(self.engines)),  # per profile: what a swap costs, from history
+            "schedule": self.schedule(now),
             "resident": self.known.status(self.config.gpu.resident_needs),
         }
+
+    def schedule(self, now: float) -> JsonObject:
+        """Describe the schedule: the tenant on the card, the queue per profile, the residency left.
+
+        ``residency_left_s`` is how long the tenant keeps taking new requests before the oldest
+        request for another profile has waited its share (``share_s``); null while nobody waits
+        for another profile (the tenant keeps the card) or no window is open.
+        """
+        rec = self.record
+        tenant = rec.profile if rec is not None and not rec.closing else None
+        claim = self.queue.fair_claim(tenant) if tenant is not None else None
+        return {"tenant": tenant if tenant is not None else "resident",
+                "queue": self.queue.per_profile(),
+                "residency_left_s": None if claim is None else round(max(0.0, claim[0] - now), 3),
+                "share_s": None if claim is None or tenant is None
+                else round(self.queue.share(tenant, claim[1].profile), 3),
+                "next": None if claim is None else claim[1].profile,
+                "swaps_avoided": self.swaps_avoided}
 
     def resident_back(self, now: float) -> JsonObject | None:
         """Estimate when the resident serves again: the last lease's expiry, the linger, the measured close.
@@ -429,7 +499,7 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound)
+        lease = rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound, w.token)
         try:
             # A lease is granted once it is on disk: one that is not would be gone after a crash.
             await self._recorded(f"the lease for {w.holder}")
@@ -534,7 +604,7 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound))
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound, w.token))
                 for w in waiters]
 
     async def ready(self, rec: WindowRecord) -> None:
@@ -696,4 +766,5 @@ class Window:
 
     async def shutdown(self, restore: bool, bound: float = math.inf) -> bool:
         """Stop serving the window; with ``restore``, close it and give the GPU back first (see Driver.shutdown)."""
+        await reap(self.abandoning)
         return await self.driver.shutdown(restore, bound)

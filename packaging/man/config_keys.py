@@ -81,6 +81,21 @@ MEANINGS: dict[str, str] = {
                          "request waits, a renewal may extend a lease only up to the moment it has waited this "
                          "long (and never shortens one): after that, renewals keep the expiry already granted "
                          "(\"capped\": \"fair_after\", see gpuswapctl(1)).",
+    "daemon.residency_factor": "The schedule's share: a request for another profile waits for the card at most "
+                               "max(fair_after, min(residency_max, residency_factor x price)), where price is what "
+                               "the swaps it costs took in history (the open window's close and its own open, and "
+                               "back again: gpuswapctl status shows each profile's price). The larger, the fewer "
+                               "swaps and the longer waits: at most about 1/(1 + factor) of the card's time goes "
+                               "to swapping while two profiles contend. 0: fair_after alone.",
+    "daemon.residency_max": "The longest share the price may buy the tenant on the card while a request for another "
+                            "profile waits (fair_after, if longer, still holds).",
+    "daemon.reclaim_grace": "After a restart of gpuswapd, how long a client may reclaim with its token (the "
+                            "\"accepted\" event of its acquire) the lease bound to its connection, or its place in "
+                            "the queue; an unreclaimed lease then ends. gpuswapctl acquire and run reclaim by "
+                            "themselves; 0: a restart ends the leases bound to connections, as before.",
+    "daemon.abandon_grace": "A window whose last waiting client hung up while it opened goes on opening this long, "
+                            "so that a retry (a client with a short timeout) rejoins it; then it is rolled back. "
+                            "0: rolled back at once.",
     "daemon.priority_max_nonroot": "The highest --priority a caller other than root may ask for; above it the "
                                    "request is refused (gpuswapctl exits 4) and the message says the limit.",
     "daemon.priority_min_nonroot": "The lowest --priority a caller other than root may ask for; below it the "
@@ -95,7 +110,7 @@ MEANINGS: dict[str, str] = {
                          "ExecStopPost= runs as usual. The defaults are gpuswapd's own units (the gateway's too) and "
                          "the services that run the work of many users (cron, atd, sshd, slurmd, systemd's own): a "
                          "lease is bound to a unit only when the unit is the caller's own (see gpuswapctl(1), \"Who "
-                         "may ask\" in the README), and this list keeps those services running whatever a lease says. "
+                         "may ask\" in the docs), and this list keeps those services running whatever a lease says. "
                          "Setting the key replaces the whole list: keep the defaults in it.",
     "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) checks that the resident is up (0: "
                         "never). A configured resident unit found inactive or failed is brought back with its "
@@ -272,6 +287,7 @@ _TYPES: dict[str, Callable[[dict[str, Any]], str]] = {
     "_span": lambda c: "time span" + (f", at least {format_span(c['minimum'])}" if c["minimum"] else ""),
     "_size": lambda c: "size",
     "_int": lambda c: f"integer, {c['minimum']} to {c['maximum']}",
+    "_number": lambda c: f"number, {c['minimum']:g} to {c['maximum']:g}",
     "_bool": lambda c: "boolean",
     "_choice": lambda c: "one of " + ", ".join(json.dumps(v) for v in c["choices"]),
     "_strings": lambda c: "list of strings",

@@ -2,7 +2,7 @@
 
 A benchmark that cannot run is found here, not when someone needs its figure. These runs assert
 only that each completes and prints its figures (one cycle, short delays: the figures are not
-read); the figures themselves come from full runs (README, "Measured"). The benchmarks of SMOKE
+read); the figures themselves come from full runs (docs/measured.md). The benchmarks of SMOKE
 need the test world; those of WORLDLESS start what they measure themselves and run outside the
 world's group (on the other xdist worker); simulation_bench's smoke run is in the fast layer
 (tests/unit/test_simulation_bench.py). Every benchmark's --help is checked here.

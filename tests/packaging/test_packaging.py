@@ -132,8 +132,8 @@ def test_the_units_stop_timeout_outlasts_the_whole_bounded_shutdown(unit: str) -
     bounded = daemon.SHUTDOWN_BOUND_S + driver.SHUTDOWN_ABORT_S + daemon.WRITER_STOP_S
     stop = one(unit_settings(UNITS / unit), "Service", "TimeoutStopSec")
     assert parse_span(stop) >= bounded + 30, f"{unit}: TimeoutStopSec={stop} is not above {bounded:g} s + 30 s"
-    # ...and the README and gpuswapd(8) say the same numbers.
-    readme, page = (ROOT / "README.md").read_text(), (MAN / "gpuswapd.8").read_text()
+    # ...and the docs and gpuswapd(8) say the same numbers.
+    readme, page = (ROOT / "docs" / "operating" / "systemd.md").read_text(), (MAN / "gpuswapd.8").read_text()
     for text in (readme, page):
         assert f"{bounded:g} s" in text and f"TimeoutStopSec={stop}" in text
     assert f"up to {daemon.SHUTDOWN_BOUND_S / 60:g} minutes from the SIGTERM" in readme

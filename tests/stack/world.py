@@ -48,7 +48,7 @@ VRAM_TOTAL = "24GiB"
 RESIDENT_VRAM = "21GiB"
 ENGINE_VRAM = "19.5GiB"
 RELEASE_LAG_S = 0.5
-# llama-swap moved off 8080 (the README's "One address for every model"): the gateway's port.
+# llama-swap moved off 8080 (docs/using/gateway.md): the gateway's port.
 RESIDENT_PORT, PROXY_PORT, ENGINE_PORT, GATEWAY_PORT = 8081, 8090, 18020, 8080
 # How the world is laid out and booted: a running world laid out otherwise (other simulators, or
 # an older recipe) is booted afresh by ``up``, since its copies of the simulators are its own.

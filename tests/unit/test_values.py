@@ -17,7 +17,7 @@ from gpuswapd.record import (
     WindowRecord,
 )
 from gpuswapd.window.plan import HeldBy, Plan, PlanContainer, PlanVram
-from gpuswapd.window.queueing import Times, boot_took
+from gpuswapd.window.price import Times, boot_took
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:

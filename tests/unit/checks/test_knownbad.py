@@ -19,7 +19,7 @@ from gpuswapd.ctl.render import print_plan, print_status
 from gpuswapd.errors import ConfigError
 from gpuswapd.parts.engineview import EngineView, Mount, from_config, from_container, under_image
 from gpuswapd.record import Finished
-from gpuswapd.window.queueing import Times, boot_took
+from gpuswapd.window.price import Times, boot_took
 from tests.unit.conftest import MINIMAL
 
 SEED = "dflash-tokens-above-7-at-20k"

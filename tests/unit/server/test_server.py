@@ -187,3 +187,38 @@ def test_a_queued_client_that_never_reads_is_dropped_and_its_request_withdrawn(t
             await server.close()
 
     run(main())
+
+
+def test_an_acquire_tells_its_token_first_and_the_token_reclaims_the_lease_on_a_new_connection(tmp_path: Path) -> None:
+    world = FakeWorld()
+    server, path = serve(world, tmp_path)
+
+    async def acquire(message: dict[str, Any]) -> tuple[asyncio.StreamWriter, list[dict[str, Any]]]:
+        reader, writer = await asyncio.open_unix_connection(sock=await asyncio.to_thread(connect, path))
+        writer.write(json.dumps(message).encode() + b"\n")
+        lines = [json.loads(await reader.readline())]
+        while "event" in lines[-1]:
+            lines.append(json.loads(await reader.readline()))
+        return writer, lines
+
+    async def main() -> None:
+        async with running(server.window) as w:
+            await server.start(own_socket(str(path), "", 0o600))
+            first, lines = await acquire({"op": "acquire", "for": 60, "holder": "run", "bind": "connection"})
+            accepted, reply = lines[0], lines[-1]
+            assert accepted["event"] == "accepted" and accepted["reclaim_s"] == 60
+            assert reply["lease"]["token"] == accepted["token"]
+            again, lines = await acquire({"op": "acquire", "for": 60, "holder": "run", "bind": "connection",
+                                          "reclaim": accepted["token"]})
+            assert lines[-1]["lease"]["id"] == reply["lease"]["id"]  # the same lease, not a second one
+            first.close()  # the old connection is not the lease's any more
+            await asyncio.sleep(0.1)
+            assert [x.id for x in w.leases()] == [reply["lease"]["id"]]
+            status = await ask(path, {"op": "status"})
+            assert status["schedule"]["tenant"] == "default" and status["schedule"]["queue"] == {}
+            assert set(status["price"]) == {"default"}
+            again.close()  # its connection now: the lease ends with it
+            await settle(w)
+            await server.close()
+
+    run(main())
