@@ -193,8 +193,9 @@ class LinuxHost:
         return self.systemd.control_group(unit)
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Ask systemd which unit the process is in."""
-        return self.systemd.unit_of_pid(pid)
+        """Ask systemd which of its units owns the process (a user manager's user@UID.service included)."""
+        owner = self.systemd.owner_of_pid(pid)
+        return None if owner is None else owner.unit
 
     def service(self, unit: str) -> ServiceProcesses:
         """Ask systemd for the service's User=, DynamicUser=, MainPID and ControlPID."""
