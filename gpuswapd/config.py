@@ -505,7 +505,9 @@ class GatewayConfig:
     on_resident_busy: str = _key(_choice("wait", "fail"), "wait")
     priority: int = _key(_int(-1000, 1000), 0)
     max_body: int = _key(_size, 32 * 1024**2)
+    max_bodies: int = _key(_size, 128 * 1024**2)
     max_waiting: int = _key(_int(1, 65536), 256)
+    upstream_idle: float = _key(_span(1.0), 120.0)
 
 
 @dataclass(frozen=True, kw_only=True)

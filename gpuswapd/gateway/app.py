@@ -1,10 +1,16 @@
-"""The gateway's ASGI application: OpenAI's routes, routed by ``model``, and the gateway's own.
+"""The gateway's ASGI application: llama-swap's routes, routed by ``model``, and the gateway's own.
 
-    POST /v1/chat/completions, /v1/completions, /v1/embeddings   to the tenant that serves body.model
+    POST /v1/chat/completions, /v1/messages, ...  to the tenant that serves the model (routes.py lists them)
+    ANY  /upstream/{model}/...   to that model's tenant
     GET  /v1/models              every model of every tenant, with "tenant" and "on_card"
     GET  /health                 the gateway's own health
     GET  /metrics                Prometheus
     GET  /gpuswapd/in-flight     resident requests in flight ([resident.idle] kind = "gateway")
+    ANY  /unload                 refused: llama-swap would stop the resident behind gpuswapd's back
+    ANY  anything else           to llama-swap (the resident) unchanged, query string and all
+
+A model the gateway does not know is looked up in llama-swap's ``/v1/models``, asked with the
+client's own ``Authorization`` (llama-swap's ``apiKeys``), before it is a 404.
 
 A streaming request that must wait for its window gets its response started at once, and an SSE
 comment every few seconds (``: gpuswapd BOOTING 35s``); if its window then fails, or ``hold``
@@ -27,18 +33,29 @@ from gpuswapd.config import GATEWAY_IN_FLIGHT_PATH, Config
 from gpuswapd.errors import GpuswapError
 from gpuswapd.gateway.demand import Demand, Flight
 from gpuswapd.gateway.errors import (
-    BadBody,
+    BodiesFull,
     BodyTooLarge,
     ClientTooSlow,
     GatewayError,
-    NoRoute,
+    Refused,
     TooManyWaiting,
     Unavailable,
     UnknownModel,
     UpstreamFailed,
 )
 from gpuswapd.gateway.follow import Follow
-from gpuswapd.gateway.meters import UNKNOWN_MODEL, Meters
+from gpuswapd.gateway.meters import PASSED, UNKNOWN_MODEL, Meters
+from gpuswapd.gateway.routes import (
+    REFUSED,
+    UPSTREAM_PREFIX,
+    anthropic,
+    asked,
+    error_body,
+    retry_after,
+    routed_by_model,
+    shown,
+    sse_error,
+)
 from gpuswapd.gateway.tenants import RESIDENT, Tenant, Tenants
 from gpuswapd.gateway.upstream import WRITE_S, Answer, Upstream
 from gpuswapd.logs import log
@@ -49,9 +66,12 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MODEL_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 BODY_S = 60.0  # the whole request body must arrive within this
 MODELS_FRESH_S = 10.0  # the resident's model list is read again at most this often
+UNKNOWN_FRESH_S = 1.0  # an unknown name asks llama-swap's list again at most this often (per Authorization)
+RETRY_S = 5  # Retry-After of a 429 or 503 that knows no better
+LISTED = 20  # a 404 names at most this many models
+HELD = "gpuswapd.held"  # in an ASGI scope: the bytes of its body counted against gateway.max_bodies
 SAVE_S = 5.0
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -66,6 +86,7 @@ class Call:
     model: str
     tenant: Tenant | None = None
     stream: bool = False
+    anthropic: bool = False  # the route speaks Anthropic's Messages API: its errors take that shape
     started: bool = False  # the response has started (status and headers sent)
     gone: bool = False  # the client hung up
     finished: bool = False
@@ -81,8 +102,11 @@ class Call:
 
     async def _send(self, message: Message) -> None:
         # A client that stops reading must not hold its request for ever.
-        async with asyncio.timeout(WRITE_S):
-            await self.send(message)
+        try:
+            async with asyncio.timeout(WRITE_S):
+                await self.send(message)
+        except TimeoutError:
+            raise NotReading(f"the client read nothing of its answer for {WRITE_S:g}s: cut") from None
 
 
 class Gateway:
@@ -97,6 +121,9 @@ class Gateway:
         self.upstream = upstream
         self.meters = meters
         self._models_read = -MODELS_FRESH_S
+        self._unknown_asked: dict[bytes, float] = {}  # Authorization -> when an unknown name last asked
+        self._asking = asyncio.Lock()
+        self.bodies = 0  # the bytes of request bodies held now (gateway.max_bodies)
         self._following: asyncio.Task[None] | None = None
         follow.listeners.append(self._event)
 
@@ -124,10 +151,9 @@ class Gateway:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        by_model = routed_by_model(method, path)
         try:
-            if path in MODEL_ROUTES:
-                if method != "POST":
-                    raise NoRoute(f"{method} {path}: use POST")
+            if by_model:
                 await self._model_request(scope, receive, send)
             elif path == "/v1/models" and method == "GET":
                 await _json(send, 200, await self._models())
@@ -140,15 +166,21 @@ class Gateway:
                              self.meters.render())
             elif path == GATEWAY_IN_FLIGHT_PATH and method == "GET":
                 await self._in_flight(scope, send)
+            elif path in REFUSED:
+                raise Refused(f"{method} {path} is not passed to llama-swap: it would stop the resident behind "
+                              "gpuswapd's back; to have the card, acquire a lease (gpuswapctl acquire)")
+            elif path.startswith(UPSTREAM_PREFIX):
+                await self._upstream_request(scope, receive, send)
             else:
-                raise NoRoute(f"no route {method} {path}: the gateway serves POST "
-                              f"{', '.join(sorted(MODEL_ROUTES))} and GET /v1/models, /health, /metrics")
+                await self._passed(scope, receive, send)
         except _Gone:
             return
         except GatewayError as err:
-            if path in MODEL_ROUTES and not isinstance(err, UnknownModel):
-                self.meters.requests.labels(UNKNOWN_MODEL, "none", "client_error").inc()
-            await _error(send, err)
+            if not isinstance(err, UnknownModel):
+                self.meters.requests.labels(UNKNOWN_MODEL if by_model else PASSED, "none", _outcome(err)).inc()
+            await _error(send, err, anthropic(path))
+        finally:
+            self.bodies -= scope.pop(HELD, 0)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -170,40 +202,95 @@ class Gateway:
 
     async def _model_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await self._read_body(scope, receive)
-        model, stream = _model_of(raw)
-        call = Call(send, model, stream=stream)
+        what = asked(raw, _header(scope, b"content-type"))
+        tenant = await self._tenant(what.model, scope)
+        call = Call(send, what.model, tenant, stream=what.stream, anthropic=anthropic(scope["path"]))
+        await self._forward(call, scope, receive, tenant.base + _target(scope), raw, work=True)
+
+    async def _upstream_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``/upstream/{model}/...``: the resident's to llama-swap unchanged, an engine's as ``/...`` to it."""
+        raw = await self._read_body(scope, receive)
+        target = _target(scope)
+        rest = target[len(UPSTREAM_PREFIX):]
+        names = sorted((name for name, _ in self.tenants.served()), key=len, reverse=True)
+        model = next((n for n in names if rest == n or rest.startswith((n + "/", n + "?"))), None)
+        if model is None:  # a name llama-swap may know: it answers for it (a 404 if it does not)
+            model = rest.split("/", 1)[0].split("?", 1)[0]
+            tenant = await self._known(model, scope) or self.tenants.resident
+        else:
+            tenant = await self._tenant(model, scope)
+        url = tenant.base + ("/" + rest[len(model):].lstrip("/") if tenant.engine else target)
+        call = Call(send, model, tenant, stream=False, anthropic=anthropic(scope["path"]))
+        await self._forward(call, scope, receive, url, raw, work=True)
+
+    async def _passed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Any other route: to llama-swap unchanged; it waits for the resident but never holds a drain."""
+        raw = await self._read_body(scope, receive)
+        call = Call(send, PASSED, self.tenants.resident)
+        await self._forward(call, scope, receive, self.tenants.resident.base + _target(scope), raw, work=False)
+
+    async def _tenant(self, model: str, scope: Scope) -> Tenant:
+        """Return the model's tenant, or raise UnknownModel naming the served models."""
+        tenant = await self._known(model, scope)
+        if tenant is not None:
+            return tenant
+        self.meters.requests.labels(UNKNOWN_MODEL, "none", "client_error").inc()
+        served = [name for name, _ in self.tenants.served()]
+        more = f" and {len(served) - LISTED} more" if len(served) > LISTED else ""
+        raise UnknownModel(f"the model {shown(model)!r} is not served here; the models are: "
+                           f"{', '.join(served[:LISTED])}{more} (GET /v1/models)", param="model")
+
+    async def _known(self, model: str, scope: Scope) -> Tenant | None:
+        """Return the model's tenant; a name not known yet is looked up in llama-swap's list first."""
         tenant = self.tenants.route(model)
-        if tenant is None:
-            self.meters.requests.labels(UNKNOWN_MODEL, "none", "client_error").inc()
-            served = ", ".join(name for name, _ in self.tenants.served())
-            raise UnknownModel(f"the model {model!r} is not served here; the models are: {served} "
-                               "(GET /v1/models)", param="model")
-        call.tenant = tenant
+        if tenant is None and self.follow.resident_serves():
+            auth = _header(scope, b"authorization")
+            async with self._asking:
+                tenant = self.tenants.route(model)
+                if tenant is None and clock.monotonic() - self._unknown_asked.get(auth, -UNKNOWN_FRESH_S) >= \
+                        UNKNOWN_FRESH_S:
+                    if len(self._unknown_asked) > 64:
+                        self._unknown_asked.clear()  # a client cannot grow it without bound
+                    self._unknown_asked[auth] = clock.monotonic()
+                    await self._learn_models(auth)
+                    tenant = self.tenants.route(model)
+        return tenant
+
+    async def _forward(self, call: Call, scope: Scope, receive: Receive, url: str, raw: bytes, work: bool) -> None:
+        """Serve the request from ``url`` once its tenant may be served; count its outcome."""
+        tenant = call.tenant
+        assert tenant is not None
         task = asyncio.current_task()
         assert task is not None
         # Nothing more comes from the client but its hang-up: that ends the request at once.
         watcher = spawn(_until_gone(receive, call, task), "gateway-client")
         outcome = "ok"
         try:
-            outcome = await self._serve(call, scope, raw)
+            outcome = await self._serve(call, scope, url, raw, work)
         except asyncio.CancelledError:
             if not call.gone:
                 raise
             uncancel()
             outcome = "gone"
+        except NotReading as err:
+            outcome = "not_reading"
+            log.info("gateway_client_cut", model=shown(call.model), tenant=tenant.name, error=str(err))
+            raise  # uvicorn drops the connection (main.py keeps it out of the log)
         except GatewayError as err:
             outcome = _outcome(err)
             await self._fail(call, err)
         finally:
             call.finished = True
             watcher.cancel()
-            self.meters.requests.labels(model, tenant.name, outcome).inc()
+            self.meters.requests.labels(call.model, tenant.name, outcome).inc()
 
-    async def _serve(self, call: Call, scope: Scope, raw: bytes) -> str:
+    async def _serve(self, call: Call, scope: Scope, url: str, raw: bytes, work: bool) -> str:
         assert call.tenant is not None
         tell = self._heartbeat(call) if call.stream else _quiet
         async with self.demand.serving(call.tenant, tell) as flight:
-            answer = await self.upstream.open("POST", call.tenant.base + scope["path"], scope["headers"], raw)
+            if not work:  # passed through: waits for the resident like its work, but holds no drain
+                self.demand.resident_flights.discard(flight)
+            answer = await self.upstream.open(scope["method"], url, scope["headers"], raw)
             try:
                 return await self._relay(call, answer, flight)
             finally:
@@ -216,13 +303,24 @@ class Gateway:
                 body = await _read_some(answer)
                 raise UpstreamFailed(f"{call.tenant.name if call.tenant else '?'} answered HTTP {answer.status}: "
                                      f"{body.decode(errors='replace')[:500]}")
+        elif answer.status >= 500 and not (answer.event_stream or b"json" in _content_type(answer)):
+            # An upstream's own error page (HTML, text): the client gets an error it can parse.
+            body = await _read_some(answer)
+            failed = UpstreamFailed(f"{call.tenant.name if call.tenant else '?'} answered HTTP {answer.status}: "
+                                    f"{body.decode(errors='replace')[:500]}",
+                                    retry_after=RETRY_S if answer.status == 503 else None)
+            failed.status = answer.status
+            raise failed
         else:
-            await call.start(answer.status, answer.headers)
+            headers = answer.headers
+            if answer.status in (429, 503) and not any(k == b"retry-after" for k, _ in headers):
+                headers = [*headers, (b"retry-after", str(RETRY_S).encode())]
+            await call.start(answer.status, headers)
         task = asyncio.current_task()
         assert task is not None
         flight.on_cut = task.cancel
         try:
-            async for piece in answer.pieces():
+            async for piece in answer.pieces(self.config.gateway.upstream_idle):
                 await call.body(piece)
         except asyncio.CancelledError:
             if flight.cut is None:
@@ -254,16 +352,20 @@ class Gateway:
         if isinstance(err, _Truncated):
             raise err  # uvicorn drops the connection: the client sees the answer end short
         if not call.started:
-            await _error(call.send, err)
+            await _error(call.send, err, call.anthropic)
             return
         with contextlib.suppress(Exception):
-            await call.body(b"data: " + json.dumps(err.body()).encode() + b"\n\n", more=False)
+            await call.body(sse_error(err, call.anthropic), more=False)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.gateway.max_body
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"the body is {int(declared)} bytes, over gateway.max_body = {limit} bytes")
+        budget = self.config.gateway.max_bodies
+        # Counted twice: the pieces as they come, and the body they are joined into.
+        if declared is not None and declared.isdigit():
+            self._hold(scope, 2 * int(declared), budget)  # the whole of it, before a byte is read
         pieces: list[bytes] = []
         size = 0
         try:
@@ -276,11 +378,21 @@ class Gateway:
                     size += len(piece)
                     if size > limit:
                         raise BodyTooLarge(f"the body is over gateway.max_body = {limit} bytes")
+                    if 2 * size > scope.get(HELD, 0):
+                        self._hold(scope, 2 * size - scope.get(HELD, 0), budget)
                     pieces.append(piece)
                     if not message.get("more_body"):
                         return b"".join(pieces)
         except TimeoutError:
             raise ClientTooSlow(f"the request body did not arrive within {BODY_S:g}s") from None
+
+    def _hold(self, scope: Scope, size: int, budget: int) -> None:
+        """Count ``size`` more bytes of this request's body against gateway.max_bodies, or refuse it (503)."""
+        if self.bodies + size > budget:
+            raise BodiesFull(f"the gateway holds {self.bodies} bytes of request bodies already (gateway.max_bodies = "
+                             f"{budget} bytes): try again shortly", retry_after=RETRY_S)
+        self.bodies += size
+        scope[HELD] = scope.get(HELD, 0) + size
 
     # -- the gateway's own routes --------------------------------------------------------------
 
@@ -314,14 +426,14 @@ class Gateway:
                          "tenant": tenant.name, "on_card": on_card})
         return {"object": "list", "data": data}
 
-    async def _learn_models(self) -> None:
-        """Read the resident's model names from its ``/v1/models``, while it serves."""
+    async def _learn_models(self, authorization: bytes = b"") -> None:
+        """Read the resident's model names from its ``/v1/models``, while it serves (as the client, if given)."""
         if not self.follow.resident_serves():
             return
         self._models_read = clock.monotonic()
         url = f"{self.tenants.resident.base}/v1/models"
         try:
-            listing = await self.upstream.get_json(url, timeout=5.0)
+            listing = await self.upstream.get_json(url, timeout=5.0, authorization=authorization)
         except GatewayError as err:
             log.info("gateway_resident_models_unread", url=url, error=err.message)
             return
@@ -347,6 +459,13 @@ class _Truncated(UpstreamFailed):
     """A non-SSE answer broke off after it started: the connection is dropped."""
 
 
+class NotReading(Exception):
+    """The client stopped reading its answer: the connection is dropped."""
+
+
+DROPPED = (_Truncated, NotReading)  # raised to uvicorn on purpose, to drop the connection
+
+
 async def _quiet(_phase: str, _waited: float) -> None:
     """Send nothing while a non-streaming request waits."""
 
@@ -362,17 +481,21 @@ async def _until_gone(receive: Receive, call: Call, task: asyncio.Task[Any]) -> 
             return
 
 
-def _model_of(raw: bytes) -> tuple[str, bool]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadBody("the body is not JSON: send a JSON object with \"model\"", param=None) from None
-    if not isinstance(body, dict):
-        raise BadBody("the body must be a JSON object with \"model\"")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadBody("the body names no \"model\": GET /v1/models lists them", param="model")
-    return model, body.get("stream") is True
+def _content_type(answer: Answer) -> bytes:
+    return next((v.lower() for k, v in answer.headers if k == b"content-type"), b"")
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    """Return the first header ``name`` (lower case) of the request, or b""."""
+    return next((v for k, v in scope["headers"] if k.lower() == name), b"")
+
+
+def _target(scope: Scope) -> str:
+    """Return the request's path as the client sent it, with its query string."""
+    raw = scope.get("raw_path")
+    path: str = raw.decode("latin-1") if raw else scope["path"]
+    query = scope.get("query_string", b"")
+    return path + ("?" + query.decode("latin-1") if query else "")
 
 
 async def _read_some(answer: Answer, limit: int = 4096) -> bytes:
@@ -392,6 +515,8 @@ def _outcome(err: GatewayError) -> str:
         return "cut" if "preempted" in err.message else "unavailable"
     if isinstance(err, UpstreamFailed):
         return "upstream_error"
+    if isinstance(err, ClientTooSlow):
+        return "client_slow"
     return "client_error" if err.status < 500 else "unavailable"
 
 
@@ -405,8 +530,8 @@ async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
     await _reply(send, status, JSON, json.dumps(body).encode())
 
 
-async def _error(send: Send, err: GatewayError) -> None:
+async def _error(send: Send, err: GatewayError, anthropic_shape: bool = False) -> None:
     headers = list(JSON)
-    if err.retry_after is not None:
-        headers.append((b"retry-after", str(err.retry_after).encode()))
-    await _reply(send, err.status, headers, json.dumps(err.body()).encode())
+    if (after := retry_after(err, RETRY_S)) is not None:
+        headers.append((b"retry-after", str(after).encode()))
+    await _reply(send, err.status, headers, json.dumps(error_body(err, anthropic_shape)).encode())

@@ -6,9 +6,11 @@ GpuswapError (gpuswapd.errors)
     ├── BodyTooLarge             413 invalid_request_error  (over gateway.max_body)
     ├── UnknownModel             404 invalid_request_error  (no tenant serves it)
     ├── NoRoute                  404 invalid_request_error  (no such path)
+    ├── Refused                  403 permission_error       (a route the front door does not pass: /unload)
     ├── TooManyWaiting           429 rate_limit_error       (gateway.max_waiting wait already)
     ├── ClientTooSlow            408 invalid_request_error  (the body did not arrive in time)
     ├── Unavailable              503 service_unavailable    (the window failed, hold passed, the card is held)
+    │   └── BodiesFull           503 service_unavailable    (gateway.max_bodies are held in memory already)
     └── UpstreamFailed           502 upstream_error         (the model server broke off or is unreachable)
 """
 
@@ -69,6 +71,14 @@ class NoRoute(GatewayError):
     kind = "invalid_request_error"
 
 
+class Refused(GatewayError):
+    """A route the gateway does not pass on (llama-swap's ``/unload``)."""
+
+    code = "refused"
+    status = 403
+    kind = "permission_error"
+
+
 class TooManyWaiting(GatewayError):
     """``gateway.max_waiting`` requests wait for a window already."""
 
@@ -91,6 +101,12 @@ class Unavailable(GatewayError):
     code = "unavailable"
     status = 503
     kind = "service_unavailable"
+
+
+class BodiesFull(Unavailable):
+    """The request bodies held in memory would go past ``gateway.max_bodies``."""
+
+    code = "bodies_full"
 
 
 class UpstreamFailed(GatewayError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -22,9 +24,10 @@ import uvicorn
 from gpuswapd import __version__
 from gpuswapd.config import DEFAULT_PATH, Config, gateway_problems, load_config
 from gpuswapd.errors import ConfigError
-from gpuswapd.gateway.app import Gateway
+from gpuswapd.gateway.app import DROPPED, Gateway
 from gpuswapd.gateway.demand import Demand
 from gpuswapd.gateway.follow import Follow
+from gpuswapd.gateway.guard import MAX_CONNECTIONS, MAX_PENDING, GuardedProtocol
 from gpuswapd.gateway.link import Link
 from gpuswapd.gateway.meters import Meters
 from gpuswapd.gateway.tenants import Tenants
@@ -34,7 +37,6 @@ from gpuswapd.logs import log, setup_logging
 EX_CONFIG = 78
 SD_LISTEN_FDS_START = 3
 UNIT_PREFIX = "gpuswapd-gateway"
-MAX_CONNECTIONS = 4096  # beyond this uvicorn answers 503 at once
 KEEP_ALIVE_S = 75  # an idle keep-alive connection is closed after this (longer than common clients' pools)
 SHUTDOWN_S = 30  # requests in flight get this long to finish when the gateway stops
 
@@ -46,6 +48,20 @@ def build(config: Config, socket_path: str | None = None, holder: str | None = N
     meters = Meters()
     demand = Demand(config.gateway, link, follow, meters, holder=holder if holder is not None else _holder())
     return Gateway(config, demand, follow, Tenants.from_environment(config), Upstream(), meters)
+
+
+def _dropped_on_purpose(record: logging.LogRecord) -> bool:
+    """Keep out of the log the connections the gateway drops on purpose (the app logged why already)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], DROPPED))
+
+
+def _more_files(wanted: int) -> None:
+    """Raise the soft limit of open files toward ``wanted`` (at most the hard limit), as a server should."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    goal = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < goal:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (goal, hard))
 
 
 def _holder() -> str | None:
@@ -120,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuswapd-gateway: {err.message}", file=sys.stderr)
         return EX_CONFIG
     app = build(config, args.socket)
+    logging.getLogger("uvicorn.error").addFilter(_dropped_on_purpose)
+    _more_files(MAX_CONNECTIONS + MAX_PENDING + 2048 + 256)  # clients, heads coming, upstream, the rest
     server = uvicorn.Server(uvicorn.Config(
         app, lifespan="on", log_config=None, log_level=args.log_level, access_log=False, server_header=False,
-        date_header=False, limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=SHUTDOWN_S, loop="auto", http="auto"))
+        date_header=False, limit_concurrency=None, timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=SHUTDOWN_S, loop="auto", http=GuardedProtocol.sharing(app.meters.cut)))
     log.info("gateway_starting", version=__version__, listen=where, gpuswapd=args.socket or config.daemon.socket,
              resident=config.gateway.resident,
              serves={t.name: [n for n, x in app.tenants.served() if x is t] for t in app.tenants.engines.values()})

@@ -7,6 +7,7 @@ this module as ``UpstreamFailed``, the most specific message first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -37,10 +38,19 @@ class Answer:
         """Tell whether the body is an SSE stream."""
         return b"text/event-stream" in dict(self.headers).get(b"content-type", b"")
 
-    async def pieces(self) -> AsyncIterator[bytes]:
-        """Yield the body as it arrives; an upstream that breaks off raises UpstreamFailed."""
-        with _mapped(str(self.response.request.url)):
-            async for piece in self.response.aiter_raw():
+    async def pieces(self, idle: float | None = None) -> AsyncIterator[bytes]:
+        """Yield the body as it arrives; an upstream that breaks off or sends nothing for ``idle`` s: UpstreamFailed."""
+        url = str(self.response.request.url)
+        with _mapped(url):
+            stream = self.response.aiter_raw()
+            while True:
+                try:
+                    async with asyncio.timeout(idle):
+                        piece = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise UpstreamFailed(f"{url}: sent nothing for {idle:g}s (gateway.upstream_idle)") from None
                 yield piece
 
     async def close(self) -> None:
@@ -66,7 +76,9 @@ class Upstream:
     async def open(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Answer:
         """Send a request; return the answer once its status and headers have come."""
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-        request = self.client.build_request(method, url, headers=sent, content=body)
+        # A GET, HEAD or OPTIONS without a body goes on without one (not with "content-length: 0").
+        content = body if body or method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None
+        request = self.client.build_request(method, url, headers=sent, content=content)
         with _mapped(url):
             response = await self.client.send(request, stream=True)
         kept = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -75,10 +87,11 @@ class Upstream:
             kept.append((b"content-length", length.encode()))
         return Answer(response.status_code, kept, response)
 
-    async def get_json(self, url: str, timeout: float) -> object:
-        """GET a JSON document (the resident's model list)."""
+    async def get_json(self, url: str, timeout: float, authorization: bytes = b"") -> object:
+        """GET a JSON document (the resident's model list), with a client's ``Authorization`` if given."""
         with _mapped(url):
-            response = await self.client.get(url, timeout=timeout)
+            response = await self.client.get(url, timeout=timeout,
+                                             headers={b"authorization": authorization} if authorization else None)
         if response.status_code != 200:
             raise UpstreamFailed(f"GET {url}: HTTP {response.status_code}")
         try:

@@ -276,6 +276,14 @@ MEANINGS: dict[str, str] = {
     "gateway.priority": "The priority of the gateway's on-demand leases (above daemon.priority_max_nonroot only if "
                         "gpuswapd-gateway runs as root).",
     "gateway.max_body": "A request body larger than this gets 413.",
+    "gateway.max_bodies": "The request bodies the gateway holds in memory at once (read, waiting for a window, "
+                          "being sent), all together, each counted twice (its pieces as they come, and the body they are "
+                          "joined into): a body that would go past it gets 503 with Retry-After, so that waiting "
+                          "requests cannot exhaust the gateway's memory.",
+    "gateway.upstream_idle": "An upstream answer that sends nothing for this long (between two pieces, or before "
+                             "the first piece once its headers came) is ended: a stream with an error event, any "
+                             "other answer cut short. The wait for the headers (a non-streamed completion's whole "
+                             "generation) is bounded by 10 minutes.",
     "gateway.max_waiting": "How many requests may wait for a window at once; beyond that 429.",
 }
 

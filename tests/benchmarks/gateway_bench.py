@@ -27,6 +27,11 @@ concurrent streams, whichever the path.
   turn's p50 and p99; then one long stream of ``--tokens`` tokens: time to its first chunk (the
   role, no token yet), to its first token, and streamed tokens/s (completion_tokens of the final
   usage chunk over the time from the first token to the last).
+  Then the new routes of issue 36: ``--requests``/4 multipart forms of a fixed small size
+  (``FORM``, 2 KiB of "audio", routed by their ``model`` field) to ``/v1/audio/transcriptions``,
+  their p50 and p99; and one Anthropic Messages stream (``/v1/messages``) of ``--tokens`` tokens,
+  time to its first token and its tokens/s (output_tokens of ``message_delta`` over first to last
+  text delta).
 - **Phase 2, a burst**: ``--streams`` concurrent streams of half as many tokens (each must end with
   its usage chunk and [DONE]; a lost stream is counted), how long they all took; then at once the
   same small completions again. The gateway's upstream pool now keeps the burst's connections
@@ -104,6 +109,10 @@ BOOST = -10  # the nice value of everything measured (root only)
 REALTIME = False
 TOKENS_PER_CHUNK, CHUNK_DELAY_S = 3, 0.005
 SMALL = {"model": "sim-small", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+BOUNDARY = "gpuswapd-bench"
+FORM = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nsim-small\r\n"
+        f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+        "Content-Type: audio/wav\r\n\r\n").encode() + bytes(2048) + f"\r\n--{BOUNDARY}--\r\n".encode()
 
 
 def long_body(tokens: int) -> dict[str, Any]:
@@ -363,6 +372,54 @@ def latencies(port: int, n: int) -> list[float]:
     return out
 
 
+def forms(port: int, n: int) -> dict[str, Any]:
+    """Time ``n`` small multipart forms (FORM) to /v1/audio/transcriptions, one after another on one connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    out = []
+    try:
+        for _ in range(n):
+            started = time.perf_counter()
+            conn.request("POST", "/v1/audio/transcriptions", FORM, headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            out.append(time.perf_counter() - started)
+            if resp.status != 200:
+                raise RuntimeError(f"a form on port {port}: HTTP {resp.status}: {data[:300]!r}")
+    finally:
+        conn.close()
+    return {"form_p50_ms": percentile(out, 50) * 1000, "form_p99_ms": percentile(out, 99) * 1000}
+
+
+def anthropic_stream(port: int, tokens: int) -> dict[str, float]:
+    """One Anthropic Messages stream: time to its first text delta, tokens/s from message_delta's output_tokens."""
+    body = {"model": "sim-long", "max_tokens": tokens, "stream": True, "messages": [{"role": "user", "content": "w"}]}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        started = time.perf_counter()
+        conn.request("POST", "/v1/messages", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"an Anthropic stream on port {port}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        first = last = None
+        used = 0
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("type") == "content_block_delta":
+                last = time.perf_counter()
+                first = first or last
+            elif event.get("type") == "message_delta":
+                used = event["usage"]["output_tokens"]
+    finally:
+        conn.close()
+    if first is None or last is None or last == first or not used:
+        raise RuntimeError(f"the Anthropic stream on port {port} carried no tokens and usage ({used} tokens)")
+    return {"a_ttft_ms": (first - started) * 1000, "a_tokens_per_s": used / (last - first)}
+
+
 def stream(port: int, tokens: int) -> dict[str, float]:
     """One long stream: time to its first chunk and first token, tokens/s from the final usage (first token to last)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -442,7 +499,8 @@ def small_completions(port: int, pid: int | None, requests: int) -> dict[str, An
 
 def quiet_turn(small: int, long: int, pid: int | None, requests: int, tokens: int) -> dict[str, Any]:
     """A turn of the first phase: the small completions, then one long stream (one connection each at most)."""
-    return {**small_completions(small, pid, requests), **stream(long, tokens)}
+    return {**small_completions(small, pid, requests), **stream(long, tokens), **forms(small, max(1, requests // 4)),
+            **anthropic_stream(long, tokens)}
 
 
 def burst_turn(small: int, long: int, pid: int | None, requests: int, tokens: int, streams: int) -> dict[str, Any]:
@@ -498,7 +556,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
         for name, turns in v.items():
             at = f"{phase}.{name}"
             for key in ("p50_ms", "p99_ms", "first_chunk_ms", "ttft_ms", "tokens_per_s", "crowd_took_s",
-                        "cpu_s_per_1000"):
+                        "cpu_s_per_1000", "form_p50_ms", "form_p99_ms", "a_ttft_ms", "a_tokens_per_s"):
                 if key in turns[0]:
                     stats[f"{at}.{key}"] = spread([t[key] for t in turns])
             pooled = [x for t in turns for x in t["latencies_s"]]
@@ -522,6 +580,10 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
                 stats[f"{at}.added_first_chunk_ms"] = per_cycle("first_chunk_ms", lambda a, b: a - b)
                 stats[f"{at}.added_ttft_ms"] = per_cycle("ttft_ms", lambda a, b: a - b)
                 stats[f"{at}.tokens_per_s_ratio"] = per_cycle("tokens_per_s", lambda a, b: a / b)
+                stats[f"{at}.added_form_p50_ms"] = per_cycle("form_p50_ms", lambda a, b: a - b)
+                stats[f"{at}.added_form_p99_ms"] = per_cycle("form_p99_ms", lambda a, b: a - b)
+                stats[f"{at}.added_a_ttft_ms"] = per_cycle("a_ttft_ms", lambda a, b: a - b)
+                stats[f"{at}.a_tokens_per_s_ratio"] = per_cycle("a_tokens_per_s", lambda a, b: a / b)
             else:
                 stats[f"{at}.crowd_ratio"] = per_cycle("crowd_took_s", lambda a, b: a / b)
     return stats
@@ -538,10 +600,18 @@ def targets(stats: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
                 (f"added p99, ms, {when} (median of cycles)", p99, f"<= {TARGETS['added_p99_ms']:g}",
                  p99 <= TARGETS["added_p99_ms"])]
     ratio, lost = stats[f"{q}.tokens_per_s_ratio"]["median"], stats[f"{b}.lost"]
+    a_ratio = stats[f"{q}.a_tokens_per_s_ratio"]["median"]
+    f50, f99 = stats[f"{q}.added_form_p50_ms"]["median"], stats[f"{q}.added_form_p99_ms"]["median"]
     return [
         *out,
+        ("added p50, ms, a small multipart form (median of cycles)", f50, f"<= {TARGETS['added_p50_ms']:g}",
+         f50 <= TARGETS["added_p50_ms"]),
+        ("added p99, ms, a small multipart form (median of cycles)", f99, f"<= {TARGETS['added_p99_ms']:g}",
+         f99 <= TARGETS["added_p99_ms"]),
         ("tokens/s, gateway / direct (median of cycles)", ratio, f">= {TARGETS['tokens_per_s_ratio']:g}",
          ratio >= TARGETS["tokens_per_s_ratio"]),
+        ("tokens/s, Anthropic stream, gateway / direct (median)", a_ratio, f">= {TARGETS['tokens_per_s_ratio']:g}",
+         a_ratio >= TARGETS["tokens_per_s_ratio"]),
         (f"streams lost through the gateway, of {stats[f'{b}.streams']}", lost, "0", lost == TARGETS["lost_streams"]),
     ]
 
@@ -575,6 +645,15 @@ def print_report(result: dict[str, Any], stats: dict[str, Any]) -> None:
         spread_row("  direct tokens/s", stats["quiet.direct.tokens_per_s"]),
         spread_row("  gateway tokens/s", stats[f"{q}.tokens_per_s"]),
         spread_row("  tokens/s, gateway / direct, per cycle (x)", stats[f"{q}.tokens_per_s_ratio"]),
+        (f"phase 1: a small multipart form ({len(FORM)} bytes) to /v1/audio/transcriptions (ms)",) + (None,) * 6,
+        spread_row("  direct p50", stats["quiet.direct.form_p50_ms"]),
+        spread_row("  added p50, per cycle", stats[f"{q}.added_form_p50_ms"]),
+        spread_row("  direct p99", stats["quiet.direct.form_p99_ms"]),
+        spread_row("  added p99, per cycle", stats[f"{q}.added_form_p99_ms"]),
+        (f"phase 1: one Anthropic Messages stream of {tokens} tokens",) + (None,) * 6,
+        spread_row("  added to the first token, per cycle (ms)", stats[f"{q}.added_a_ttft_ms"]),
+        spread_row("  direct tokens/s", stats["quiet.direct.a_tokens_per_s"]),
+        spread_row("  tokens/s, gateway / direct, per cycle (x)", stats[f"{q}.a_tokens_per_s_ratio"]),
         (f"phase 2: {crowd} concurrent streams of {max(1, tokens // 2)} tokens (s)",) + (None,) * 6,
         spread_row("  direct, all done", stats["burst.direct.crowd_took_s"]),
         spread_row("  gateway, all done", stats[f"{b}.crowd_took_s"]),

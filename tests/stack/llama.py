@@ -28,7 +28,12 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("GPUSWAPD_TEST_CACHE", "/var/cache/gpusw
 # llama-spm: 32000 tokens, 0.7 MB; llama-bpe's 128k tokens would dwarf a 64-wide model.
 VOCAB_NAME = "llama-spm"
 # Bump when the weight generator changes, so that cached models are rewritten.
-MODEL_FORMAT = 1
+MODEL_FORMAT = 2  # 2: FIM tokens (llama-server's /infill)
+# llama-server's /infill needs the vocabulary's fill-in-the-middle tokens ("prefix token is
+# missing" without them); llama-spm has none, so three byte tokens no text uses (<0x00>..<0x02>)
+# play them.
+FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 3, "tokenizer.ggml.fim_suf_token_id": 4,
+              "tokenizer.ggml.fim_mid_token_id": 5}
 
 CMAKE_CONFIGURE_FLAGS: tuple[str, ...] = (
     # Portable (AVX2, not -march=native): a cache copied to another machine of this kind still runs.
@@ -391,6 +396,9 @@ def _write_model(dest: Path, spec: ModelSpec, vocab: Path) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
     if "tokenizer.chat_template" not in tok_fields:
         writer.add_chat_template(CHATML_TEMPLATE)
+    for key, token in FIM_TOKENS.items():
+        if key not in tok_fields:
+            writer.add_uint32(key, token)
 
     rng = np.random.default_rng(spec.seed)
     wdtype = np.float16 if spec.f16 else np.float32

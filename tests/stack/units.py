@@ -88,7 +88,7 @@ def render(spec: Spec) -> dict[str, str]:
             "llama-swap proxy in front of strata",
             "Requires=strata.service\nAfter=strata.service\n",
             f"Type=exec\nExecStart={py} {sim}/llama_swap.py --listen 127.0.0.1:{spec.proxy_port} "
-            f"--upstream http://127.0.0.1:{spec.resident_port} --model strata\n"
+            f"--upstream http://127.0.0.1:{spec.resident_port} --model strata --control {spec.control}\n"
             f"TimeoutStopSec=10\n{_logs(spec, 'llama-swap')}",
         ),
     }

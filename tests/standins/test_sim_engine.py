@@ -445,3 +445,31 @@ def test_warm_delay_and_concurrent_streams(kit: Any, engine: Any) -> None:
     start = time.monotonic()
     assert chat(kit, port)[0] == 200
     assert time.monotonic() - start < cold - 0.25  # warm now
+
+
+def test_anthropic_and_responses_clients_get_the_chat_words(kit: Any, engine: Any) -> None:
+    """vLLM serves /v1/messages and /v1/responses: the official clients read the same words a chat gets."""
+    import anthropic
+    import openai
+
+    _, port = engine(ENGINE_REASONING_TOKENS="2", ENGINE_ANSWER_TOKENS="6")
+    words = chat(kit, port, max_tokens=5)[1]["choices"][0]["message"]
+    said = (words.get("reasoning") or words.get("reasoning_content") or "").split() + (words["content"] or "").split()
+    claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x", max_retries=0, timeout=10)
+    message = claude.messages.create(model="hyperqwen", max_tokens=5, messages=HELLO)  # type: ignore[arg-type]
+    assert message.content[0].text.split() == said and message.usage.output_tokens == 5  # type: ignore[union-attr]
+    assert message.stop_reason == "max_tokens"
+    with claude.messages.stream(model="hyperqwen", max_tokens=64, messages=HELLO) as stream:  # type: ignore[arg-type]
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(text.split()) == final.usage.output_tokens == 8 and final.stop_reason == "end_turn"
+    assert claude.messages.count_tokens(model="hyperqwen", messages=HELLO).input_tokens == 3  # type: ignore[arg-type]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
+    response = client.responses.create(model="hyperqwen", input="hello there engine", max_output_tokens=5)
+    assert response.output_text.split() == said and response.usage and response.usage.output_tokens == 5
+    with client.responses.stream(model="hyperqwen", input="hello there engine") as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        done = events.get_final_response()
+    assert "".join(deltas) == done.output_text and done.usage and done.usage.output_tokens == 8
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="other", max_tokens=5, messages=HELLO)  # type: ignore[arg-type]

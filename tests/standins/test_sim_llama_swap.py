@@ -291,3 +291,55 @@ def test_agent_job_retries_connection_errors_only_briefly(
     proc, _ = agent(kit, "--url", f"http://127.0.0.1:{late}{CHAT}", "--name", "a5")
     timer.join()
     assert proc.returncode == 0, proc.stderr
+
+
+def _ask(port: int, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_llama_swaps_other_routes_names_and_keys(kit: Any, procs: Any, gpusim: Path, proxy: Any,
+                                                  tmp_path: Path) -> None:
+    """CORS, its own routes with the target seen, /upstream/, forms by model, aliases, added models, apiKeys."""
+    up = kit.free_port()
+    start_engine(kit, procs, gpusim, up)
+    kit.wait_until(lambda: kit.port_open(up))
+    port = proxy(up, "--control", str(tmp_path))
+    status, headers, _ = _ask(port, "OPTIONS", "/v1/chat/completions?x=1", headers={"Origin": "http://ui"})
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://ui"
+    assert headers["X-Llama-Swap-Saw"] == "/v1/chat/completions?x=1"
+    for path in ("/running?verbose=1", "/logs?n=2", "/ui/models", "/health"):
+        status, headers, _ = _ask(port, "GET", path)
+        assert status == 200 and headers["X-Llama-Swap-Saw"] == path, path
+    status, _, raw = _ask(port, "GET", "/upstream/strata/v1/models")
+    assert status == 200 and json.loads(raw)["data"][0]["owned_by"] == "vllm"  # the member's own
+    assert _ask(port, "GET", "/upstream/other/health")[0] == 404
+    form = (b"--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nstrata\r\n"
+            b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--B--\r\n")
+    kind = {"Content-Type": "multipart/form-data; boundary=B"}
+    status, _, raw = _ask(port, "POST", "/v1/audio/transcriptions", form, kind)
+    assert status == 200 and json.loads(raw)["model"] == "strata"
+    assert _ask(port, "POST", "/v1/audio/transcriptions", form.replace(b"strata", b"whisp"), kind)[0] == 400
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/api/events")
+    events = conn.getresponse()
+    assert events.status == 200 and events.readline()  # a stream that does not end; the client goes
+    conn.close()
+    # Names and keys a test sets while it runs.
+    (tmp_path / "llama-swap.json").write_text(json.dumps({"aliases": ["coder"], "models": ["added"],
+                                                          "api_keys": ["sk-1"]}))
+    hello = json.dumps({"model": "coder", "messages": HELLO, "max_tokens": 4}).encode()
+    json_kind = {"Content-Type": "application/json"}
+    assert _ask(port, "POST", CHAT, hello, json_kind)[0] == 401
+    assert _ask(port, "GET", "/v1/models")[0] == 401
+    status, _, raw = _ask(port, "GET", "/v1/models", headers={"Authorization": "Bearer sk-1"})
+    assert [m["id"] for m in json.loads(raw)["data"]] == ["strata", "added", "coder"]
+    status, _, raw = _ask(port, "POST", CHAT, hello, {**json_kind, "x-api-key": "sk-1"})
+    assert status == 200 and json.loads(raw)["model"] == "strata"  # the member's own name given
+    assert _ask(port, "GET", "/running")[0] == 200  # its own routes need no key

@@ -251,6 +251,8 @@ def test_check_config_warns_about_an_engine_without_sleep_mode() -> None:
     ("[gateway]\non_resident_busy = 'cry'", "gateway.on_resident_busy"),
     ("[gateway]\nmax_body = 'big'", "gateway.max_body"),
     ("[gateway]\nmax_waiting = 0", "gateway.max_waiting"),
+    ("[gateway]\nmax_bodies = 'lots'", "gateway.max_bodies"),
+    ("[gateway]\nupstream_idle = '0.1s'", "gateway.upstream_idle"),
     ("[gateway]\nsurprise = 1", "gateway.surprise: unknown key"),
     ("[window]\nserves = 'hyperqwen'", "window.serves"),
     ("[window]\nserves = ['a', 'a']", r"window.serves\[1\]: 'a' is named twice"),

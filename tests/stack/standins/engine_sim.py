@@ -35,7 +35,11 @@ words (reasoning + answer); ``max_tokens`` is spent on reasoning first. The text
 the request (and on whether the engine is garbled, below): the same request gets the same text.
 
 Endpoints: ``GET /health`` (200, 503 once dead), ``GET /v1/models``, ``GET /metrics``,
-``GET /version``, ``POST /v1/chat/completions`` (stream or not), sleep mode, and for tests
+``GET /version``, ``POST /v1/chat/completions`` (stream or not), as vLLM does Anthropic's
+``POST /v1/messages`` (stream or not; the same words, reasoning and answer, as one text block)
+and ``/v1/messages/count_tokens``, and OpenAI's Responses API ``POST /v1/responses`` (stream or
+not: ``input`` a string or a list of messages), ``POST /v1/audio/transcriptions`` (a form, answered
+with its size), sleep mode, and for tests
 ``POST /sim/die`` ``{"failing_boots": N}`` (die now; the next N boots die too: a boot counts
 down the fault file, serves ENGINE_DEAD_AFTER seconds, then dies) and ``GET /sim/state``.
 Every start adds one to ``$GPUSIM_DIR/engine-boots``. SIGTERM: exit 0 at once.
@@ -522,6 +526,12 @@ def chunks(plan: Plan, per_chunk: int) -> list[tuple[str, str]]:
     return out
 
 
+def texts(plan: Plan, per_chunk: int) -> list[str]:
+    """The output as pieces of one text (reasoning, then the answer, a space between them)."""
+    return [text if i == 0 or text.startswith(" ") else " " + text
+            for i, (_phase, text) in enumerate(chunks(plan, per_chunk))]
+
+
 def sleep_level(query: str) -> int:
     """The ``level`` of a ``/sleep`` query (default 1, as in vLLM); 400 unless 1 or 2."""
     text = parse_qs(query).get("level", ["1"])[0]
@@ -616,6 +626,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if url.path == "/v1/chat/completions":
                 self._chat(raw)
+            elif url.path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+                self._other_api(url.path, raw)
+            elif url.path == "/v1/audio/transcriptions":  # vLLM serves it for a speech model: the form, heard
+                engine.check_alive()
+                self._json(200, {"text": f"{len(raw)} bytes heard"})
             elif url.path == "/sleep" and cfg.dev_mode:
                 engine.sleep(sleep_level(url.query))
                 self._send(200, b"", "application/json")
@@ -699,6 +714,168 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with engine.lock:
                 engine.running -= 1
+
+    def _other_api(self, path: str, raw: bytes) -> None:
+        """Answer Anthropic's Messages API or OpenAI's Responses API with the words a chat would get."""
+        engine = self.server.engine
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(400, f"JSON decode error: {e}", "BadRequestError") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "Input should be a valid dictionary", "BadRequestError")
+        if path == "/v1/responses":
+            given = body.get("input")
+            messages = [{"role": "user", "content": given}] if isinstance(given, str) else given
+            if isinstance(body.get("instructions"), str):
+                messages = [{"role": "system", "content": body["instructions"]}, *(messages or [])]
+            limit = body.get("max_output_tokens")
+        else:
+            messages = body.get("messages")
+            if isinstance(body.get("system"), str | list) and isinstance(messages, list):
+                messages = [{"role": "system", "content": body["system"]}, *messages]
+            limit = body.get("max_tokens")
+        chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
+        if limit is not None:
+            chat["max_tokens"] = limit
+        engine.check_alive()
+        plan = plan_completion(chat, engine.cfg, engine.garbled)
+        if path == "/v1/messages/count_tokens":
+            self._json(200, {"input_tokens": plan.prompt_tokens})
+            return
+        engine.check_awake()
+        with engine.lock:
+            engine.running += 1
+        try:
+            engine.wait_warm()
+            if path == "/v1/messages":
+                self._anthropic(plan)
+            else:
+                self._responses(plan)
+        finally:
+            with engine.lock:
+                engine.running -= 1
+
+    def _pieces(self, plan: Plan) -> list[str]:
+        """Generate the words piece by piece, as long as streaming takes; an engine put to sleep raises."""
+        engine, cfg = self.server.engine, self.server.engine.cfg
+        out = []
+        for text in texts(plan, cfg.tokens_per_chunk):
+            time.sleep(cfg.chunk_delay)
+            engine.check_awake()
+            out.append(text)
+        return out
+
+    def _named_event(self, name: str, obj: dict[str, Any]) -> None:
+        """Write one server-sent event with its event name (Anthropic's and the Responses API's streams)."""
+        self._chunk(f"event: {name}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _anthropic(self, plan: Plan) -> None:
+        """Answer Anthropic's Messages API: one text block, streamed as its events or whole."""
+        cfg = self.server.engine.cfg
+        stop = "max_tokens" if plan.finish_reason == "length" else "end_turn"
+        message: dict[str, Any] = {
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": cfg.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": plan.prompt_tokens, "output_tokens": 0}}
+        if not plan.stream:
+            text = "".join(self._pieces(plan))
+            usage = self._account(plan)
+            self._json(200, {**message, "content": [{"type": "text", "text": text}], "stop_reason": stop,
+                             "usage": {"input_tokens": usage["prompt_tokens"],
+                                       "output_tokens": usage["completion_tokens"]}})
+            return
+        self._start_stream()
+        try:
+            self._named_event("message_start", {"type": "message_start", "message": message})
+            self._named_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                      "content_block": {"type": "text", "text": ""}})
+            engine = self.server.engine
+            for text in texts(plan, cfg.tokens_per_chunk):
+                time.sleep(cfg.chunk_delay)
+                try:
+                    engine.check_awake()
+                except ApiError as e:
+                    self._named_event("error", {"type": "error", "error": {"type": "api_error", "message": e.message}})
+                    self._chunk(b"")
+                    return
+                self._named_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                          "delta": {"type": "text_delta", "text": text}})
+            usage = self._account(plan)
+            self._named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            self._named_event("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": stop, "stop_sequence": None},
+                                                 "usage": {"output_tokens": usage["completion_tokens"]}})
+            self._named_event("message_stop", {"type": "message_stop"})
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _responses(self, plan: Plan) -> None:
+        """Answer OpenAI's Responses API: one output message, streamed as its events or whole."""
+        cfg = self.server.engine.cfg
+        rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        response: dict[str, Any] = {
+            "id": rid, "object": "response", "created_at": int(time.time()), "model": cfg.model,
+            "status": "in_progress", "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "error": None, "incomplete_details": None, "instructions": None, "metadata": {}, "temperature": 1.0,
+            "top_p": 1.0, "usage": None}
+
+        def done(text: str) -> dict[str, Any]:
+            usage = self._account(plan)
+            item = {"type": "message", "id": mid, "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            return {**response, "status": "completed", "output": [item],
+                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                              "total_tokens": usage["total_tokens"],
+                              "input_tokens_details": {"cached_tokens": 0},
+                              "output_tokens_details": {"reasoning_tokens": 0}}}
+
+        if not plan.stream:
+            self._json(200, done("".join(self._pieces(plan))))
+            return
+        self._start_stream()
+        n = 0
+
+        def event(kind: str, **fields: Any) -> None:
+            nonlocal n
+            self._named_event(kind, {"type": kind, "sequence_number": n, **fields})
+            n += 1
+
+        try:
+            event("response.created", response=response)
+            event("response.output_item.added", output_index=0,
+                  item={"type": "message", "id": mid, "status": "in_progress", "role": "assistant", "content": []})
+            event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                  part={"type": "output_text", "text": "", "annotations": []})
+            text = ""
+            engine = self.server.engine
+            for piece in texts(plan, cfg.tokens_per_chunk):
+                time.sleep(cfg.chunk_delay)
+                try:
+                    engine.check_awake()
+                except ApiError as e:
+                    event("error", code=str(e.status), message=e.message, param=None)
+                    self._chunk(b"")
+                    return
+                text += piece
+                event("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=piece,
+                      logprobs=[])
+            final = done(text)
+            event("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=text, logprobs=[])
+            event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+                  part=final["output"][0]["content"][0])
+            event("response.output_item.done", output_index=0, item=final["output"][0])
+            event("response.completed", response=final)
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
     def _account(self, plan: Plan) -> dict[str, int]:
         """Count a finished completion; return its usage."""

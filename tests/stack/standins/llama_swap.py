@@ -1,7 +1,7 @@
 """A llama-swap-like proxy in front of one member (the resident llama-server).
 
     llama_swap.py --listen 127.0.0.1:8090 --upstream http://127.0.0.1:8081 --model strata
-                  [--poll 0.25] [--health-timeout 120]
+                  [--poll 0.25] [--health-timeout 120] [--control DIR]
 
 - ``/v1/*`` (any method) is forwarded to the upstream with status and headers kept; responses
   are relayed piece by piece as they arrive (SSE streams are not buffered). If the upstream dies
@@ -17,6 +17,19 @@
   ``GET /running`` reports the member as ready/starting/stopped from the upstream's health,
   ``GET|POST /unload`` answers 200 ``OK`` and does nothing: systemd, not this proxy, owns the
   llama-server process here (real llama-swap would stop it).
+- llama-swap's other routes: the model routes of llama.cpp's server (``/infill``, ``/completion``,
+  ``/rerank``, ``/reranking``) are forwarded like ``/v1/*``; ``/v1/audio/*`` (a multipart form,
+  routed by its ``model`` field) and ``/v1/images/*`` are answered by the proxy itself (the member
+  has none); ``/upstream/{model}/PATH`` is forwarded to the member as ``/PATH``; ``/logs``,
+  ``/ui`` answer text and HTML, ``/api/events`` and ``/logs/stream`` are SSE streams that never
+  end (a comment each second); ``OPTIONS`` on any path is CORS's preflight answer, 204. Every
+  answer of the proxy's own carries ``X-Llama-Swap-Saw: <the request target>``, query and all.
+- ``--control DIR``: ``DIR/llama-swap.json`` is read on every request (a test writes it):
+  ``{"aliases": [...], "models": [...], "api_keys": [...]}``: more names for the member (models
+  are listed by ``/v1/models``, aliases too, as with ``includeAliasesInList``; a request for one
+  goes to the member with its own name, as with ``useModelName``), and llama-swap's
+  ``apiKeys``: with any, the model routes and ``/v1/models`` need ``Authorization: Bearer KEY``
+  (or ``x-api-key``) and answer 401 otherwise.
 """
 
 from __future__ import annotations
@@ -45,7 +58,10 @@ HOP_BY_HOP = {
     "host",
     "content-length",
 }
-MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
+MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v1/reranking",
+                "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/infill", "/completion", "/rerank",
+                "/reranking")
+CONTROL_FILE = "llama-swap.json"
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,25 @@ class Config:
     poll: float
     health_timeout: float
     request_timeout: float
+    control: str | None = None
+
+    def extra(self) -> dict[str, list[str]]:
+        """Read what a test set: more names for the member, and API keys."""
+        if self.control is None:
+            return {}
+        try:
+            with open(f"{self.control}/{CONTROL_FILE}", encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: [str(x) for x in v] for k, v in data.items() if isinstance(v, list)}
+
+    def names(self) -> list[str]:
+        """Every name the member answers to: its model, the models added, the aliases."""
+        extra = self.extra()
+        return [self.model, *extra.get("models", []), *extra.get("aliases", [])]
 
 
 def upstream_health(cfg: Config) -> int | None:
@@ -102,6 +137,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         """Send a complete response."""
         self.send_response(status)
+        self.send_header("X-Llama-Swap-Saw", self.path)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -117,7 +153,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         path = urlsplit(self.path).path
-        if path == "/health":
+        keys = cfg.extra().get("api_keys", [])
+        if self.command == "OPTIONS":
+            self.send_response(204)
+            self.send_header("X-Llama-Swap-Saw", self.path)
+            self.send_header("Access-Control-Allow-Origin", self.headers.get("Origin") or "*")
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, PUT, PATCH, DELETE, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization, Accept, X-Requested-With")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif keys and (path in MODEL_ROUTES or path == "/v1/models" or path.startswith(("/v1/audio/", "/upstream/")))\
+                and not self._key_ok(keys):
+            self._error(401, "unauthorized: invalid or missing API key")
+        elif path == "/health":
             self._send(200, b"OK", "text/plain; charset=utf-8")
         elif path == "/running":
             status = upstream_health(cfg)
@@ -128,21 +176,82 @@ class ProxyHandler(BaseHTTPRequestHandler):
         elif path == "/unload":
             self._send(200, b"OK", "text/plain; charset=utf-8")
         elif path == "/v1/models" and self.command == "GET":
-            card = {
-                "id": cfg.model,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "llama-swap",
-            }
-            self._send(
-                200, json.dumps({"object": "list", "data": [card]}).encode(), "application/json"
-            )
-        elif path.startswith("/v1/"):
-            if self.command == "POST" and path in MODEL_ROUTES and not self._model_ok(body):
+            cards = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "llama-swap"}
+                     for name in cfg.names()]
+            self._send(200, json.dumps({"object": "list", "data": cards}).encode(), "application/json")
+        elif path.startswith("/v1/audio/") or path.startswith("/v1/images/"):
+            self._media(path, body)
+        elif path.startswith("/upstream/"):
+            model, _, rest = path.removeprefix("/upstream/").partition("/")
+            if model not in cfg.names():
+                self._error(404, f"model {model} not found")
                 return
+            query = urlsplit(self.path).query
+            self.path = "/" + rest + ("?" + query if query else "")
+            self._forward(body)
+        elif path in ("/api/events", "/logs/stream"):
+            self._endless()
+        elif path == "/logs":
+            self._send(200, b"[llama-swap] the proxy's log\n", "text/plain; charset=utf-8")
+        elif path == "/ui" or path.startswith("/ui/"):
+            self._send(200, b"<!doctype html><title>llama-swap</title>", "text/html; charset=utf-8")
+        elif path.startswith("/v1/") or path in MODEL_ROUTES:
+            if self.command == "POST" and path in MODEL_ROUTES:
+                if not self._model_ok(body):
+                    return
+                body = self._real_name(body)
             self._forward(body)
         else:
             self._error(404, f"no route for {path}")
+
+    def _real_name(self, body: bytes) -> bytes:
+        """Name the member's own model in the body, as llama-swap's ``useModelName`` does for its other names."""
+        data = json.loads(body)
+        if data.get("model") == self.server.cfg.model:
+            return body
+        return json.dumps({**data, "model": self.server.cfg.model}).encode()
+
+    def _key_ok(self, keys: list[str]) -> bool:
+        """Check llama-swap's apiKeys: a Bearer token or x-api-key."""
+        auth = self.headers.get("Authorization", "")
+        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else self.headers.get("x-api-key")
+        return given in keys
+
+    def _media(self, path: str, body: bytes) -> None:
+        """Answer an audio or image request (the member has none), routed by its model as llama-swap does."""
+        kind = self.headers.get("Content-Type", "")
+        model: str | None = None
+        if kind.startswith("multipart/form-data"):
+            for part in body.split(b"\r\n--"):
+                head, _, value = part.partition(b"\r\n\r\n")
+                if b'name="model"' in head and b"filename=" not in head:
+                    model = value.split(b"\r\n")[0].decode(errors="replace")
+        else:
+            with contextlib.suppress(ValueError, AttributeError):
+                model = json.loads(body).get("model")
+        if not model:
+            self._error(400, "missing or invalid 'model' key")
+        elif model not in self.server.cfg.names():
+            self._error(400, f"could not find real modelID for {model}")
+        else:
+            self._send(200, json.dumps({"text": f"{len(body)} bytes heard", "model": model, "path": path}).encode(),
+                       "application/json")
+
+    def _endless(self) -> None:
+        """An SSE stream that never ends: a comment every second, until the client goes."""
+        self.send_response(200)
+        self.send_header("X-Llama-Swap-Saw", self.path)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while True:
+                data = b": llama-swap\n\n"
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                time.sleep(1.0)
+        except OSError:
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _route
 
@@ -156,7 +265,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if not isinstance(requested, str) or not requested:
             self._error(400, "missing or invalid 'model' key")
             return False
-        if requested != self.server.cfg.model:
+        if requested not in self.server.cfg.names():
             self._error(400, f"could not find real modelID for {requested}")
             return False
         return True
@@ -245,6 +354,7 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--poll", type=float, default=0.25, help="health poll interval, s")
     parser.add_argument("--health-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--control", help="a directory with llama-swap.json (aliases, models, api_keys)")
     args = parser.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
     up = urlsplit(args.upstream)
@@ -259,6 +369,7 @@ def parse_args(argv: list[str] | None) -> Config:
         args.poll,
         args.health_timeout,
         args.request_timeout,
+        args.control,
     )
 
 
