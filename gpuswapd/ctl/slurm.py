@@ -223,7 +223,9 @@ def prolog() -> int:
                 why = f"job {job} asks for profile {profile!r}, which gpuswapd instance {name} does not have: {why}"
             late = isinstance(err, AcquireTimeout) or (bound is not None and time.monotonic() - started >= bound)
             if late:
-                why = (f"not ready within the Prolog's bound of {bound:g}s (PrologEpilogTimeout={timeout}s): {why}; "
+                # No "=" in it: scontrol update cuts an AdminComment short at a second one.
+                why = (f"not ready within the Prolog's bound of {bound:g}s ({timeout}s of PrologEpilogTimeout less a "
+                       f"margin): {why}; "
                        "the job is cancelled, the node stays in service: submit it again later")
             undone = _give_back(got)
             message = f"slurm-prolog: job {job}: GPU {gpu} (gpuswapd instance {name}): {why}{undone}"

@@ -107,13 +107,17 @@ def test_a_fifo_and_a_larger_file_swapped_in_after_the_measure_are_skipped_and_h
     mib = 1 << 20
     for path in (fifo, bigger):
         path.unlink(missing_ok=True)
-        path.write_bytes(b"GGUF" + b"\0" * (mib - 4))
+        with open(path, "wb") as f:
+            f.write(b"GGUF" + b"\x5a" * (mib - 4))
+            f.flush()
+            os.fsync(f.fileno())  # only clean pages can be dropped from the page cache
     daemon = gpuswapd(resident={"files": [str(world.resident_model), str(fifo), str(bigger)]},
                       env={"GPUSWAPD_FAILPOINT_DELAY": "prefetch:measured=2,RESTORING:closing=5"})
     try:
         assert daemon.ctl("acquire", "--for", "1m").returncode == 0
-        for path in (fifo, bigger):
-            evict(str(path))  # pushed out by the window: the close has them to read
+        for path in (world.resident_model, fifo, bigger):
+            evict(str(path))  # pushed out by the window (the resident is down): the close has them to read
+        assert measure_file(str(fifo)).ratio < 0.5 and measure_file(str(bigger)).ratio < 0.5
         assert daemon.ctl("release").returncode == 0
         deadline = time.monotonic() + 60
         while not ((daemon.status().get("window") or {}).get("prefetch") or {}).get("files"):
