@@ -77,7 +77,8 @@ async def sleep_until(deadline: float, event: asyncio.Event | None = None) -> bo
                 return False
             await (nap(left) if setter is None else nap(left, setter))
     finally:
-        if setter is not None:
+        # A loop thrown away with this sleep in it (the simulation's incarnations) is closed by now.
+        if setter is not None and not setter.get_loop().is_closed():
             setter.cancel()
 
 
