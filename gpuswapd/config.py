@@ -165,6 +165,13 @@ def _abs_paths(value: Any, path: str) -> list[str]:
     return paths
 
 
+def _abs_path(value: Any, path: str) -> str:
+    text = _string(value, path)
+    if text and not os.path.isabs(text):
+        raise _fail(path, f"must be an absolute path, got {text!r}")
+    return text
+
+
 def _timer_patterns(value: Any, path: str) -> list[str]:
     patterns = _strings(value, path)
     for i, pattern in enumerate(patterns):
@@ -320,6 +327,19 @@ RESIDENT_SERVERS = ("llama.cpp", "other")
 
 
 @dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """``[resident.cache]``: llama.cpp's slots saved before the window and restored after it."""
+
+    keep: str = _key(_choice("auto", "on", "off"), "auto")
+    # llama-server's --slot-save-path ("": read from the resident's ExecStart=).
+    save_path: str = _key(_abs_path, "")
+    # llama-server's own /slots ("": props_url with /slots for /props).
+    slots_url: str = _key(_optional_url, "")
+    save_timeout: float = _key(_span(0.1), 5.0)
+    max_size: int = _key(_size, 16 * 1024**3)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResidentConfig:
     """``[resident]``: the units that hold the GPU normally."""
 
@@ -335,6 +355,15 @@ class ResidentConfig:
     prefetch: bool = _key(_bool, True)
     idle: IdleConfig
     verify: CompletionCheck
+    cache: CacheConfig
+
+    @property
+    def slots_url(self) -> str:
+        """Return llama-server's own ``/slots``: ``cache.slots_url``, else ``props_url`` ending in ``/slots``."""
+        if self.cache.slots_url:
+            return self.cache.slots_url
+        base = self.props_url.rstrip("/")
+        return base[: -len("/props")] + "/slots" if base.endswith("/props") else ""
 
     @property
     def models_url(self) -> str:
@@ -461,13 +490,6 @@ def _listen(value: Any, path: str) -> str:
         raise _fail(path, f"expected host:port such as \"127.0.0.1:9477\", got {text[:60]!r}")
     if not 1 <= int(port) <= 65535:
         raise _fail(path, f"port {port} is out of range (1..65535; 0 would pick a random port)")
-    return text
-
-
-def _abs_path(value: Any, path: str) -> str:
-    text = _string(value, path)
-    if text and not os.path.isabs(text):
-        raise _fail(path, f"must be an absolute path, got {text!r}")
     return text
 
 

@@ -18,6 +18,7 @@ from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.pagecache import Files, PageCache
+from gpuswapd.adapters.slots import SlotFiles
 from gpuswapd.adapters.systemd import Systemd
 from gpuswapd.checks import bootchecks, knownbad
 from gpuswapd.checks.machine import check_machine
@@ -63,6 +64,7 @@ class Systems:
     store: StateStore
     host: Host | None = None  # what the OS says of callers; None: the real one (LinuxHost over systemd)
     files: Files | None = None  # the page cache of the resident's model files (None: the machine's own)
+    slot_files: SlotFiles | None = None  # the resident's slot save directory (None: the machine's own)
 
     @classmethod
     def real(cls, config: Config) -> Systems:
@@ -93,7 +95,7 @@ class Daemon:
         self.http = systems.http
         self.store = systems.store
         self.vram = Vram(systems.probe, self.systemd, self.outside)
-        self.resident = Resident(config, self.systemd, self.http, self.outside)
+        self.resident = Resident(config, self.systemd, self.http, self.outside, systems.slot_files)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
         engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside,

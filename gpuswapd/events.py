@@ -57,6 +57,8 @@ KNOWN_EVENTS = frozenset({
     "preemptor_refused", "queue_kept_for_reclaim", "lease_kept_for_reclaim", "lease_reclaimed",
     "reconcile_failed", "recovered", "request_crashed", "request_queued",
     "resident_as_it_was", "resident_baseline_recorded", "resident_busy_proceeding", "resident_changed",
+    "resident_cache_files_left", "resident_cache_files_removed", "resident_cache_not_restored",
+    "resident_cache_not_saved", "resident_cache_restored", "resident_cache_saved", "resident_cache_slots_skipped",
     "resident_down_at_exit", "resident_file_skipped", "resident_footprint_larger", "resident_found_down",
     "resident_held_down",
     "resident_hold_lifted", "resident_identity_unread", "resident_idle_probe_unanswered",

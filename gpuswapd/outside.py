@@ -4,7 +4,8 @@
     docker   the Docker SDK
     gpu      NVML or nvidia-smi
     state    reads and writes of the state directory
-    files    the resident's model files: what of them is in the page cache, and reading them in
+    files    the resident's model files: what of them is in the page cache, and reading them in;
+             the slot save directory (its files listed and removed, its free space)
     http     the model servers (httpx, asynchronous: a deadline, no thread)
 
 A call that outlives its deadline fails at once with the system's own error. Its thread may go
@@ -51,9 +52,9 @@ CALLS: dict[str, frozenset[str]] = {
                          "settings"}),  # wait_exit: a long wait on a thread of its own
     "gpu": frozenset({"read"}),
     "state": frozenset({"read", "write", "append_history", "read_history"}),
-    "files": frozenset({"measure", "prefetch"}),
+    "files": frozenset({"measure", "prefetch", "slot_identity", "slot_listing", "slot_free", "slot_remove"}),
     "http": frozenset({"idle", "health", "wait_healthy", "chat", "verify", "is_sleeping", "sleep", "wake_up",
-                       "canary", "props", "models"}),
+                       "canary", "props", "models", "slots", "slot_save", "slot_restore"}),
 }
 
 # Calls that only look and change nothing: one that outlives its deadline is still shown as hung,

@@ -330,6 +330,8 @@ class WindowRecord:
     # resident's time from its start to its verifying completion.
     prefetch: JsonObject | None = None
     resident_s: float | None = None
+    # The resident's slots saved before its stop and restored after its verify (warm.py).
+    cache: JsonObject | None = None
     # In memory only: its hold has ended, and its close begins; it takes no new lease meanwhile.
     sealed: bool = field(default=False, compare=False)
 
@@ -387,7 +389,7 @@ class WindowRecord:
             "preempted": _out(self.preempted), "freeing": self.freeing,
             "freeing_unknown": self.freeing_unknown, "after_bare": self.after_bare,
             "restored": self.restored, "resident_changed": self.resident_changed,
-            "prefetch": self.prefetch, "resident_s": self.resident_s,
+            "prefetch": self.prefetch, "resident_s": self.resident_s, "cache": self.cache,
         }
 
     @classmethod
@@ -417,6 +419,7 @@ class WindowRecord:
             freeing_unknown=d.flag("freeing_unknown"), after_bare=d.flag("after_bare"),
             restored=_restored(d.text("restored", optional=True)), resident_changed=d.table("resident_changed"),
             prefetch=d.table("prefetch"), resident_s=d.number("resident_s", optional=True),
+            cache=d.table("cache"),
         )
 
 

@@ -8,6 +8,7 @@ last success passes that count; one that is told to start over sets it back to 0
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -19,9 +20,23 @@ Bounds = tuple[float, float]  # (first, cap), in seconds
 
 
 def backoff(bounds: Bounds, attempt: int) -> float:
-    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap."""
+    """Return the wait before retry ``attempt`` (1, 2, ...): doubling from the first, up to the cap.
+
+    The cap is applied before the exponent: a loop that fails for ever counts its attempts into
+    the thousands, and ``2 ** 1024`` is past any float.
+    """
     first, cap = bounds
-    return float(min(cap, first * 2 ** max(0, attempt - 1)))
+    if first <= 0:
+        return float(min(cap, 0.0))
+    if first >= cap:
+        return float(cap)
+    doublings = max(0, attempt - 1)
+    if cap < math.inf:
+        doublings = min(doublings, math.ceil(math.log2(cap / first)) + 1)  # enough to reach the cap
+    try:
+        return float(min(cap, math.ldexp(first, min(doublings, 2048))))
+    except OverflowError:  # no cap, and a wait past any float
+        return float(cap)
 
 
 async def until_done(step: Callable[[], Awaitable[T]], bounds: Bounds,

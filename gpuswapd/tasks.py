@@ -70,13 +70,39 @@ def retrieve(task: asyncio.Task[Any]) -> None:
 
 
 async def together(*aws: Awaitable[Any]) -> list[Any]:
-    """Run awaitables concurrently; on the first failure cancel the rest and raise that error."""
+    """Run awaitables concurrently; on the first failure cancel the rest and raise that error.
+
+    Not a TaskGroup: Python 3.11's leaves its parent task cancelling when a child fails while the
+    group's end is awaited, so a later cancellation the parent catches on purpose (an opening
+    whose last client went away) would read as its own.
+    """
+    children = [asyncio.create_task(_wrap(aw)) for aw in aws]
+    for t in children:
+        retrieve(t)  # a second failure, or one while cancelled, is not worth a warning
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_wrap(aw)) for aw in aws]
-    except BaseExceptionGroup as eg:
-        raise eg.exceptions[0] from None
-    return [task.result() for task in tasks]
+        await asyncio.wait(children, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:  # the caller is cancelled: its children go first
+        await _cancel_all(children)
+        raise
+    await _cancel_all(children)  # one failed: the rest go
+    for t in children:
+        if not t.cancelled() and (err := t.exception()) is not None:
+            raise err
+    return [t.result() for t in children]
+
+
+async def _cancel_all(children: list[asyncio.Task[Any]]) -> None:
+    """Cancel the children still running and wait until they have ended (cancelling them again if interrupted)."""
+    pending = [t for t in children if not t.done()]
+    while pending:
+        for t in pending:
+            t.cancel()
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            await asyncio.wait(pending)
+            raise
+        pending = [t for t in pending if not t.done()]
 
 
 async def _wrap(aw: Awaitable[T]) -> T:

@@ -32,6 +32,7 @@ from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.props import ServerProps
+from gpuswapd.adapters.slots import FileIdentity, Slot, SlotFile
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.config import Config, parse_config
@@ -39,6 +40,7 @@ from gpuswapd.errors import (
     BadResponse,
     ContainerNotFound,
     EndpointUnreachable,
+    FilesError,
     ImageNotFound,
     UnitNotFound,
 )
@@ -63,6 +65,9 @@ ENGINE_BYTES = int(19.5 * GiB)
 RESIDUAL_BYTES = 1 * GiB  # what a sleeping engine keeps (its CUDA context and pools)
 MODEL_PATH = "/models/strata.gguf"  # the resident's GGUF, named by strata.service's ExecStart=
 MODEL_BYTES = 21_600_000_000
+SLOT_DIR = "/var/cache/gpuswapd/slots"  # strata's --slot-save-path
+SLOT_TOKENS = {0: 1566, 1: 0}  # what strata's slots hold once it has served an agent
+KV_PER_TOKEN = 1024  # bytes of a slot file per token
 CANARY = "2, 3, 5, 7, 11"
 
 CONFIG = f"""
@@ -417,8 +422,39 @@ class FakeSystemd:
             return Commands(unit, (self.exec_start[unit],))
         if unit == "strata.service":
             return Commands(unit, (("/usr/bin/gpu-hold", "--", "/usr/bin/llama-server", "-m", MODEL_PATH,
-                                    "--port", "8081"),))
+                                    "--port", "8081", "--slot-save-path", SLOT_DIR),))
         return Commands(unit, ((f"/usr/bin/{unit.removesuffix('.service')}",),))
+
+
+class FakeSlotFiles:
+    """strata's slot save directory and its model file (``resident.cache``)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[int, int, int]] = {}  # name: (slot, tokens, bytes), in SLOT_DIR
+        self.model_mtime = 1  # a test changes it: another model file
+        self.free_bytes = 100 * GiB
+        self.removals = 0
+
+    def identity(self, path: str) -> FileIdentity:
+        """Stat the model file."""
+        if path != MODEL_PATH:
+            raise FilesError(f"{path}: No such file or directory")
+        return FileIdentity(path, MODEL_BYTES, self.model_mtime, 42)
+
+    def listing(self, directory: str, prefix: str) -> dict[str, int]:
+        """List the files of the save directory."""
+        if directory != SLOT_DIR:
+            raise FilesError(f"{directory}: No such file or directory")
+        return {n: b for n, (_, _, b) in self.files.items() if n.startswith(prefix)}
+
+    def free(self, directory: str) -> int:
+        """Say how much room the disk has."""
+        return self.free_bytes - sum(b for _, _, b in self.files.values())
+
+    def remove(self, directory: str, names: list[str]) -> list[str]:
+        """Remove files."""
+        self.removals += 1
+        return [n for n in names if self.files.pop(n, None) is not None]
 
 
 class FakeFiles:
@@ -717,6 +753,12 @@ class FakeHttp:
         self.sleep_mode = True  # the engine serves /sleep, /wake_up and /is_sleeping
         self.models = ["strata"]  # what the resident lists at /v1/models
         self.props_answer: Any = None  # a raw /props answer instead of strata's own (a server that is not llama.cpp)
+        self.slot_files = FakeSlotFiles()
+        self.slot_tokens = dict(SLOT_TOKENS)  # what strata's slots hold now
+        self.slot_epoch = 0  # strata's starts when slot_tokens was last true: a start empties the slots
+        self.verify_slots: list[int | None] = []  # the id_slot each verify asked for
+        self.save_s = 0.0  # how long a save takes (seconds)
+        self.fail_restore = False  # restores answer HTTP 500
 
     def _engine(self, url: str | None = None) -> FakeContainer | None:
         host = urlsplit(url.split()[-1]).hostname if url else "engine.test"
@@ -794,11 +836,16 @@ class FakeHttp:
             text = text[::-1]
         return Completion(text, "", "stop", 5, 1, 1, 0.001, 0.001)
 
-    async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
+    async def verify(self, check: Any, retry_until: float | None = None, fields: Any = None) -> Completion:
         """Get a real answer, retrying until ``retry_until``."""
         while True:
             try:
-                return await self.chat(check.url, check.model, check.prompt, check.max_tokens, check.timeout)
+                reply = await self.chat(check.url, check.model, check.prompt, check.max_tokens, check.timeout)
+                if check.url == RESIDENT_URL:  # llama-server answers in the slot asked for, else the first
+                    slot = (fields or {}).get("id_slot")
+                    self.verify_slots.append(slot)
+                    self._slots()[slot if slot is not None else 0] = 20
+                return reply
             except EndpointUnreachable:
                 if retry_until is None or time.monotonic() >= retry_until:
                     raise
@@ -813,6 +860,38 @@ class FakeHttp:
         if self.props_answer is not None:
             raise BadResponse(f"GET {url}: no default_generation_settings.n_ctx: {self.props_answer}")
         return ServerProps(strata.n_ctx, strata.fit.slots if strata.fit else 2, "/models/strata.gguf", "strata")
+
+    def _slots(self) -> dict[int, int]:
+        """Return strata's slots: a start since they were last looked at empties them."""
+        starts = sum(1 for _, u in self.systemd.started_at if u == "strata.service")
+        if starts != self.slot_epoch:
+            self.slot_epoch, self.slot_tokens = starts, dict.fromkeys(SLOT_TOKENS, 0)
+        return self.slot_tokens
+
+    def _strata(self, url: str) -> None:
+        if self.systemd.units["strata.service"].active_state != "active":
+            raise EndpointUnreachable(f"{url}: connection refused")
+
+    async def slots(self, url: str, timeout: float) -> list[Slot]:
+        """Answer strata's /slots."""
+        await asyncio.sleep(0)
+        self._strata(f"GET {url}")
+        return [Slot(i, 4096, n, False) for i, n in sorted(self._slots().items())]
+
+    async def slot_file(self, url: str, slot: int, action: str, filename: str, timeout: float) -> SlotFile:
+        """Save a slot to a file of strata's save path, or restore one."""
+        await asyncio.sleep(self.save_s if action == "save" else 0)
+        self._strata(f"POST {url}/{slot}")
+        slots = self._slots()
+        if action == "save":
+            tokens = slots[slot]
+            self.slot_files.files[filename] = (slot, tokens, tokens * KV_PER_TOKEN + 100)
+            return SlotFile(slot, filename, tokens, tokens * KV_PER_TOKEN + 100, 1.0)
+        if self.fail_restore or filename not in self.slot_files.files:
+            raise BadResponse(f"POST {url}/{slot}?action=restore: HTTP 400: Unable to restore slot")
+        _, tokens, nbytes = self.slot_files.files[filename]
+        slots[slot] = tokens
+        return SlotFile(slot, filename, tokens, nbytes, 1.0)
 
     async def model_ids(self, url: str, timeout: float) -> list[str]:
         """Answer the resident's /v1/models through its proxy."""
@@ -905,7 +984,8 @@ class FakeWorld:
         """Build the real window on these fakes."""
         outside = outside or Outside(DEADLINES)
         vram = Vram(self.gpu, self.systemd, outside)  # type: ignore[arg-type]
-        resident = Resident(self.config, self.systemd, self.http, outside)  # type: ignore[arg-type]
+        resident = Resident(self.config, self.systemd, self.http, outside,  # type: ignore[arg-type]
+                            self.http.slot_files)
         engine = ContainerEngine(self.config.window, self.docker, self.http, outside)  # type: ignore[arg-type]
         engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
                    for p in self.config.engine_profiles() if p.name != "default"}
@@ -919,6 +999,7 @@ class FakeWorld:
             "timers": {name: state for name, (state, _) in self.systemd.timer_units.items()},
             "containers": sorted(self.docker.containers),
             "vram": sorted(self.gpu.holders),
+            "slot_files": sorted(self.http.slot_files.files),
         }
 
 

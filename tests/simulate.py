@@ -10,8 +10,8 @@ still breaks it (events are dropped while it keeps failing). ``--save DIR`` keep
 history there as a case (tests/simulate_cases/ is replayed by the fast layer). The invariants
 are listed in tests/simulation/runner.py.
 
-Run with a fixed PYTHONHASHSEED (this module sets it for its worker processes) so that a
-replay is exact.
+A replay is exact only under a fixed PYTHONHASHSEED: this module sets it for its worker
+processes, and a run without one starts itself again with PYTHONHASHSEED=0.
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.simulation.history import Setup, draw_events, draw_setup
+from tests.simulation.history import Setup, draw_awaiting, draw_events, draw_setup
 from tests.simulation.runner import Outcome, Violation, play
 
 CASES = Path(__file__).with_name("simulate_cases")
 
 
-def draw(seed: int, events: int) -> tuple[Setup, list[dict[str, Any]]]:
-    """Draw the configuration and history of one seed."""
+def draw(seed: int, events: int, draw_all: bool = False) -> tuple[Setup, list[dict[str, Any]]]:
+    """Draw the configuration and history of one seed (``draw_all``: with the draws of AWAITING_FIX)."""
     rng = random.Random(seed)
     setup = draw_setup(rng)
-    return setup, draw_events(rng, setup, events)
+    history = draw_events(rng, setup, events)
+    return setup, draw_awaiting(seed, setup, history) if draw_all else history
 
 
-def run_seed(args: tuple[int, int]) -> tuple[int, list[Violation], float, int, float]:
-    """Play one seed; return its violations, the virtual seconds, the windows and the real seconds."""
-    seed, events = args
-    setup, history = draw(seed, events)
+def run_seed(args: tuple[int, ...]) -> tuple[int, list[Violation], float, int, float]:
+    """Play one seed (seed, events[, draw_all]); return its violations, virtual and real seconds, windows."""
+    seed, events, *rest = args
+    setup, history = draw(seed, events, bool(rest and rest[0]))
     started = time.perf_counter()
     outcome = play(setup, history)
     return seed, outcome.violations, outcome.virtual_s, outcome.windows, time.perf_counter() - started
@@ -106,6 +107,19 @@ def print_outcome(outcome: Outcome) -> None:
         print(f"violation: {v}")
 
 
+def fixed_hash_seed() -> None:
+    """Start this process again under PYTHONHASHSEED=0 unless it runs under that seed already.
+
+    Set iteration order follows the hash seed: the pool's workers run under 0, so a replay must.
+    """
+    if os.environ.get("PYTHONHASHSEED") == "0":
+        return
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "tests.simulate", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulation as asked."""
     parser = argparse.ArgumentParser(prog="python -m tests.simulate", description=__doc__.split("\n\n")[0])
@@ -119,15 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-shrink", action="store_true", help="report failing histories whole")
     parser.add_argument("--shrink-for", metavar="INVARIANT",
                         help="with --replay or --history: first shrink the history against this invariant")
+    parser.add_argument("--draw-all", action="store_true",
+                        help="draw what awaits a fix too (tests/simulation/history.py's AWAITING_FIX)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
+    if argv is None:
+        fixed_hash_seed()
     if args.history is not None or args.replay is not None:
         if args.history is not None:
             saved = json.loads(args.history.read_text())
             setup, events, seed = Setup.from_dict(saved["setup"]), saved["events"], saved.get("seed")
         else:
             seed = args.replay
-            setup, events = draw(seed, args.events)
+            setup, events = draw(seed, args.events, args.draw_all)
         if args.shrink_for and not fails(setup, events, args.shrink_for):
             print(f"it does not break invariant {args.shrink_for}: nothing to shrink")
         elif args.shrink_for:
@@ -147,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not outcome.violations else 1
     if args.seeds < 1:
         parser.error("give --seeds N, --replay S or --history FILE")
-    seeds = [(seed, args.events) for seed in range(args.start, args.start + args.seeds)]
+    seeds = [(seed, args.events, int(args.draw_all)) for seed in range(args.start, args.start + args.seeds)]
     started = time.perf_counter()
     failing: list[tuple[int, list[Violation]]] = []
     virtual = windows = 0.0
     if args.jobs > 1 and len(seeds) > 1:
-        os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
+        os.environ["PYTHONHASHSEED"] = "0"  # as a replay runs (fixed_hash_seed)
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             results = pool.imap_unordered(run_seed, seeds, chunksize=4)
             for seed, violations, v_s, n_windows, _ in results:
@@ -172,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     took = time.perf_counter() - started
     count = 0
     for seed, violations in sorted(failing):
-        setup, events = draw(seed, args.events)
+        setup, events = draw(seed, args.events, args.draw_all)
         for violation in violations:
             count += 1
             report(seed, setup, events, violation, args.save, not args.no_shrink)

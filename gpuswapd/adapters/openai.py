@@ -24,6 +24,7 @@ import httpx
 from gpuswapd import clock
 from gpuswapd.adapters.prometheus import scan_prometheus
 from gpuswapd.adapters.props import ServerProps, parse_model_ids, parse_props
+from gpuswapd.adapters.slots import Slot, SlotFile, parse_slot_file, parse_slots
 from gpuswapd.adapters.streams import Completion, CompletionBuilder, ServerFault, SseDecoder, message_of, snip
 from gpuswapd.config import CompletionCheck, IdleConfig
 from gpuswapd.errors import BadResponse, EndpointError, EndpointTimeout, EndpointUnreachable
@@ -175,9 +176,13 @@ class ModelHttp:
                 f"{got.chunks} chunks (the server broke off mid-answer)"
             ) from ServerFault()
 
-    async def verify(self, check: CompletionCheck, retry_until: float | None = None) -> Completion:
-        """Get a real answer for ``check``; retry failures that may pass until ``retry_until``."""
-        reply = await self._answer(check, retry_until)
+    async def verify(self, check: CompletionCheck, retry_until: float | None = None,
+                     fields: dict[str, Any] | None = None) -> Completion:
+        """Get a real answer for ``check``; retry failures that may pass until ``retry_until``.
+
+        ``fields`` adds request fields (llama.cpp's ``id_slot``, say).
+        """
+        reply = await self._answer(check, retry_until, fields)
         if reply.answered:
             return reply
         if reply.finish_reason == "length" and reply.reasoning:
@@ -196,7 +201,8 @@ class ModelHttp:
             f"(finish_reason {reply.finish_reason}, {reply.completion_tokens} tokens)"
         )
 
-    async def _answer(self, check: CompletionCheck, retry_until: float | None) -> Completion:
+    async def _answer(self, check: CompletionCheck, retry_until: float | None,
+                      fields: dict[str, Any] | None = None) -> Completion:
         """Run the check's completion, again every 0.1 s while it fails in a passing way."""
         started = clock.monotonic()
         tries = 0
@@ -204,7 +210,7 @@ class ModelHttp:
             tries += 1
             try:
                 return await self.chat(
-                    check.url, check.model, check.prompt, check.max_tokens, check.timeout
+                    check.url, check.model, check.prompt, check.max_tokens, check.timeout, fields
                 )
             except EndpointError as err:
                 now = clock.monotonic()
@@ -251,6 +257,20 @@ class ModelHttp:
     async def model_ids(self, url: str, timeout: float) -> list[str]:
         """Read the sorted model ids of ``GET /v1/models``."""
         return parse_model_ids(await self._get(url, timeout), f"GET {url}")
+
+    async def slots(self, url: str, timeout: float) -> list[Slot]:
+        """Read llama-server's ``GET /slots``: each slot's context, cached tokens and whether it works."""
+        return parse_slots(await self._get(url, timeout), f"GET {url}")
+
+    async def slot_file(self, url: str, slot: int, action: str, filename: str, timeout: float) -> SlotFile:
+        """Save a slot's cache to a file of the server's save path, or restore it (``action``: save, restore)."""
+        where = f"{url}/{slot}?action={action}"
+        with _mapped("POST", where, timeout):
+            response = await self._http().post(where, json={"filename": filename}, timeout=self._timeout(timeout))
+        if response.status_code != 200:
+            hint = "start llama-server with --slot-save-path DIR" if response.status_code == 501 else ""
+            await _raise_status("POST", where, response, hint=hint)
+        return parse_slot_file(response.content, f"POST {where}", action == "save")
 
     async def _get(self, url: str, timeout: float) -> bytes:
         with _mapped("GET", url, timeout):

@@ -4,7 +4,8 @@ Exit codes (also in gpuswapctl(1)):
   0  done: the lease is held (acquire, run: CMD's own code), or the request succeeded
   1  the GPU was not obtained: the window failed to open or was closed
   2  usage error: bad arguments
-  3  gpuswapd cannot be reached (or it stopped while the request waited: waiting requests are not kept);
+  3  gpuswapd cannot be reached (or it stopped while the request waited and did not come back within its
+     reclaim grace: a restart is a pause, the request is sent again with its token);
      status --all: an instance did not answer
   4  refused: a bad request, permission denied, no such lease or profile, or the queue is full
   5  not ready: --no-wait and no window of the profile is open
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuswapd.ctl.client import BadInstance, Client, Unreachable, socket_path
+from gpuswapd.ctl.reclaim import Acquirer
 from gpuswapd.ctl.render import Progress, event_line, parked_line, print_plan, print_status
 from gpuswapd.ctl.run import run_under_lease
 from gpuswapd.ctl.status_all import status_all
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run_command(parser, args, path)
+        if args.command == "acquire":
+            return _acquire(args, path)
         if args.command == "bench":
             # Imported here: httpx would slow every other command's start.
             from gpuswapd.ctl.bench import run_bench
@@ -332,8 +336,6 @@ def _emit(args: argparse.Namespace, reply: dict[str, Any], text: str) -> None:
 
 
 def _run(args: argparse.Namespace, client: Client) -> int:
-    if args.command == "acquire":
-        return _acquire(args, client)
     if args.command == "renew":
         req: dict[str, Any] = {"op": "renew", "for": args.duration}
         req.update({k: v for k, v in (("lease", args.lease), ("holder", args.holder)) if v})
@@ -398,11 +400,13 @@ def _acquire_request(args: argparse.Namespace) -> dict[str, Any]:
     return req
 
 
-def _acquire(args: argparse.Namespace, client: Client) -> int:
+def _acquire(args: argparse.Namespace, path: str) -> int:
     req = _acquire_request(args)
     progress = Progress(enabled=not args.json)
     try:
-        reply = client.request(req, on_event=progress.event, timeout=None)
+        # A restart of gpuswapd while it waits is a pause: the request is sent again with its token.
+        client, reply = Acquirer(path, req, on_event=progress.event, quiet=args.json).acquire()
+        client.close()
     finally:
         progress.close()
     _emit(

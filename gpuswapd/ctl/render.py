@@ -231,6 +231,15 @@ def print_plan(plan: dict[str, Any], out: TextIO = sys.stdout) -> None:
             out.write(f"resident file: {f['path']} ({f['size']}), {held}\n")
         if rows and not model.get("prefetch"):
             out.write("               not read back at close ([resident] prefetch = false)\n")
+    warm = plan.get("resident_cache")
+    if warm is not None:
+        if not warm.get("kept"):
+            out.write(f"resident cache: not kept ({warm.get('why')}): the resident comes back cold\n")
+        else:
+            held = (f"{warm['slots']} slots, {warm['tokens']} tokens" if "slots" in warm else
+                    f"its slots cannot be read now: {warm.get('slots_error')}")
+            size = f", about {warm['bytes'] / 2**20:.0f} MiB" if warm.get("bytes") is not None else ""
+            out.write(f"resident cache: kept in {warm['dir']} ({held}{size}); costs {warm['cost']}\n")
     for problem in plan["problems"]:
         out.write(f"problem:       {problem}\n")
     out.write("ok: a window can open now\n" if plan["ok"] else "not ok: a window would fail now\n")

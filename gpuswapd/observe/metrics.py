@@ -119,6 +119,9 @@ class Metrics:
                                          ["instance", "cause"], registry=self.registry)
         self.engine_restarts = Counter("gpuswapd_engine_restarts", "Engines restarted by the watchdog",
                                        ["instance"], registry=r)
+        self.prefill_saved = Counter("gpuswapd_resident_prefill_tokens_saved",
+                                     "Tokens of the resident's slots restored after a window, which its clients "
+                                     "need not prefill again", ["instance"], registry=r)
         self.hook_dropped = Counter("gpuswapd_hook_events_dropped",
                                     "Events no hook ran for: hooks.command was already running 4 times",
                                     ["instance"], registry=r)
@@ -131,6 +134,7 @@ class Metrics:
         for reason in LEASE_END_REASONS:
             self.leases_ended.labels(instance, reason)
         self.engine_restarts.labels(instance)
+        self.prefill_saved.labels(instance)
         self.hook_dropped.labels(instance)
         self.window_close.labels(instance)
         self.lease_wait.labels(instance)
@@ -162,6 +166,11 @@ class Metrics:
         if close is not None and record.closed_at is not None and close.started_at is not None:
             self.window_close.labels(inst).observe(max(0.0, record.closed_at - close.started_at))
         self.windows.labels(inst, str(record.outcome)).inc()
+        cache = record.document.get("cache")
+        restore = cache.get("restore") if isinstance(cache, dict) else None
+        tokens = restore.get("tokens") if isinstance(restore, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            self.prefill_saved.labels(inst).inc(tokens)
 
     def hook_event_dropped(self) -> None:
         """Count an event no hook could run for."""

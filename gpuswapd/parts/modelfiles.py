@@ -134,3 +134,24 @@ def _resolve(value: str, env: dict[str, str], cwd: str) -> str | None:
             return None
         text = os.path.join(cwd, text)
     return os.path.normpath(text)
+
+
+SLOT_SAVE_OPTION = "--slot-save-path"
+
+
+def slot_save_path(cmds: Commands) -> str | None:
+    """Find llama-server's ``--slot-save-path DIR`` in a unit's command lines (a wrapper's too); None: none given.
+
+    llama.cpp reads it from the command line only (it has no environment variable).
+    """
+    env = _environment(cmds.environment)
+    for argv in cmds.argvs:
+        words = _words(argv[1:])
+        for i, word in enumerate(words):
+            option, eq, inline = word.partition("=")
+            if option != SLOT_SAVE_OPTION or (not eq and i + 1 >= len(words)):
+                continue
+            path = _resolve(inline if eq else words[i + 1], env, cmds.working_directory)
+            if path is not None:
+                return path
+    return None

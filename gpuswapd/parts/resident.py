@@ -9,6 +9,7 @@ from gpuswapd import clock
 from gpuswapd.adapters.jobs import run_jobs
 from gpuswapd.adapters.openai import ModelHttp
 from gpuswapd.adapters.props import ServerProps
+from gpuswapd.adapters.slots import FileIdentity, Slot, SlotDir, SlotFile, SlotFiles
 from gpuswapd.adapters.unitstates import TimerState
 from gpuswapd.config import Config
 from gpuswapd.errors import EndpointError, EndpointUnreachable, GpuswapError, ResidentBusy, RestoreFailed, VerifyFailed
@@ -25,11 +26,14 @@ if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic
 class Resident:
     """Stops and restores the resident units and pauses and resumes the agent timers."""
 
-    def __init__(self, config: Config, systemd: Systemd, http: ModelHttp, outside: Outside) -> None:
+    def __init__(self, config: Config, systemd: Systemd, http: ModelHttp, outside: Outside,
+                 slot_files: SlotFiles | None = None) -> None:
         self.config = config
         self.systemd = systemd
         self.http = http
         self.outside = outside
+        self.slot_files: SlotFiles = slot_files if slot_files is not None else SlotDir()
+        self.kv_per_token: int | None = None  # bytes a slot's file takes per token, as last saved
         self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
 
     async def drain(self) -> None:
@@ -131,13 +135,18 @@ class Resident:
         await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
         log.info("units_started", units=units, took_s=round(clock.monotonic() - started, 3))
 
-    async def verify(self) -> float:
-        """Get a real completion from the resident, retrying while it loads; return seconds taken."""
+    async def verify(self, slot: int | None = None) -> float:
+        """Get a real completion from the resident, retrying while it loads; return seconds taken.
+
+        ``slot``: llama.cpp's slot to answer it in (one that no restore will fill).
+        """
         check = self.config.resident.verify
         started = clock.monotonic()
+        retry_until = started + check.timeout
+        asked = (self.http.verify(check, retry_until) if slot is None
+                 else self.http.verify(check, retry_until, {"id_slot": slot}))
         try:
-            reply = await self.outside.http.run("verify", self.http.verify(check, retry_until=started + check.timeout),
-                                                self.outside.http.beyond(check.timeout))
+            reply = await self.outside.http.run("verify", asked, self.outside.http.beyond(check.timeout))
         except EndpointError as err:
             raise VerifyFailed(f"the resident did not answer a completion within {check.timeout:g}s: "
                                f"{err.message}") from err
@@ -170,3 +179,38 @@ class Resident:
             props = await lane.run("props", self.http.props(cfg.props_url, limit), lane.beyond(limit))
         models = await lane.run("models", self.http.model_ids(cfg.models_url, limit), lane.beyond(limit))
         return props, models
+
+    # -- its slots' caches (gpuswapd.window.warm saves them before a window and restores them after) -----
+
+    async def slots(self, timeout: float) -> list[Slot]:
+        """List llama-server's slots and what each holds (its own ``/slots``)."""
+        lane = self.outside.http
+        return await lane.run("slots", self.http.slots(self.config.resident.slots_url, timeout), lane.beyond(timeout))
+
+    async def save_slot(self, slot: int, filename: str, timeout: float) -> SlotFile:
+        """Have llama-server save a slot's cache to ``filename`` in its save path."""
+        lane = self.outside.http
+        return await lane.run("slot_save", self.http.slot_file(self.config.resident.slots_url, slot, "save", filename,
+                                                               timeout), lane.beyond(timeout))
+
+    async def restore_slot(self, slot: int, filename: str, timeout: float) -> SlotFile:
+        """Have llama-server restore a slot's cache from ``filename`` in its save path."""
+        lane = self.outside.http
+        return await lane.run("slot_restore", self.http.slot_file(self.config.resident.slots_url, slot, "restore",
+                                                                  filename, timeout), lane.beyond(timeout))
+
+    async def model_identity(self, path: str) -> FileIdentity:
+        """Stat the resident's model file."""
+        return await self.outside.files.call("slot_identity", self.slot_files.identity, path)
+
+    async def slot_listing(self, directory: str, prefix: str) -> dict[str, int]:
+        """List gpuswapd's files in the slot save directory, with their sizes."""
+        return await self.outside.files.call("slot_listing", self.slot_files.listing, directory, prefix)
+
+    async def slot_free(self, directory: str) -> int:
+        """Say how much room the slot save directory's file system has."""
+        return await self.outside.files.call("slot_free", self.slot_files.free, directory)
+
+    async def remove_slot_files(self, directory: str, names: list[str]) -> list[str]:
+        """Remove gpuswapd's files from the slot save directory."""
+        return await self.outside.files.call("slot_remove", self.slot_files.remove, directory, names)

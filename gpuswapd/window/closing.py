@@ -28,7 +28,7 @@ from gpuswapd.record import WindowRecord
 from gpuswapd.retry import backoff, until_done
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
-from gpuswapd.window import identity, parking
+from gpuswapd.window import identity, parking, warm
 
 if TYPE_CHECKING:
     from gpuswapd.window.context import Context
@@ -248,7 +248,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 await _room_for_resident(w, rec)
             started = clock.monotonic()
             await w.resident.start(rec.units)
-            await w.resident.verify()
+            await w.resident.verify(warm.verify_slot(rec))
             rec.resident_s = round(clock.monotonic() - started, 3)
             if not await identity.after_verify(w, rec, repair == "done", lambda s: _pause(w, s)):
                 repair = "due"
@@ -257,6 +257,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             if attempt > 1:  # it was DEGRADED
                 log.info("recovered", attempts=attempt)
             rec.degraded = None
+            # Verified and as it was: its slots' caches go back before the timers reach it (warm.py).
+            await warm.restore(w, rec)
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)
@@ -357,6 +359,7 @@ async def close(w: Context, rec: WindowRecord, outcome: str) -> None:
     finally:
         await reap(remover)
         await reap(fetch)
+    await warm.discard(w, rec)
     w.finish(rec, outcome)
 
 

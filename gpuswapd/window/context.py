@@ -177,6 +177,7 @@ class Context(Services, Protocol):
     sweeper: asyncio.Task[None] | None
     hung_mark: tuple[int, int]
     unknown_baseline: WindowRecord | None
+    adopting: WindowRecord | None  # a window left by the last gpuswapd, until it is adopted or closed
     baseline_restore: BaselineRestore | None
 
     async def persist(self, required: bool) -> None:
@@ -197,6 +198,10 @@ class Context(Services, Protocol):
 
     def end_watchers(self, reason: str) -> None:
         """Tell the held connections of leases that have ended why."""
+        ...
+
+    async def grant_adopted(self, rec: WindowRecord) -> None:
+        """Give the requests that queued for this profile while the window was being adopted their leases."""
         ...
 
     async def ready(self, rec: WindowRecord) -> None:

@@ -41,7 +41,7 @@ class Driver:
 
     def recover(self, rec: WindowRecord) -> None:
         """Take over a window an earlier gpuswapd left: adopt it if it still serves, else roll back."""
-        self.w.record = rec
+        self.w.record = self.w.adopting = rec
         log.warning("window_recovering", window=rec.id, left_in=str(rec.phase))
         self.drive(recovery.adopt_or_roll_back(self.w, rec))
 
@@ -187,8 +187,9 @@ class Driver:
         and the record stays for the next start. Tell whether the GPU was given back.
         """
         self.w.stopping.set()
-        self.w.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
-                                   "acquire again once it is back"))
+        self.w.queue.keep_waiters()  # for their clients to reclaim from the next start, with their tokens
+        self.w.fail_waiters(Stopping("gpuswapd is stopping: a request with a token (gpuswapctl, the gateway) keeps "
+                                     "its place for daemon.reclaim_grace once it is back; acquire again with it"))
         driver = self.task
         await parking.stop_watching(self.w)
         if not restore:

@@ -29,7 +29,7 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import ContainerHandle, Parked, WindowRecord, needs_less_residual
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import together
-from gpuswapd.window import identity, parking
+from gpuswapd.window import identity, parking, warm
 
 if TYPE_CHECKING:
     from gpuswapd.window.context import Context
@@ -169,7 +169,10 @@ async def _pause_timers(op: Opening) -> None:
 
 
 async def _stop_resident(op: Opening) -> None:
+    # The timers are paused and their jobs done: the slots' caches are kept for the restore (warm.py).
+    await warm.save(op.window, op.rec)
     await op.window.resident.stop(op.running)
+    await warm.after_stop(op.window, op.rec)
 
 
 async def _wait_vram(op: Opening) -> None:

@@ -15,6 +15,7 @@ from gpuswapd.parts.resident import Resident
 from gpuswapd.parts.vram import Vram, predict_fit
 from gpuswapd.record import Parked, needs_less_residual
 from gpuswapd.sizes import format_size
+from gpuswapd.window import warm
 from gpuswapd.window.prefetch import ResidentFiles
 
 
@@ -104,6 +105,7 @@ class Plan:
     next_open: str
     parked: str | None
     resident_files: Mapping[str, object] | None = None
+    resident_cache: Mapping[str, object] | None = None  # whether the resident's slots are kept (warm.describe)
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     settings: Mapping[str, object] | None = field(default=None)
@@ -123,6 +125,7 @@ class Plan:
             "vram": None if self.vram is None else self.vram.to_dict(),
             "next_open": self.next_open, "parked": self.parked,
             "resident_files": None if self.resident_files is None else dict(self.resident_files),
+            "resident_cache": None if self.resident_cache is None else dict(self.resident_cache),
             "problems": list(self.problems), "warnings": list(self.warnings),
             "settings": None if self.settings is None else dict(self.settings), "ok": self.ok,
         }
@@ -150,7 +153,8 @@ class Plan:
                    container=None if container is None else PlanContainer.from_dict(container),
                    vram=None if vram is None else PlanVram.from_dict(vram),
                    next_open=str(data.get("next_open") or "cold"), parked=text("parked"),
-                   resident_files=table("resident_files"), problems=texts("problems"), warnings=texts("warnings"),
+                   resident_files=table("resident_files"), resident_cache=table("resident_cache"),
+                   problems=texts("problems"), warnings=texts("warnings"),
                    settings=table("settings"))
 
 
@@ -193,6 +197,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
     reading = await attempt("gpu", vram.read())
     # What the resident loads when it comes back, and how much of it is in RAM now.
     model = await attempt("resident files", files.describe(units or config.resident.units)) if files else None
+    cache = await warm.describe(config, resident)
     warnings: list[str] = []
     settings = None
     view = await engine.settings() if profile.window is not None else None
@@ -230,6 +235,7 @@ async def make_plan(config: Config, resident: Resident, engine: Engine, vram: Vr
         next_open=start,
         parked=parked_note,
         resident_files=model,
+        resident_cache=cache,
         problems=tuple(problems),
         warnings=tuple(warnings),
         settings=settings,

@@ -26,6 +26,7 @@ gpuswapd, a client that sends its acquire again with its token (``"reclaim"``) w
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,11 @@ class Kept:
     since: float
     profile: str
     until: float  # its client reclaims it by then, or it is forgotten
+    holder: str | None = None
+
+    def to_dict(self, token: str) -> dict[str, Any]:
+        """Describe it for the state document, as a waiting request (so a later start keeps it too)."""
+        return {"holder": self.holder, "profile": self.profile, "since": self.since, "token": token, "kept": True}
 
 
 class Queue:
@@ -89,8 +95,19 @@ class Queue:
             token, since, profile = (entry.get(k) for k in ("token", "since", "profile")) \
                 if isinstance(entry, dict) else (None, None, None)
             if isinstance(token, str) and isinstance(since, (int, float)) and isinstance(profile, str):
-                self.kept[token] = Kept(float(since), profile, now + grace)
+                holder = entry.get("holder")
+                self.kept[token] = Kept(float(since), profile, now + grace, holder if isinstance(holder, str) else None)
         return len(self.kept)
+
+    def keep_waiters(self) -> None:
+        """Keep every waiting request with a token for the next start of gpuswapd (it is stopping)."""
+        for w in self.waiters:
+            if w.token is not None:
+                self.kept[w.token] = Kept(w.since, w.profile, math.inf, w.holder)
+
+    def kept_now(self, now: float) -> list[dict[str, Any]]:
+        """Describe the kept requests not reclaimed yet, for the state document."""
+        return [k.to_dict(token) for token, k in self.kept.items() if k.until > now]
 
     def reclaim(self, token: str, profile: str, now: float) -> float | None:
         """Return when a kept request of this token (and profile) began waiting, and forget it; None if none."""

@@ -75,6 +75,12 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
     window.record = record
     if document is None:
         return None
+    grace = window.config.daemon.reclaim_grace
+    for lease in record.leases.matching(lambda x: x.bound and x.token is not None) if record and grace > 0 else []:
+        # Bound to a connection of the gpuswapd that stopped, which is gone: its client (gpuswapctl
+        # run, the gateway) reclaims it with its token on a new connection within the grace, or it ends.
+        lease.reclaim_by = clock.now() + grace
+        log.info("lease_kept_for_reclaim", lease=lease.id, holder=lease.holder, grace_s=grace)
     window.held_down = dict(document.held_down)
     try:
         window.known = Known.from_dict(document.resident)
@@ -116,7 +122,18 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
 
 
 async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
-    """Adopt a window left READY whose engine still serves and whose leases last; else close it."""
+    """Adopt a window left READY whose engine still serves and whose leases last; else close it.
+
+    Until it is decided, the window grants no lease (``Context.adopting``): its requests queue.
+    """
+    try:
+        await _adopt_or_roll_back(w, rec)
+    finally:
+        if w.adopting is rec:
+            w.adopting = None
+
+
+async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     structlog.contextvars.bind_contextvars(window_id=rec.id, phase=str(rec.phase))
     preempting.resume_stops(w, rec)  # a preemption's stops that were not confirmed before the restart
     if rec.phase is Phase.IDLE and not rec.pending_switch:  # it had finished; the cleared document was not written
@@ -134,13 +151,9 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         return
     rec.leases.expire(clock.now())
     grace = w.config.daemon.reclaim_grace
-    for lease in rec.leases.matching(lambda x: x.bound):
-        # Bound to a connection of the gpuswapd that stopped: that connection is gone. Its client
-        # may reclaim it with its token within the grace (gpuswapctl run, the gateway); else it ends.
-        if lease.token is not None and grace > 0:
-            lease.reclaim_by = clock.now() + grace
-            log.info("lease_kept_for_reclaim", lease=lease.id, holder=lease.holder, grace_s=grace)
-            continue
+    for lease in rec.leases.matching(lambda x: x.bound and (x.token is None or grace <= 0)):
+        # Bound to a connection of the gpuswapd that stopped: that connection is gone (one with a
+        # token is kept for its client to reclaim: see _take_in).
         rec.leases.release(lease.id)
         log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
     if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):
@@ -156,9 +169,12 @@ async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         log.info("window_adopted", leases=len(rec.leases))
         if rec.kind == ProfileKind.ENGINE:
             await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
+        w.adopting = None
+        await w.grant_adopted(rec)
         w.notify_status()
         await holding.hold_then_close(w, rec)
         return
+    w.adopting = None  # closing: what queued meanwhile waits for the next window
     await closing.close(w, rec, "recovered")
 
 

@@ -95,6 +95,7 @@ class Window:
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
+        self.adopting: WindowRecord | None = None  # a window left by the last gpuswapd, not yet adopted or closed
         self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
@@ -110,7 +111,8 @@ class Window:
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.queued()], held_down=dict(self.held_down),
+                        queue=[w.to_dict() for w in self.queue.waiters] + self.queue.kept_now(clock.now()),
+                        held_down=dict(self.held_down),
                         resident=self.known.to_dict())
 
     @property
@@ -197,7 +199,10 @@ class Window:
         """Tell whether a request for ``profile`` joins the open window rather than queue for a later one."""
         # A window being preempted takes no new leases: they would only be revoked. Once the
         # preemption is abandoned (its request went away), it takes them again.
+        # A window an earlier gpuswapd left is not joined until it is adopted: its engine may be
+        # gone, and a lease granted on it would end with its roll-back (it queues meanwhile).
         return (rec is not None and rec.profile == profile and not rec.closing and not rec.pending_switch
+                and rec is not self.adopting
                 and not preempting.under_way(rec) and self.queue.blocked(profile, now) is None)
 
     async def _check_may_wait(self, rec: WindowRecord | None, profile: str, *, wait: bool, joins: bool) -> None:
@@ -607,6 +612,30 @@ class Window:
         return [(w, rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound, w.token))
                 for w in waiters]
 
+    async def grant_adopted(self, rec: WindowRecord) -> None:
+        """Give the requests that queued for this profile while the window was being adopted their leases."""
+        if not self.queue.take(rec.id, rec.profile, clock.now()):
+            return
+        granted = self.grant_waiters(rec)
+        try:
+            await self._recorded(self._whose(granted))
+        except StateError as err:
+            for waiter, lease in granted:
+                rec.leases.release(lease.id)
+                if not waiter.future.done():
+                    waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
+            return
+        self.writer.request()
+        self.tell_queue()
+        self.wake.set()
+        for waiter, lease in granted:
+            log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
+                     waited_s=round(clock.now() - waiter.since, 3))
+            if waiter.future.done():  # it went away meanwhile
+                self._drop_lease(lease)
+            else:
+                waiter.future.set_result(lease)
+
     async def ready(self, rec: WindowRecord) -> None:
         """Enter READY and give every waiting acquire its lease, once READY and the leases are on disk.
 
@@ -703,6 +732,8 @@ class Window:
         # The engine it took down is still being freed: the next window waits for it, never blames it.
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
         nxt.after_bare = rec.kind == ProfileKind.BARE or rec.after_bare
+        # The resident stays down: its saved slots are the next window's to restore (warm.py).
+        nxt.cache = dict(rec.cache) if rec.cache is not None else None
         log.info("window_switching", window=rec.id, to=nxt.id, profile=profile, saved=nxt.saved)
         self.finish(rec, outcome, switch_to=nxt)
 
@@ -751,8 +782,9 @@ class Window:
     def refuse_new(self) -> None:
         """Take no new lease or request from now on, and fail those that wait: gpuswapd is about to stop."""
         self.refusing = True
-        self.fail_waiters(Stopping("gpuswapd is stopping: waiting requests are not kept across a restart; "
-                                   "acquire again once it is back"))
+        self.queue.keep_waiters()  # for their clients to reclaim from the next start, with their tokens
+        self.fail_waiters(Stopping("gpuswapd is stopping: a request with a token (gpuswapctl, the gateway) keeps "
+                                   "its place for daemon.reclaim_grace once it is back; acquire again with it"))
 
     # -- the driver's: the record handed over --------------------------------------------------
 

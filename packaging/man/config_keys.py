@@ -152,6 +152,31 @@ MEANINGS: dict[str, str] = {
                          "when the host's MemAvailable, less what a level-1 park keeps in host RAM "
                          "(window.park.host_ram_needs, else the window's VRAM), cannot hold the files. A switch to "
                          "another profile and a preemption do not restore the resident and read nothing.",
+    "resident.cache.keep": "Whether llama.cpp's slots (the KV caches of the agents' contexts) are kept across a "
+                           "window: saved by llama-server (POST /slots/ID?action=save) in STOPPING_RESIDENT, once "
+                           "the timers are paused and the resident drained, before it stops; restored in RESTORING, "
+                           "after the verify and before the timers resume, and only into the resident that saved "
+                           "them (the model file's path, size, mtime and inode, the context per slot and the slot "
+                           "count). \"auto\": where llama-server has --slot-save-path (or save_path is set) and "
+                           "server = \"llama.cpp\"; \"on\": the same, warning when there is no save path; \"off\": "
+                           "never. A save or restore that fails or is slow is skipped with a warning: the resident "
+                           "comes back cold, never DEGRADED. The window's record says what was saved and restored "
+                           "(cache: slots, tokens, bytes, seconds); gpuswapd_resident_prefill_tokens_saved_total "
+                           "counts the tokens restored. The files are gpuswapd's to remove (once restored or "
+                           "skipped, at the window's end, or stale before the next save): the directory must be "
+                           "writable by gpuswapd's group (the shipped /var/cache/gpuswapd/slots, 2770 root:gpuswap, "
+                           "with the resident's user in group gpuswap).",
+    "resident.cache.save_path": "llama-server's --slot-save-path. Empty: read from the resident's units' "
+                                "ExecStart= (also inside a wrapper's or a shell's command line; llama.cpp has no "
+                                "environment variable for it).",
+    "resident.cache.slots_url": "llama-server's own GET /slots and POST /slots/ID, never through llama-swap or the "
+                                "gateway. Empty: props_url with /slots for /props.",
+    "resident.cache.save_timeout": "What the save may add to the opening, all slots together (and the restore to "
+                                   "the close). A save or restore that takes longer is given up and skipped with a "
+                                   "warning.",
+    "resident.cache.max_size": "The most the slot files of one window may take together. Slots beyond it, or "
+                               "beyond the free room of the save directory's disk, are not saved (largest first; "
+                               "each skipped one is named in the record and the log).",
     "resident.server": "What the resident is. \"llama.cpp\": a llama-server, whose context per slot "
                        "(default_generation_settings.n_ctx), total_slots, model_path and alias are read from "
                        "props_url; \"other\": any OpenAI server, known by its model ids only. Either way the ids of "

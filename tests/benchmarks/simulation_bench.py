@@ -1,7 +1,13 @@
 """How fast the deterministic simulation plays histories: histories per second, and the time for 1,000 of 200 events.
 
     .venv/bin/python -m tests.benchmarks.simulation_bench [--cycles 10] [--seeds 100] [--events 200]
-                                                         [--start 0] [--jobs N]
+                                                         [--start 0] [--jobs N] [--baseline REV]
+
+With ``--baseline REV`` the same seeds are played, alternately, by the simulation of commit REV
+(checked out once as a git worktree under /var/tmp/gpuswapd-bench/, its workers importing that
+tree's gpuswapd and tests) and by this checkout's: cycle n plays seeds S..S+N-1 with REV, then the
+same seeds with this code, so the machine's load falls on both alike; the figure to compare is
+histories per CPU second of the workers, and the report gives this code's over REV's.
 
 Plays the histories of ``python -m tests.simulate`` (tests/simulate.py's ``run_seed``: draw a seed's
 setup and history, play it against the real daemon on virtual time with every invariant checked)
@@ -36,12 +42,15 @@ Results: a table on stdout and JSON in /var/tmp/gpuswapd-bench/.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from tests.benchmarks.report import (
@@ -57,29 +66,56 @@ from tests.benchmarks.report import (
 from tests.simulate import run_seed
 
 CHUNKSIZE = 4  # as tests.simulate hands out its seeds
+BASELINES = Path("/var/tmp/gpuswapd-bench")
+_run_seed: Any = run_seed  # in a baseline's worker: that commit's run_seed
 
 
 def play(args: tuple[int, int]) -> tuple[Any, ...]:
     """Play one seed with ``run_seed`` in a worker; add the CPU seconds it took there (not a neighbour's)."""
     started = time.process_time()
-    out = run_seed(args)
+    out = _run_seed(args)
     return (*out, time.process_time() - started)
 
 
-def _ready(barrier: Any) -> None:
-    """Start a worker: it has imported the simulation (with this module); play a short history, wait for the rest."""
-    run_seed((0, 20))
+def _ready(barrier: Any, tree: str | None = None) -> None:
+    """Start a worker: it has imported the simulation (with this module); play a short history, wait for the rest.
+
+    With ``tree`` (a baseline's checkout), the worker forgets this checkout's gpuswapd and tests
+    (but this module) and plays with that tree's.
+    """
+    global _run_seed
+    if tree is not None:
+        for name in list(sys.modules):
+            ours = name.startswith("tests.benchmarks") or name == __name__
+            if name.split(".")[0] in ("gpuswapd", "tests") and not ours:
+                del sys.modules[name]
+        sys.path.insert(0, tree)
+        _run_seed = importlib.import_module("tests.simulate").run_seed
+    _run_seed((0, 20))
     barrier.wait()
 
 
+def checkout(rev: str) -> Path:
+    """Check commit ``rev`` out once as a detached git worktree under /var/tmp/gpuswapd-bench/."""
+    top = Path(__file__).resolve().parents[2]
+    commit = subprocess.run(["git", "-C", str(top), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    tree = BASELINES / f"baseline-{commit[:12]}"
+    if not (tree / "tests" / "simulate.py").exists():
+        BASELINES.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "-C", str(top), "worktree", "add", "--detach", "--force", str(tree), commit],
+                       check=True, capture_output=True, text=True)
+    return tree
+
+
 @contextmanager
-def workers(jobs: int) -> Iterator[tuple[Any, float]]:
+def workers(jobs: int, tree: Path | None = None) -> Iterator[tuple[Any, float]]:
     """A pool of ``jobs`` spawned workers, all started and warmed; yield it with its start-up seconds."""
-    os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")  # as tests.simulate: replays are exact
+    os.environ["PYTHONHASHSEED"] = "0"  # as tests.simulate: replays are exact
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(jobs + 1)
     started = time.perf_counter()
-    with context.Pool(jobs, initializer=_ready, initargs=(barrier,)) as pool:
+    with context.Pool(jobs, initializer=_ready, initargs=(barrier, None if tree is None else str(tree))) as pool:
         barrier.wait(timeout=300)
         yield pool, time.perf_counter() - started
 
@@ -107,6 +143,19 @@ def run(cycles: int, seeds: int, events: int, start: int, jobs: int) -> dict[str
         played = alternate(cycles, [("histories", lambda: cycle(pool, jobs, next(ranges), events))])["histories"]
     return {"seeds_per_cycle": seeds, "events": events, "start": start, "jobs": jobs, "pool_startup_s": startup,
             "cycles": played}
+
+
+def run_against(rev: str, cycles: int, seeds: int, events: int, start: int, jobs: int) -> dict[str, Any]:
+    """Play each cycle's seeds with commit ``rev``'s simulation, then with this one's (A B A B ...)."""
+    tree = checkout(rev)
+    with workers(jobs, tree) as (old, old_startup), workers(jobs) as (new, startup):
+        ranges = [range(start + n * seeds, start + (n + 1) * seeds) for n in range(cycles)]
+        turn = {"baseline": iter(ranges), "current": iter(ranges)}
+        played = alternate(cycles, [("baseline", lambda: cycle(old, jobs, next(turn["baseline"]), events)),
+                                    ("current", lambda: cycle(new, jobs, next(turn["current"]), events))])
+    return {"seeds_per_cycle": seeds, "events": events, "start": start, "jobs": jobs, "baseline": rev,
+            "baseline_tree": str(tree), "pool_startup_s": startup, "baseline_pool_startup_s": old_startup,
+            "cycles": played["current"], "baseline_cycles": played["baseline"]}
 
 
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
@@ -175,11 +224,29 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--start", type=_seed, default=0, help="the first seed (default 0)")
     cli.add_argument("--jobs", type=_count, default=os.cpu_count() or 1,
                      help="worker processes (default: all cores)")
+    cli.add_argument("--baseline", metavar="REV",
+                     help="play the same seeds alternately with commit REV's simulation (e.g. e04e979)")
     args = cli.parse_args(argv)
-    result = run(args.cycles, args.seeds, args.events, args.start, args.jobs)
+    if args.baseline is None:
+        result = run(args.cycles, args.seeds, args.events, args.start, args.jobs)
+        stats = analyse(result)
+        print_report(result, stats)
+        print(f"\nresults: {write_results('simulation', {**result, 'stats': stats})}")
+        return 0
+    result = run_against(args.baseline, args.cycles, args.seeds, args.events, args.start, args.jobs)
     stats = analyse(result)
+    old = analyse({**result, "cycles": result["baseline_cycles"]})
+    print_report({**result, "cycles": result["baseline_cycles"], "jobs": result["jobs"]}, old)
+    print(f"(above: commit {args.baseline}'s simulation; below: this checkout's, on the same seeds)")
     print_report(result, stats)
-    print(f"\nresults: {write_results('simulation', {**result, 'stats': stats})}")
+    ratios = [new["histories_per_cpu_s"] / was["histories_per_cpu_s"]
+              for new, was in zip(result["cycles"], result["baseline_cycles"], strict=True)]
+    stats["speedup_per_cpu_s"] = spread(ratios)
+    print(f"\nhistories per CPU second, this checkout over {args.baseline}, per cycle (same seeds): "
+          f"{figure(stats['speedup_per_cpu_s'], 'x', 2)}; over the run: "
+          f"{stats['total']['histories'] / stats['total']['cpu_s']:.3f} against "
+          f"{old['total']['histories'] / old['total']['cpu_s']:.3f} histories/CPU-s")
+    print(f"\nresults: {write_results('simulation', {**result, 'stats': stats, 'baseline_stats': old})}")
     return 0
 
 

@@ -35,6 +35,9 @@ SMOKE = {
     "restore_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--stop-delay", "0.5"],
                       ["RESTORING with and without the prefetch, 1 cycles", "no prefetch / prefetch, per cycle",
                        "cold read of the model", "cached after the prefetch"]),
+    "warm_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--words", "600"],
+                   ["An agent's turn after a window, slots kept and not, 1 cycles", "kept after / before, per cycle",
+                    "llama-server's save (MiB/s)", "the seed's agent: 29000 tokens"]),
 }
 # Benchmarks that need no test world: they start the engine simulator (and a stand-in gpuswapd) themselves.
 WORLDLESS = {
@@ -46,7 +49,8 @@ WORLDLESS = {
 # Benchmarks whose smoke run is in the fast layer, and where.
 FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
-           "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore"}
+           "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore",
+           "warm_bench": "warm"}
 EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 
 

@@ -175,8 +175,10 @@ def test_a_resident_request_swaps_back_or_waits_or_fails_as_configured(gpuswapd:
 
 def test_a_client_that_hangs_up_while_waiting_leaves_nothing(gpuswapd: Start, gateway: Gate, probe: Probe,
                                                              world: Stack) -> None:
-    # A slow boot: the window is still opening when the client hangs up.
-    daemon = gpuswapd(**gateway_sections(), window__container={"env": {**_engine_env(), "ENGINE_BOOT_DELAY": "4"}})
+    # A slow boot: the window is still opening when the client hangs up. With no grace for a retry
+    # (daemon.abandon_grace = 0), the opening is rolled back at once.
+    daemon = gpuswapd(**gateway_sections(), daemon={"abandon_grace": "0"},
+                      window__container={"env": {**_engine_env(), "ENGINE_BOOT_DELAY": "4"}})
     gateway(daemon)
     with httpx.Client(timeout=60) as http, http.stream(
             "POST", f"{URL}/v1/chat/completions",

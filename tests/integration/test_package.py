@@ -52,6 +52,8 @@ EXPECTED = {
     "usr/share/fish/vendor_completions.d/gpuswapctl.fish": "packaging/completions/gpuswapctl.fish",
     "usr/share/licenses/gpuswapd/LICENSE": "LICENSE",
     "usr/share/doc/gpuswapd/README.md": "README.md",
+    "usr/share/doc/gpuswapd/docs/operating/install.md": "docs/operating/install.md",
+    "usr/share/doc/gpuswapd/docs/reference/gpuswapd.8.md": "docs/reference/gpuswapd.8.md",
     "usr/share/doc/gpuswapd/gpuswap-lease.conf": "units/examples/gpuswap-lease.conf",
     "usr/share/doc/gpuswapd/examples/metrics-textfile.conf": "packaging/examples/metrics-textfile.conf",
     "usr/share/doc/gpuswapd/examples/gpuswap-notify": "packaging/examples/gpuswap-notify",

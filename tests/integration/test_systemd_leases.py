@@ -186,6 +186,7 @@ def test_a_consumer_killed_by_timeout_start_sec_rolls_the_window_back(
     gpuswapd: Start, probe: Probe, world: Stack
 ) -> None:
     daemon = gpuswapd(
+        daemon={"abandon_grace": "0"},  # no grace for a retry: the opening nobody waits for is rolled back at once
         window__container={
             "env": {"PORT": "18020", "GPUSIM_DIR": "/gpu", "ENGINE_VRAM": "19.5GiB", "ENGINE_BOOT_DELAY": "8"}
         }

@@ -365,6 +365,9 @@ def test_sysusers_and_tmpfiles_do_what_they_say(tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=30)
     assert (tmp_path / "var/lib/gpuswapd").stat().st_mode & 0o777 == 0o750
     assert (tmp_path / "run/gpuswapd").is_dir()
+    slots = (tmp_path / "var/cache/gpuswapd/slots").stat()
+    assert slots.st_mode & 0o7777 == 0o2770 and slots.st_uid == 0
+    assert re.search(rf"^gpuswap-slots:x:{slots.st_gid}:", (tmp_path / "etc" / "group").read_text(), re.M)
 
 
 # --- man pages --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ class VirtualClock:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.wall_offset = 0.0  # what the wall clock was stepped by (an operator's date, NTP)
 
     def monotonic(self) -> float:
         """Return the virtual monotonic time."""
@@ -25,7 +26,7 @@ class VirtualClock:
 
     def wall(self) -> float:
         """Return the virtual wall-clock time."""
-        return EPOCH + self.now
+        return EPOCH + self.now + self.wall_offset
 
 
 class _Selector(selectors.SelectSelector):
@@ -55,6 +56,20 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         """Return the virtual time: asyncio's sleeps and timeouts follow it."""
         return self.clock.now
+
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        """Schedule ``callback`` at ``when``; time reaches ``when`` before it runs.
+
+        asyncio runs a timer due within its clock's resolution (1 ns) at once; on a real clock the
+        next look at the time is later, on this one it is not: a loop that waits out the last
+        picoseconds of a deadline would spin at one instant for ever.
+        """
+        return super().call_at(when, self._due, when, callback, args, context=context)
+
+    def _due(self, when: float, callback: Any, args: tuple[Any, ...]) -> None:
+        if when > self.clock.now:
+            self.clock.now = when
+        callback(*args)
 
     def _write_to_self(self) -> None:
         """Nothing to wake: every callback comes from this thread."""

@@ -30,6 +30,7 @@ from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.openai import Busy
 from gpuswapd.adapters.pagecache import FileCache, Measured, Progress
 from gpuswapd.adapters.props import ServerProps
+from gpuswapd.adapters.slots import FileIdentity, Slot, SlotFile
 from gpuswapd.adapters.streams import Completion
 from gpuswapd.adapters.unitstates import Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import (
@@ -37,6 +38,7 @@ from gpuswapd.errors import (
     ContainerNotFound,
     DockerError,
     EndpointUnreachable,
+    FilesError,
     ImageNotFound,
     UnitNotFound,
 )
@@ -48,6 +50,8 @@ GiB = 1 << 30
 CANARY = "2, 3, 5, 7, 11"
 MODELS = "/models"
 MODEL_BYTES = 21_600_000_000  # the resident's GGUF
+SLOTS = "/var/cache/gpuswapd/slots"  # the resident's --slot-save-path
+AGENT_TOKENS = 1566  # what an agent's context holds in strata's first slot once it has served
 # True while a blocking call that outlived its deadline does its work late: an engine it starts
 # then may find the card taken (an out-of-memory gpuswapd could not prevent: the call was gone).
 LATE = [False]
@@ -261,6 +265,8 @@ class Timer:
     runs_s: float
     next_run: int | None = None
     job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
+    stopped_at: float | None = None  # when it was last stopped (paused)
+    resident_was_up: bool = False  # whether the resident served when it was stopped
 
 
 class Systemd:
@@ -279,6 +285,13 @@ class Systemd:
         self.operator_jobs: set[str] = set()  # units whose pending start their operator asked for
         self.operator_started: list[float] = []
         self.history: list[tuple[float, str, str]] = []  # (time, unit, state): what went on
+        # Invariant 14: who last stopped each unit and timer that is down ("gpuswapd", "its operator",
+        # "a crash", "nobody": it never ran); gpuswapd may start only what it stopped itself.
+        self.operator_hand = False  # set while the history's operator calls systemd
+        self.stopped_by: dict[str, str] = {}
+        self._stopping: dict[str, str] = {}  # stops under way: who asked
+        self._cause: str | None = None  # who stops what a stop takes down with it
+        self.start_violations: list[str] = []
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -299,6 +312,8 @@ class Systemd:
         self.units[service] = Unit(service)
         if active:
             self._schedule_timer(self.timer_units[name])
+        else:
+            self.stopped_by[name] = "nobody (it never ran)"
 
     def _key(self, unit: Unit) -> str:
         return f"{unit.name}#{unit.starts}"
@@ -404,8 +419,8 @@ class Systemd:
         if u is None:
             raise UnitNotFound(f"unit {unit} is not-found")
         stem = unit.removesuffix(".service")
-        argv = u.exec_start or (("/usr/bin/llama-server", "-m", f"{MODELS}/{stem}.gguf") if u.gpu_bytes
-                                else (f"/usr/bin/{stem}",))
+        argv = u.exec_start or (("/usr/bin/llama-server", "-m", f"{MODELS}/{stem}.gguf", "--slot-save-path", SLOTS)
+                                if u.gpu_bytes else (f"/usr/bin/{stem}",))
         return Commands(unit, (argv,))
 
     # -- how units change ----------------------------------------------------------------------
@@ -413,8 +428,27 @@ class Systemd:
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)
 
+    def _whose_start(self, name: str) -> None:
+        """Invariant 14: a start gpuswapd asks for is of a unit or timer that is up, or that it stopped itself."""
+        if self.operator_hand:
+            return
+        timer = self.timer_units.get(name)
+        unit = self.units.get(name)
+        down = (not timer.active) if timer is not None else (
+            unit is not None and unit.active_state in ("inactive", "failed", "deactivating"))
+        who = self.stopped_by.get(name, "nobody (it never ran)")
+        if down and who != "gpuswapd":
+            self.start_violations.append(f"gpuswapd started {name} at {self.world.clock.now:.2f}s, "
+                                         f"which {who} stopped, not gpuswapd")
+
     def _queue(self, method: str, name: str) -> str:
         path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
+        who = "its operator" if self.operator_hand else "gpuswapd"
+        if method == "StartUnit":
+            self._whose_start(name)
+        elif (name in self.timer_units and self.timer_units[name].active) or (
+                name in self.units and self.units[name].active_state in ("active", "activating")):
+            self._stopping[name] = who
         if name in self.timer_units:
             timer = self.timer_units[name]
             if timer.job is not None and timer.job[0] == method:
@@ -454,9 +488,13 @@ class Systemd:
             if unit.active_state in ("inactive", "failed"):
                 self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
                 return path
-            for dep in self._dependents(name):  # a stop propagates to what Requires= it
-                if self.units[dep].active_state in ("active", "activating"):
-                    self._stop_now(self.units[dep])
+            outer, self._cause = self._cause, who  # a stop propagates to what Requires= it, for the same reason
+            try:
+                for dep in self._dependents(name):
+                    if self.units[dep].active_state in ("active", "activating"):
+                        self._stop_now(self.units[dep])
+            finally:
+                self._cause = outer
             self._set(unit, "deactivating")
             action = self.world.scheduler.after(unit.stop_s, lambda: self._stopped(unit))
         unit.job, unit.job_paths = (verb, action), [path]
@@ -494,6 +532,7 @@ class Systemd:
             self._finish(unit, "failed")
             return
         unit.started_at.append(self.world.clock.now)
+        self.stopped_by.pop(unit.name, None)
         if unit.name in self.operator_jobs:
             self.operator_jobs.discard(unit.name)
             self.operator_started.append(self.world.clock.now)
@@ -513,9 +552,16 @@ class Systemd:
     def _exit(self, unit: Unit, state: str = "inactive") -> None:
         if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
             self.world.card.release(self._key(unit))
-        for dep in self._dependents(unit.name):
-            if self.units[dep].active_state in ("active", "activating", "deactivating"):
-                self._stop_now(self.units[dep])
+        outer = self._cause
+        cause = self._stopping.pop(unit.name, None) or outer or "a crash"
+        self.stopped_by[unit.name] = cause
+        self._cause = cause  # what it takes down goes for the same reason
+        try:
+            for dep in self._dependents(unit.name):
+                if self.units[dep].active_state in ("active", "activating", "deactivating"):
+                    self._stop_now(self.units[dep])
+        finally:
+            self._cause = outer
         self._set(unit, state)
 
     def _set(self, unit: Unit, state: str) -> None:
@@ -539,6 +585,7 @@ class Systemd:
             unit.starts += 1
             unit.pid = next(self._pids)
             unit.started_at.append(self.world.clock.now)
+            self.stopped_by.pop(unit.name, None)
             self._set(unit, "active")
 
     # -- timers and their agent jobs ----------------------------------------------------------
@@ -547,6 +594,15 @@ class Systemd:
         timer = self.timer_units[name]
         assert timer.job is not None
         paths, timer.job = timer.job[2], None
+        if method == "StartUnit" and not timer.active:
+            self._timer_resumed(timer)
+        if method != "StartUnit" and timer.active:
+            timer.stopped_at = self.world.clock.now
+            timer.resident_was_up = self.world.resident_serves()
+        if method == "StartUnit":
+            self.stopped_by.pop(name, None)
+        elif timer.active:
+            self.stopped_by[name] = self._stopping.pop(name, "gpuswapd")
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None
@@ -555,6 +611,31 @@ class Systemd:
         self.history.append((self.world.clock.now, name, "active" if timer.active else "inactive"))
         for path in paths:
             self.jobs.removed(path, "done")
+
+    def _timer_resumed(self, timer: Timer) -> None:
+        """Invariant 12: a timer runs again only once the resident started while it was stopped has answered.
+
+        A resident that served when the timer stopped must serve again, and one started again since
+        the timer stopped (gpuswapd's restore) must have answered a completion since that start: the
+        agents the timer runs use the resident. One already down when the timer stopped (its
+        operator's stop, a crash) is not this rule's: the timer ran with it down before.
+        """
+        world = self.world
+        if timer.stopped_at is None:
+            return
+        if timer.resident_was_up and not world.resident_serves():
+            states = {u: self.units[u].active_state for u in world.resident_units}
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident, up when it was stopped "
+                f"at {timer.stopped_at:.2f}s, is not serving ({states})")
+            return
+        since = max((t for u in world.resident_units for t in self.units[u].started_at), default=0.0)
+        if since < timer.stopped_at:
+            return
+        if not any(t >= since and who == "resident" for t, who in world.http.completions):
+            world.timer_violations.append(
+                f"{timer.name} was started at {world.clock.now:.2f}s, but the resident started at {since:.2f}s "
+                "has answered no completion since")
 
     def _schedule_timer(self, timer: Timer) -> None:
         timer.next_run = self.world.scheduler.after(timer.every_s, lambda: self._run_agent(timer))
@@ -594,6 +675,7 @@ class Container:
     sleeping: int | None = None
     garbled: bool = False
     starts: int = 0
+    since: float = 0.0  # its last start or wake: a lease needs a completion from it after this
 
     def state(self) -> ContainerState:
         """Inspect it."""
@@ -663,6 +745,7 @@ class Docker:
         c.starts += 1
         c.pid = next(self._pids)
         c.key = f"engine:{name}#{c.starts}"
+        c.since = self.world.clock.now
         c.sleeping, c.garbled, c.dead = None, False, False
         self.world.files.evict()  # the engine's weights push the resident's model out of the page cache
         if self.world.card.claim(c.key, c.pid, c.vram):
@@ -761,6 +844,7 @@ class Docker:
         if not self.world.card.grow(c.key, c.vram):
             return False
         c.sleeping = None
+        c.since = self.world.clock.now
         self.woke.append((name, self.world.clock.now))
         c.garbled = self.garble_wakes > 0
         self.garble_wakes -= c.garbled
@@ -843,7 +927,7 @@ class Http:
         self.completions.append((self.world.clock.now, c.name))
         return Completion(text[::-1] if c.garbled else text, "", "stop", 5, 1, 1, 0.001, 0.001)
 
-    async def verify(self, check: Any, retry_until: float | None = None) -> Completion:
+    async def verify(self, check: Any, retry_until: float | None = None, fields: Any = None) -> Completion:
         """Get a real answer, retrying while the server loads."""
         while True:
             try:
@@ -860,6 +944,32 @@ class Http:
         if urlsplit(url).netloc != self.props_host or strata.active_state != "active" or strata.fit is None:
             raise EndpointUnreachable(f"GET {url}: connection refused")
         return ServerProps(strata.n_ctx, strata.fit.slots, "/models/strata.gguf", "strata")
+
+    async def slots(self, url: str, timeout: float) -> list[Slot]:
+        """Answer strata's /slots: an agent's context in the first slot once it has served."""
+        await asyncio.sleep(0)
+        if urlsplit(url).netloc != self.props_host or not self.world.resident_serves():
+            raise EndpointUnreachable(f"GET {url}: connection refused")
+        return [Slot(i, 4096, n, False) for i, n in sorted(self.world.slots.held().items())]
+
+    async def slot_file(self, url: str, slot: int, action: str, filename: str, timeout: float) -> SlotFile:
+        """Save a slot to strata's save path (a second per GiB), or restore one."""
+        slots = self.world.slots
+        if urlsplit(url).netloc != self.props_host or not self.world.resident_serves():
+            raise EndpointUnreachable(f"POST {url}/{slot}: connection refused")
+        held = slots.held()
+        if action == "save":
+            nbytes = held[slot] * slots.PER_TOKEN
+            await asyncio.sleep(nbytes / GiB)
+            slots.files[filename] = (held[slot], nbytes)
+            return SlotFile(slot, filename, held[slot], nbytes, nbytes / GiB * 1000)
+        await asyncio.sleep(0)
+        if filename not in slots.files:
+            raise BadResponse(f"POST {url}/{slot}?action=restore: HTTP 400: Unable to restore slot")
+        tokens, nbytes = slots.files[filename]
+        held[slot] = tokens
+        slots.restored += tokens
+        return SlotFile(slot, filename, tokens, nbytes, 1.0)
 
     async def model_ids(self, url: str, timeout: float) -> list[str]:
         """Answer llama-swap's /v1/models."""
@@ -961,6 +1071,47 @@ class Store:
     def set_aside(self) -> list[str]:
         """Nothing to set aside."""
         return []
+
+
+class Slots:
+    """strata's slots and its slot save directory (llama-server's --slot-save-path), and its model file."""
+
+    PER_TOKEN = 160 * 1024  # bytes of KV cache per token (a 27B-class model's, at f16)
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.files: dict[str, tuple[int, int]] = {}  # name: (tokens, bytes)
+        self.tokens: dict[int, int] = {}
+        self.starts = -1  # strata's starts when ``tokens`` was last true: a start empties its slots
+        self.restored = 0  # tokens restored, ever
+
+    def held(self) -> dict[int, int]:
+        """Return what each slot holds now: an agent's context once strata has served since its start."""
+        strata = self.world.systemd.units.get("strata.service")
+        starts = strata.starts if strata is not None else 0
+        if starts != self.starts:
+            self.starts, self.tokens = starts, {0: AGENT_TOKENS, 1: 0}
+        return self.tokens
+
+    def identity(self, path: str) -> FileIdentity:
+        """Stat the model file."""
+        if path not in self.world.files.sizes:
+            raise FilesError(f"{path}: No such file or directory")
+        return FileIdentity(path, self.world.files.sizes[path], 1, 7)
+
+    def listing(self, directory: str, prefix: str) -> dict[str, int]:
+        """List the save directory's files."""
+        if directory != SLOTS:
+            raise FilesError(f"{directory}: No such file or directory")
+        return {n: b for n, (_, b) in self.files.items() if n.startswith(prefix)}
+
+    def free(self, directory: str) -> int:
+        """Say how much room the disk has."""
+        return 500 * GiB - sum(b for _, b in self.files.values())
+
+    def remove(self, directory: str, names: list[str]) -> list[str]:
+        """Remove files of the save directory."""
+        return [n for n in names if self.files.pop(n, None) is not None]
 
 
 class Files:
@@ -1079,12 +1230,14 @@ class World:
         self.docker = Docker(self)
         self.http = Http(self)
         self.files = Files(self)
+        self.slots = Slots(self)
         self.store = Store(clock)
         self.peers = Peers(self)
         self.resident_units: tuple[str, ...] = ()
         self.agent_runs = 0
         self.agent_failures: list[str] = []
         self.short_starts: list[str] = []  # the resident fit itself smaller: it was started short of memory
+        self.timer_violations: list[str] = []  # invariant 12: a timer started before the resident answered
 
     def resident_serves(self) -> bool:
         """Tell whether the resident answers completions now (its units active)."""

@@ -21,6 +21,7 @@ class Spec:
     gpu: Path
     control: Path
     logs: Path
+    slots: Path
     llama_server: Path
     model: Path
     agents: tuple[str, ...]
@@ -62,9 +63,10 @@ def resident_exec(spec: Spec, alias: str = "strata") -> str:
     """Return strata's ExecStart=: llama-server on the simulated card, fitting itself if a test asked (llama.Fit)."""
     server_args = " ".join(llama.llama_server_args(spec.model, spec.resident_port, ctx=RESIDENT_CTX,
                                                    parallel=RESIDENT_SLOTS, alias=alias))
+    # --slot-save-path: the agents' slots are saved before a window and restored after it (gpuswapd's resident.cache).
     return (f"ExecStart={spec.python} {spec.sim}/llama_fit.py --dir {spec.gpu} --name strata "
             f"--bytes {spec.resident_vram} --fit-file {spec.control}/{llama.FIT_FILE} -- {spec.llama_server} "
-            f"{server_args}\n")
+            f"{server_args} --slot-save-path {spec.slots}\n")
 
 
 def render(spec: Spec) -> dict[str, str]:

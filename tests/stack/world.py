@@ -108,6 +108,11 @@ class Paths:
         return self.root / "logs"
 
     @property
+    def slots(self) -> Path:
+        """Return strata's --slot-save-path: where llama-server saves its slots for gpuswapd."""
+        return self.root / "slots"
+
+    @property
     def docker(self) -> Path:
         """Return dockerd's data and exec roots."""
         return self.root / "docker"
@@ -374,7 +379,7 @@ class Stack:
 
     def _lay_out(self, models: dict[str, Path]) -> None:
         p = self.paths
-        for d in (p.run, p.units, p.bin, p.gpu, p.control, p.logs, p.docker / "data", p.docker / "exec"):
+        for d in (p.run, p.units, p.bin, p.gpu, p.control, p.logs, p.slots, p.docker / "data", p.docker / "exec"):
             d.mkdir(parents=True, exist_ok=True)
         for stale in (p.run, p.units, p.control):
             for child in stale.iterdir():
@@ -422,6 +427,7 @@ class Stack:
             gpu=p.gpu,
             control=p.control,
             logs=p.logs,
+            slots=p.slots,
             llama_server=llama.server_path(self.cache),
             model=self.resident_model,
             agents=AGENTS,

@@ -135,6 +135,11 @@ def test_minimal_config_takes_defaults() -> None:
     ("[window.container.env]\nSPEC = 1", "window.container.env.SPEC"),
     ("[window.container.ports]\n'http' = 18020", "window.container.ports.http"),
     ("[surprise]\nx = 1", "surprise: unknown key"),
+    ("[resident.cache]\nkeep = 'yes'", "resident.cache.keep"),
+    ("[resident.cache]\nsave_path = 'slots'", "resident.cache.save_path"),
+    ("[resident.cache]\nslots_url = '127.0.0.1:8081/slots'", "resident.cache.slots_url"),
+    ("[resident.cache]\nsave_timeout = '0'", "resident.cache.save_timeout"),
+    ("[resident.cache]\nmax_size = 'lots'", "resident.cache.max_size"),
 ])
 def test_bad_values_name_the_key(patch: str, names: str) -> None:
     # Tables may not be declared twice in TOML, so merge the patch into the minimal config.

@@ -3,11 +3,13 @@ the README's links (the front page, read on the forge and in /usr/share/doc) lea
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -74,3 +76,31 @@ def test_the_readmes_links_lead_to_files_and_headings_that_exist() -> None:
 def test_a_broken_link_is_told_apart(tmp_path: Path) -> None:
     (tmp_path / "a.md").write_text("# A\n\n## The one\n\n[x](b.md) [y](a.md#the-one) [z](#nope) [w](https://x/y)\n")
     assert broken_links(tmp_path / "a.md") == ["b.md", "#nope"]
+
+
+def man2md() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("man2md", REPO / "packaging" / "man" / "man2md.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("man2md", module)  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_reference_pages_are_written_from_the_man_pages_as_they_are() -> None:
+    pages = man2md().pages()
+    assert len(pages) == 4
+    for path, text in pages.items():
+        assert path.read_text() == text, f"{path.relative_to(REPO)} is stale: run python packaging/man/man2md.py"
+
+
+def test_the_reference_keeps_the_man_pages_text_and_structure() -> None:
+    m = man2md()
+    page = m.render('.TH X 8 2026\n.SH NAME\nx \\- does \\fBthis\\fR\n.SH OPTIONS\n.TP\n.BI \\-\\-for " SPAN"\n'
+                    'Hold it.\n.IP\nStill held.\n.RS\n.nf\na < b\n.fi\n.RE\n.PP\nAfter.\n', "x.8")
+    assert page.startswith("# x(8)\n")
+    assert "## NAME\n\n<p>x - does <code>this</code></p>\n" in page
+    assert ("<dl>\n<dt><code>--for</code><em> SPAN</em></dt>\n<dd>\n<p>Hold it.</p>\n<p>Still held.</p>\n"
+            '<pre><code>a &lt; b</code></pre>\n</dd>\n</dl>\n<p>After.</p>') in page
+    with pytest.raises(ValueError, match=r"\.SY"):
+        m.render(".SY x\n", "x.1")

@@ -67,3 +67,12 @@ def test_until_done_stops_on_what_is_not_a_gpuswapd_error_and_when_the_wait_give
     with pytest.raises(LookupError):
         asyncio.run(until_done(failing, (1.0, 2.0), lambda err, delay: None, give_up))
     assert calls == [1, 2]
+
+
+def test_an_attempt_counted_into_the_thousands_waits_the_cap() -> None:
+    """The cap comes before the exponent: 2 ** 1024 is past any float (seeds 7342340, 7342878)."""
+    assert backoff((0.2, 30.0), 1025) == 30.0
+    assert backoff((0.05, 1.0), 10**6) == 1.0
+    assert backoff((1.0, math.inf), 5000) == math.inf
+    assert backoff((0.0, 5.0), 10**6) == 0.0
+    assert backoff((10.0, 5.0), 10**6) == 5.0

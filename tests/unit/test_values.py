@@ -157,7 +157,7 @@ def test_a_plan_reads_back_what_it_writes_and_a_partial_one() -> None:
     document = plan.to_dict()
     assert list(document) == ["profile", "kind", "units", "configured_units", "timers", "jobs_running",
                               "resident_busy", "container", "vram", "next_open", "parked", "resident_files",
-                              "problems", "warnings", "settings", "ok"]
+                              "resident_cache", "problems", "warnings", "settings", "ok"]
     assert document["ok"] is True and document["vram"]["held_by_others"] == [{"pid": 77, "bytes": 1024,
                                                                               "unit": None}]
     assert Plan.from_dict(document) == plan

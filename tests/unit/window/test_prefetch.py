@@ -30,6 +30,7 @@ from tests.fakes import (
     PARK_CONFIG,
     PROFILES,
     RESIDENT_URL,
+    SLOT_DIR,
     FakeWorld,
     GiB,
     running,
@@ -187,7 +188,9 @@ def test_a_direct_switch_reads_nothing_into_ram() -> None:
 def test_prefetch_off_reads_nothing_and_named_files_win_over_the_units() -> None:
     off = world('prefetch = false\n')
     assert run(cycle(off))["prefetch"] is None and off.files.prefetches == 0
-    named = world(f'files = ["{MODEL_PATH}", "/models/missing.gguf"]\n')
+    # The slot save path named too: the cache's own read of the units (warm.py) is not the prefetch's.
+    named = world(f'files = ["{MODEL_PATH}", "/models/missing.gguf"]\n',
+                  f'[resident.cache]\nsave_path = "{SLOT_DIR}"\n')
     named.files.read_s = 0.0
     with structlog.testing.capture_logs() as logs:
         record = run(cycle(named, ended=True))
@@ -269,7 +272,7 @@ def test_bad_resident_files_keys_name_the_key(patch: str, says: str) -> None:
 
 
 def test_a_hung_read_of_the_units_never_holds_up_the_close() -> None:
-    fw = FakeWorld()
+    fw = world("", f'[resident.cache]\nsave_path = "{SLOT_DIR}"\n')  # only the prefetch reads the units
     answer = threading.Event()
     commands = fw.systemd.commands
 
@@ -284,15 +287,15 @@ def test_a_hung_read_of_the_units_never_holds_up_the_close() -> None:
         async with running(fw.window()) as w:
             verify = fw.http.verify
 
-            async def late_verify(check: Any, retry_until: float | None = None) -> Any:
+            async def late_verify(check: Any, retry_until: float | None = None, *more: Any) -> Any:
                 if check.url != RESIDENT_URL:  # the engine's
-                    return await verify(check, retry_until)
+                    return await verify(check, retry_until, *more)
                 # The resident answers only once the read has outlived its deadline (a slow load).
                 deadline = time.monotonic() + w.outside.systemd.deadline + 5
                 while not w.outside.status()["systemd"]["hung"] and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                 seen_hung.append(bool(w.outside.status()["systemd"]["hung"]))
-                return await verify(check, retry_until)
+                return await verify(check, retry_until, *more)
 
             fw.http.verify = late_verify  # type: ignore[method-assign]
             await w.release((await w.acquire("job", 60)).id)

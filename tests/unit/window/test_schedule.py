@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 from gpuswapd import clock
 from gpuswapd.leases import Lease, LeaseBook
@@ -182,5 +183,41 @@ def test_requests_for_the_tenant_join_while_another_waits_within_its_share() -> 
             await w.release(got.id)
             await w.release((await third).id)
             await settle(w)
+
+    run(main())
+
+
+def test_a_client_that_hangs_up_during_boot_leaves_it_running_for_a_retry_within_the_grace() -> None:
+    fw = world(abandon_grace="300ms")
+    booted = asyncio.Event()
+    healthy = fw.http.wait_healthy
+
+    async def slow(url: str, timeout: float, interval: float = 0.2, abort: Any = None) -> float:
+        await booted.wait()  # the engine boots until the test says
+        return await healthy(url, timeout, interval, abort)
+
+    fw.http.wait_healthy = slow  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            first = asyncio.create_task(w.acquire("impatient", 60))
+            await until(lambda: w.phase is Phase.BOOTING)
+            window = w.record.id if w.record is not None else None
+            first.cancel()  # its timeout: it hangs up
+            await asyncio.sleep(0.1)
+            assert w.phase is Phase.BOOTING  # within the grace, the boot goes on
+            retry = asyncio.create_task(w.acquire("impatient", 60))
+            await asyncio.sleep(0.4)  # past the grace: the retry waits for it, so it is not abandoned
+            booted.set()
+            lease = await retry
+            assert w.record is not None and w.record.id == window  # the same window, booted once
+            await w.release(lease.id)
+            await settle(w)
+            booted.clear()
+            gone = asyncio.create_task(w.acquire("impatient", 60))
+            await until(lambda: w.phase is Phase.BOOTING)
+            gone.cancel()
+            await settle(w)  # nobody came back within the grace: rolled back
+            assert w.last is not None and w.last.outcome == "rolled_back"
 
     run(main())
