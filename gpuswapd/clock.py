@@ -1,9 +1,23 @@
 """The one clock of gpuswapd: every read of the time goes through here.
 
-In service these are ``time.time`` and ``time.monotonic``. The deterministic simulation points
-both at its virtual clock (``use``), so a history of hours runs in milliseconds and replays
-exactly; asyncio's own sleeps and timeouts follow the event loop's ``time()``, which the
-simulation's loop also takes from that clock.
+Durations survive the clock (gpuswapd(8), "Time"). Every deadline and duration (lease expiry,
+linger, grace, park keep, the reconcile, the backoffs) is measured on ``CLOCK_BOOTTIME``: it never
+steps with the wall clock (NTP, an operator's ``date -s``), and it counts the time the machine was
+suspended, so a lease shorter than a suspend has ended when the machine wakes.
+
+- ``monotonic()`` is that clock: seconds since boot, suspend included.
+- ``now()`` is the daemon's time: the wall clock read once at start (``anchor``), moved on by
+  ``monotonic()`` since. Leases, windows and their timings are stamped with it: a wall step moves
+  none of them.
+- ``wall()`` is for what a person or another process reads: the log's and events' timestamps, the
+  state document's lease times and the wire's ``expires_at`` (``to_wall``: the wall-clock moment a
+  daemon time falls on, as the wall clock reads now; ``from_wall`` back).
+
+In service these read ``time.time`` and ``CLOCK_BOOTTIME``. The deterministic simulation points
+them at its virtual clocks (``use``), so a history of hours runs in milliseconds and replays
+exactly; asyncio's own sleeps and timeouts follow the event loop's ``time()`` (``CLOCK_MONOTONIC``
+in service, which stops while suspended: ``tasks.nap`` bounds every long sleep and wakes it on
+resume, and the sleeper checks its deadline on this clock again).
 """
 
 from __future__ import annotations
@@ -11,8 +25,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 _wall: Callable[[], float] = time.time
-_monotonic: Callable[[], float] = time.monotonic
+_boot: Callable[[], float] = _boottime
+STEP_S = 0.5  # the wall clock moved this far from the daemon's time: the wire's times follow it
+_anchor: tuple[float, float] = (time.time(), _boottime())  # (wall, boot) when the daemon's time was set
+_offset = 0.0  # the wall clock's lead over the daemon's time, as last seen (offset())
 
 
 def wall() -> float:
@@ -21,8 +43,38 @@ def wall() -> float:
 
 
 def monotonic() -> float:
-    """Return monotonic seconds (every deadline and duration)."""
-    return _monotonic()
+    """Return seconds on ``CLOCK_BOOTTIME`` (every deadline and duration; the time suspended counts)."""
+    return _boot()
+
+
+def now() -> float:
+    """Return the daemon's time: the wall clock at ``anchor``, moved on by ``monotonic()`` since."""
+    return _anchor[0] + (_boot() - _anchor[1])
+
+
+def anchor() -> None:
+    """Set the daemon's time to the wall clock (at start: the state document's times are wall-clock times)."""
+    global _anchor, _offset
+    _anchor, _offset = (_wall(), _boot()), 0.0
+
+
+def offset() -> float:
+    """Return how far the wall clock is ahead of the daemon's time: 0 until it is stepped (or slewed ``STEP_S``)."""
+    global _offset
+    measured = _wall() - now()
+    if abs(measured - _offset) >= STEP_S:  # two reads of two clocks differ by microseconds: not a step
+        _offset = measured
+    return _offset
+
+
+def to_wall(when: float) -> float:
+    """Return the wall-clock time at which a daemon time falls, as the wall clock reads now."""
+    return when + offset()
+
+
+def from_wall(when: float) -> float:
+    """Return the daemon time at which a wall-clock time falls, as the wall clock reads now."""
+    return when - offset()
 
 
 def stamp(when: float | None = None, fmt: str = "%Y%m%d-%H%M%S") -> str:
@@ -31,11 +83,12 @@ def stamp(when: float | None = None, fmt: str = "%Y%m%d-%H%M%S") -> str:
 
 
 def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float]) -> None:
-    """Read the time from these clocks from now on (the simulation's virtual time)."""
-    global _wall, _monotonic
-    _wall, _monotonic = wall_clock, monotonic_clock
+    """Read the time from these clocks from now on (the simulation's virtual time), anchored afresh."""
+    global _wall, _boot
+    _wall, _boot = wall_clock, monotonic_clock
+    anchor()
 
 
 def reset() -> None:
     """Read the real clocks again."""
-    use(time.time, time.monotonic)
+    use(time.time, _boottime)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from gpuswapd import __version__, clock, failpoints, instances
+from gpuswapd import __version__, clock, failpoints, instances, naps
 from gpuswapd.adapters.docker import Docker
 from gpuswapd.adapters.gpu import GpuProbe, make_probe
 from gpuswapd.adapters.openai import ModelHttp
@@ -153,6 +153,7 @@ class Daemon:
 
     async def startup(self) -> socket.socket:
         """Check the state dir, systemd and Docker, recover a left-over window, take the socket."""
+        clock.anchor()  # the daemon's time starts at the wall clock: the state document's times read as such
         self.store.prepare()
         raise_fd_limit(self.config.daemon.max_clients)
         await self.connect()
@@ -183,8 +184,22 @@ class Daemon:
             self.window.learn_names(await self.resident.unit_states(self.config.resident.units))
         except GpuswapError as err:
             log.warning("resident_names_unread", error=err.message, consequence="learned at the next reconcile")
+        await self._watch_resume(loop)
         docker_up = await self._check_image()
         await self._check_engines(docker_up)
+
+    async def _watch_resume(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake every nap when the machine resumes (logind); without logind, naps stay a few seconds."""
+        watch = getattr(self.systemd, "watch_resume", None)  # the simulation's systemd has no logind
+        told = False
+        if watch is not None:
+            try:
+                told = await self.outside.systemd.call("connect", watch,
+                                                       lambda: loop.call_soon_threadsafe(naps.resumed))
+            except GpuswapError as err:
+                log.info("resume_unwatched", error=err.message)
+        naps.resumes_told(told)
+        log.info("durations_on_boottime", resume_from="logind" if told else None, longest_nap_s=naps.longest())
 
     async def begin(self) -> None:
         """Take up what an earlier gpuswapd left, before serving anyone; then look at the resident while idle."""

@@ -2,7 +2,9 @@
 
 ``GPUSWAPD_FAILPOINT_DELAY="PHASE=SECONDS"`` makes the window wait that long right after it has
 persisted its entry into PHASE, before it acts, so a test can kill the daemon there. Phases
-after CLOSING are named ``PHASE:closing`` (WAITING_VRAM happens on both ways).
+after CLOSING are named ``PHASE:closing`` (WAITING_VRAM happens on both ways). One more point is
+not a phase: ``prefetch:measured``, between the close's measure of the resident's model files and
+its read of them (where a test swaps a file).
 
 ``GPUSWAPD_FAILPOINT_SHUTDOWN_BOUND=SECONDS`` shortens the shutdown's bound (never lengthens it:
 the units' ``TimeoutStopSec=`` is sized for the real one), so a test can see it run out.

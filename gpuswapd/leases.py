@@ -1,4 +1,9 @@
-"""Leases on the GPU window: who holds it, until when. Pure logic; the caller owns the clock."""
+"""Leases on the GPU window: who holds it, until when. Pure logic; the caller owns the clock.
+
+A lease's times are the daemon's (``clock.now``: a wall step moves none); what it says of itself
+to the wire and the state document is in wall-clock time (``clock.to_wall``), what it reads back
+is turned into the daemon's again.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuswapd import ids
+from gpuswapd import clock, ids
 from gpuswapd.errors import LeaseNotFound
 
 
@@ -32,14 +37,14 @@ class Lease:
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
         """Serialize; with ``now``, include the seconds remaining."""
-        expires_at = self.expires_at if math.isfinite(self.expires_at) else None  # null: until released
-        out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": self.granted_at,
+        expires_at = clock.to_wall(self.expires_at) if math.isfinite(self.expires_at) else None  # null: until released
+        out: dict[str, Any] = {"id": self.id, "holder": self.holder, "granted_at": clock.to_wall(self.granted_at),
                                "expires_at": expires_at, "unit": self.unit, "uid": self.uid,
                                "priority": self.priority, "bind": "connection" if self.bound else None}
         if self.token is not None:
             out["token"] = self.token
         if self.reclaim_by is not None:
-            out["reclaim_by"] = self.reclaim_by
+            out["reclaim_by"] = clock.to_wall(self.reclaim_by)
         if now is not None:
             left = self.remaining(now)
             out["remaining_s"] = round(left, 3) if math.isfinite(left) else None  # null: until released
@@ -48,9 +53,14 @@ class Lease:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:
         """Rebuild a lease from ``to_dict`` output."""
-        return cls(str(data["id"]), str(data["holder"]), float(data["granted_at"]),
-                   _expiry(data["expires_at"]), data.get("unit"), data.get("uid"), int(data.get("priority") or 0),
-                   data.get("bind") == "connection", _hex(data.get("token")), _when(data.get("reclaim_by")))
+        return cls(str(data["id"]), str(data["holder"]), clock.from_wall(float(data["granted_at"])),
+                   clock.from_wall(_expiry(data["expires_at"])), data.get("unit"), data.get("uid"),
+                   int(data.get("priority") or 0), data.get("bind") == "connection", _hex(data.get("token")),
+                   _from_wall(_when(data.get("reclaim_by"))))
+
+
+def _from_wall(value: float | None) -> float | None:
+    return None if value is None else clock.from_wall(value)
 
 
 def _hex(value: Any) -> str | None:

@@ -68,6 +68,8 @@ LOOKS_ONLY: dict[str, frozenset[str]] = {"systemd": frozenset({"commands"})}
 CHANGES: dict[str, frozenset[str]] = {"systemd": frozenset({"queue_jobs", "job"}),
                                       "docker": frozenset({"create", "start", "stop", "remove"})}
 
+CANCELLED_GRACE_S = 2.0  # a call whose caller went away and that has not returned after this holds a worker
+
 # Raised when a call of that lane misses its deadline or the lane is hung.
 _ERRORS: dict[str, type[GpuswapError]] = {
     "systemd": BusUnavailable, "docker": DockerUnavailable, "gpu": GpuProbeError, "state": StateError,
@@ -186,6 +188,10 @@ class Lane:
         except asyncio.CancelledError:
             if not future.done() and name in CHANGES.get(self.system, frozenset()):
                 self._hung(name, future, started, abandoned=True)
+            elif not future.done():
+                # A call told to stop (the prefetch's stop event) returns within a moment; one that
+                # does not still holds a worker, and is counted and shown as hung until it returns.
+                loop.call_later(CANCELLED_GRACE_S, self._still_running, name, future, started)
             raise
         finally:
             if not future.done():
@@ -225,6 +231,10 @@ class Lane:
     async def drained(self) -> None:
         """Wait until every call that outlived its deadline has returned (and done what it did)."""
         await self._drained.wait()
+
+    def _still_running(self, name: str, future: asyncio.Future[Any], started: float) -> None:
+        if not future.done() and id(future) not in self._stuck:
+            self._hung(name, future, started)
 
     def _hung(self, name: str, future: asyncio.Future[Any], started: float, abandoned: bool = False) -> None:
         key = id(future)

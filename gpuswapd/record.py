@@ -338,7 +338,7 @@ class WindowRecord:
     @classmethod
     def new(cls, now: float | None = None) -> WindowRecord:
         """Start the record of a new window."""
-        return cls(id=f"{clock.stamp()}-{ids.token(3)}", opened_at=now or clock.wall())
+        return cls(id=f"{clock.stamp()}-{ids.token(3)}", opened_at=now or clock.now())
 
     @property
     def pending_switch(self) -> bool:
@@ -353,7 +353,7 @@ class WindowRecord:
     def enter(self, phase: Phase, now: float | None = None) -> None:
         """Move to ``phase`` (checked against the transition table) and time it."""
         check_transition(self.phase, phase)
-        now = clock.wall() if now is None else now
+        now = clock.now() if now is None else now
         if self.timings and self.timings[-1].ended_at is None:
             self.timings[-1].ended_at = now
         stage = "close" if self.closing or phase is Phase.CLOSING else "open"
@@ -372,7 +372,7 @@ class WindowRecord:
 
     def took(self, phase: Phase, stage: str | None = None) -> float:
         """Sum the seconds spent in ``phase`` (of one ``stage``, if given)."""
-        return sum((t.ended_at or clock.wall()) - t.started_at for t in self.timings
+        return sum((t.ended_at or clock.now()) - t.started_at for t in self.timings
                    if t.phase is phase and (stage is None or t.stage == stage))
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
@@ -545,7 +545,8 @@ def _lease(data: Any, where: str) -> Lease:
     bind = d.text("bind", optional=True)
     if bind not in (None, "connection"):
         raise ValueError(f"{where}.bind: expected null or 'connection', got {bind!r}")
-    return Lease(d.text("id"), d.text("holder"), d.number("granted_at"), expires_at,
+    # Written as wall-clock times (Lease.to_dict): back to the daemon's time, as the wall clock reads now.
+    return Lease(d.text("id"), d.text("holder"), clock.from_wall(d.number("granted_at")), clock.from_wall(expires_at),
                  d.text("unit", optional=True), None if uid is None else int(uid),
                  int(d.number("priority", default=0)), bind == "connection", d.text("token", optional=True),
                  d.number("reclaim_by", optional=True))

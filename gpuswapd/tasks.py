@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from gpuswapd import workers
+from gpuswapd import clock, naps, workers
 from gpuswapd.logs import log
 
 T = TypeVar("T")
@@ -57,16 +57,11 @@ async def reap(task: asyncio.Task[Any] | None) -> None:
 async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
     """Sleep up to ``seconds``, waking early when ``event`` is set; tell whether it is.
 
+    The seconds are counted on ``CLOCK_BOOTTIME``: a suspend meanwhile counts (``naps``).
+
     Unlike ``wait_for`` with a suppressed TimeoutError, a cancellation always gets through.
     """
-    if event.is_set():
-        return True
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter}, timeout=max(0.0, seconds))
-    finally:
-        waiter.cancel()
-    return event.is_set()
+    return await naps.sleep_until(clock.monotonic() + seconds, event)
 
 
 def retrieve(task: asyncio.Task[Any]) -> None:

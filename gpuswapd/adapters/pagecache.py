@@ -7,6 +7,13 @@ with posix_fadvise(WILLNEED) while this one is read, so the disk always has work
 chunks it looks at its ``stop`` event: the window's close ends it within one chunk. The bytes it
 reads land in the page cache, where llama.cpp's mmap finds them when the resident starts.
 
+Whatever a path names at read time is not trusted: every file is opened ``O_NONBLOCK`` (a FIFO
+swapped in does not block a worker in open(2)) and ``O_NOFOLLOW`` with one symlink followed by hand
+(a Hugging Face cache's snapshot links to its blob; a link to a link is refused), then ``fstat``:
+only a regular file is measured or read. A prefetch reads only what was measured: the file it
+opened must be the one measured (device, inode and size), else it is skipped and said so
+(``Progress.skipped``), and it reads no more than the size measured.
+
 These are blocking calls: gpuswapd runs them on the ``files`` lane's workers (gpuswapd/outside.py).
 """
 
@@ -20,13 +27,29 @@ import pwd
 import stat
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 WINDOW = 1 << 30  # mapped at once to ask mincore (its vector: one byte per page, 256 KiB)
 CHUNK = 16 << 20  # read at once by a prefetch: how soon a stop is seen
 _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore sets bit 0 of a page's byte when it is resident
+
+
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class NotRegular(OSError):
+    """The path names no regular file (a FIFO, a device, a directory, a socket)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which file was measured: a prefetch reads it only if the file it opens is still this one."""
+
+    device: int
+    inode: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,7 @@ class FileCache:
     mode: str = ""  # e.g. "0640", with owner and group, for a message about permissions
     owner: str = ""
     group: str = ""
+    identity: Identity | None = None  # the file measured (None: it could not be)
 
     @property
     def ratio(self) -> float:
@@ -63,6 +87,8 @@ class Progress:
 
     cached: int = 0  # bytes of the files known to be in the page cache
     read: int = 0  # bytes it read from disk
+    measured: dict[str, Identity] = field(default_factory=dict)  # what it may read: each path's file as measured
+    skipped: list[str] = field(default_factory=list)  # files it did not read, each with why
 
 
 class Files(Protocol):
@@ -91,40 +117,90 @@ class PageCache:
         return Measured(tuple(out), mem_available())
 
     def prefetch(self, paths: Sequence[str], stop: threading.Event, progress: Progress) -> Progress:
-        """Read the files in order, skipping what is cached, until done or ``stop`` is set."""
+        """Read the files in order, skipping what is cached, until done or ``stop`` is set.
+
+        Only a file as measured (``progress.measured``) is read; any other is skipped, and why is
+        added to ``progress.skipped``.
+        """
         for path in paths:
             if stop.is_set():
                 break
+            expected = progress.measured.get(path)
+            if expected is None:
+                progress.skipped.append(f"{path}: not measured")
+                continue
             try:
-                _prefetch_file(path, stop, progress)
-            except OSError:
-                continue  # measured as missing or unreadable already, or gone since: the next one
+                fd, st = open_file(path)
+            except OSError as err:
+                progress.skipped.append(f"{path}: {_why(err)} (it was a regular file when measured)")
+                continue
+            try:
+                found = Identity(st.st_dev, st.st_ino, st.st_size)
+                if found != expected:
+                    progress.skipped.append(f"{path}: not the file measured (device {found.device}, inode "
+                                            f"{found.inode}, {found.size} bytes; measured: device {expected.device}, "
+                                            f"inode {expected.inode}, {expected.size} bytes)")
+                    continue
+                _prefetch_fd(fd, expected.size, stop, progress)
+            except OSError as err:
+                progress.skipped.append(f"{path}: {_why(err)}")
+            finally:
+                os.close(fd)
         return progress
+
+
+def open_file(path: str) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading without blocking; follow one symlink, no more; return it and its fstat.
+
+    O_NONBLOCK: a FIFO opens at once (and is refused), instead of holding the caller until a writer
+    comes. O_NOFOLLOW: a link is followed here, once, to the path it names (a link to a link is
+    refused: ELOOP). NotRegular for anything but a regular file.
+    """
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as err:
+        if err.errno != errnos.ELOOP or not os.path.islink(path):
+            raise
+        target = os.path.join(os.path.dirname(path), os.readlink(path))
+        fd = os.open(target, OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errnos.EINVAL, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def measure_file(path: str) -> FileCache:
     """Measure one file; a file that cannot be measured says why."""
     real = os.path.realpath(path)
     try:
-        st = os.stat(path)
-    except OSError as err:  # EACCES here: a directory on the way that gpuswapd may not search
-        return FileCache(path, real, error=_why(err), denied=err.errno in (errnos.EACCES, errnos.EPERM))
-    owner, group = _name(pwd.getpwuid, st.st_uid), _name(grp.getgrgid, st.st_gid)
-    mode = f"{stat.S_IMODE(st.st_mode):04o}"
-    if not stat.S_ISREG(st.st_mode):
-        return FileCache(path, real, error="not a regular file", mode=mode, owner=owner, group=group)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = open_file(path)
+    except NotRegular:
+        return FileCache(path, real, error="not a regular file")
     except OSError as err:
-        return FileCache(path, real, st.st_size, error=_why(err), denied=err.errno in (errnos.EACCES, errnos.EPERM),
-                         mode=mode, owner=owner, group=group)
+        denied = err.errno in (errnos.EACCES, errnos.EPERM)
+        try:
+            st = os.stat(path)
+        except OSError:  # EACCES here: a directory on the way that gpuswapd may not search
+            return FileCache(path, real, error=_why(err), denied=denied)
+        return replace(_owned(path, real, st), size=st.st_size, error=_why(err), denied=denied)
     try:
-        size = os.fstat(fd).st_size
-        return FileCache(path, real, size, cached_bytes(fd, 0, size), mode=mode, owner=owner, group=group)
+        cached = cached_bytes(fd, 0, st.st_size)
     except OSError as err:
-        return FileCache(path, real, st.st_size, error=_why(err), mode=mode, owner=owner, group=group)
+        return replace(_owned(path, real, st), size=st.st_size, error=_why(err))
     finally:
         os.close(fd)
+    return replace(_owned(path, real, st), size=st.st_size, cached=cached,
+                   identity=Identity(st.st_dev, st.st_ino, st.st_size))
+
+
+def _owned(path: str, real: str, st: os.stat_result) -> FileCache:
+    """Start a file's record with its mode, owner and group (for a message about permissions)."""
+    return FileCache(path, real, mode=f"{stat.S_IMODE(st.st_mode):04o}", owner=_name(pwd.getpwuid, st.st_uid),
+                     group=_name(grp.getgrgid, st.st_gid))
 
 
 def cached_bytes(fd: int, offset: int, length: int) -> int:
@@ -151,35 +227,31 @@ def _resident_pages(fd: int, offset: int, span: int, pages: int) -> int:
         _libc.munmap(ctypes.c_void_p(addr), span)
 
 
-def _prefetch_file(path: str, stop: threading.Event, progress: Progress) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buf = memoryview(bytearray(CHUNK))
-        before: dict[int, int] = {}  # chunk -> bytes of it cached before this prefetch touched it
+def _prefetch_fd(fd: int, size: int, stop: threading.Event, progress: Progress) -> None:
+    """Read ``size`` bytes of an open file into the page cache, what is not there yet, until ``stop``."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buf = memoryview(bytearray(CHUNK))
+    before: dict[int, int] = {}  # chunk -> bytes of it cached before this prefetch touched it
 
-        def announce(offset: int) -> None:
-            """Note what of a chunk is cached, then ask the kernel to start reading the rest."""
-            if offset < size and offset not in before:
-                n = min(CHUNK, size - offset)
-                before[offset] = cached_bytes(fd, offset, n)
-                if before[offset] < n:
-                    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
-
-        offset = 0
-        announce(offset)
-        while offset < size and not stop.is_set():
+    def announce(offset: int) -> None:
+        """Note what of a chunk is cached, then ask the kernel to start reading the rest."""
+        if offset < size and offset not in before:
             n = min(CHUNK, size - offset)
-            announce(offset + n)  # the disk has the next chunk queued while this one is copied
-            if cached_bytes(fd, offset, n) < n:
-                _read(fd, buf[:n], offset)
-            brought = n - before.pop(offset)
-            progress.read += brought
-            progress.cached += brought
-            offset += n
-    finally:
-        os.close(fd)
+            before[offset] = cached_bytes(fd, offset, n)
+            if before[offset] < n:
+                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+
+    offset = 0
+    announce(offset)
+    while offset < size and not stop.is_set():
+        n = min(CHUNK, size - offset)
+        announce(offset + n)  # the disk has the next chunk queued while this one is copied
+        if cached_bytes(fd, offset, n) < n:
+            _read(fd, buf[:n], offset)
+        brought = n - before.pop(offset)
+        progress.read += brought
+        progress.cached += brought
+        offset += n
 
 
 def _read(fd: int, view: memoryview, offset: int) -> None:

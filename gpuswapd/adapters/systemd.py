@@ -16,7 +16,7 @@ from gi.repository import Gio, GLib
 from pydbus import SystemBus
 
 from gpuswapd import clock
-from gpuswapd.adapters.unitnames import unit_from_cgroup, unit_from_path
+from gpuswapd.adapters.unitnames import Owner, cgroup_of, owner_of, unit_from_path
 from gpuswapd.adapters.unitstates import ACTIVE, Commands, JobResults, ServiceProcesses, TimerState, UnitState
 from gpuswapd.errors import BusUnavailable, JobFailed, SystemdError, UnitNotFound
 
@@ -26,7 +26,7 @@ R = TypeVar("R")
 _SYSTEMD = "org.freedesktop.systemd1"
 _MANAGER_PATH = "/org/freedesktop/systemd1"
 _UNIT_IFACE = "org.freedesktop.systemd1.Unit"
-ROOT_SLICE = "-.slice"  # the unit of every process in no other one
+_LOGIND = "org.freedesktop.login1"
 _TIMER_IFACE = "org.freedesktop.systemd1.Timer"
 _SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 # Reverse dependency properties: who Requires=, BindsTo= or is PartOf= this unit.
@@ -73,6 +73,9 @@ class Systemd:
         self._state_subscription: Any = None
         self._timer_units: dict[str, str] = {}
         self._state_watchers: list[Callable[[str, str], None]] = []
+        self._resume_subscription: Any = None
+        self._resume_watchers: list[Callable[[], None]] = []
+        self._owners: dict[str, str] = {}  # cgroups this manager confirmed are a unit's (unitnames.owner_of)
 
     @_systemd_errors
     def connect(self) -> None:
@@ -100,9 +103,10 @@ class Systemd:
                 # One subscription per connection; another Systemd on this connection made it.
                 if Gio.DBusError.get_remote_error(err) != "org.freedesktop.systemd1.AlreadySubscribed":
                     raise
-            self._state_subscription = None
+            self._state_subscription = self._resume_subscription = None
             self._bus, self._manager = bus, manager
             self._subscribe_states()
+            self._subscribe_resume()
             _start_glib_loop()
 
     def _subscribe_states(self) -> None:
@@ -112,12 +116,19 @@ class Systemd:
                 arg0=_UNIT_IFACE, signal_fired=self._on_properties_changed,
             )
 
+    def _subscribe_resume(self) -> None:
+        if self._resume_watchers and self._resume_subscription is None and self._bus is not None:
+            self._resume_subscription = self._bus.subscribe(
+                sender=_LOGIND, iface="org.freedesktop.login1.Manager", signal="PrepareForSleep",
+                object="/org/freedesktop/login1", signal_fired=self._on_prepare_for_sleep,
+            )
+
     def close(self) -> None:
         """Stop receiving signals."""
-        for sub in (self._subscription, self._state_subscription):
+        for sub in (self._subscription, self._state_subscription, self._resume_subscription):
             if sub is not None:
                 sub.unsubscribe()
-        self._subscription = self._state_subscription = None
+        self._subscription = self._state_subscription = self._resume_subscription = None
 
     def _on_job_removed(self, _sender: str, _obj: str, _iface: str, _sig: str, params: Any) -> None:
         _job_id, path, _unit, result = params
@@ -273,22 +284,32 @@ class Systemd:
                                 int(props.get("MainPID") or 0), int(props.get("ControlPID") or 0))
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Name the unit a process belongs to (from its cgroup, else asking systemd); None: it is gone."""
+        """Name whose a process is: its system unit, else a stranger's (never a unit name); None: it is gone."""
+        owner = self.owner_of_pid(pid)
+        return None if owner is None else owner.name
+
+    def owner_of_pid(self, pid: int) -> Owner | None:
+        """Find the system unit that owns a process, as this manager confirms it (None: the process is gone).
+
+        The process's cgroup is read from /proc and its outermost unit confirmed by the manager's
+        ``ControlGroup`` (cached by cgroup path): a user manager's ``strata.service`` is a stranger's,
+        and so is a process in a cgroup no system unit owns (the root cgroup, Docker's cgroupfs
+        driver). Where /proc hides the process (hidepid=), the manager's ``GetUnitByPID`` says.
+        """
         try:
-            unit = unit_from_cgroup(pid)
+            cgroup = cgroup_of(pid)
         except OSError:
             pass  # /proc hides it (hidepid=), or it has exited: ask systemd
         else:
-            # Alive in a cgroup that names no unit (the root cgroup, Docker's cgroupfs driver, a host
-            # without systemd): systemd would name the root slice too. None would say it had exited,
-            # and its memory would be counted as coming free.
-            return unit if unit is not None else ROOT_SLICE
+            return owner_of(cgroup or "/", self.control_group, self._owners)
         try:
             path = self._mgr().GetUnitByPID(pid, timeout=self._timeout)
             props = self._properties(path).GetAll(_UNIT_IFACE, timeout=self._timeout)
         except GLib.Error:
             return None
-        return str(props["Id"])
+        unit = str(props["Id"])
+        # A slice holds no process of its own: one in a slice's cgroup is in no service or scope.
+        return Owner(None if unit.endswith(".slice") else unit, f"the cgroup of {unit}")
 
     def watch_active_state(self, watcher: Callable[[str, str], None]) -> None:
         """Call ``watcher(unit, active_state)`` from the signal thread when a unit's state changes."""
@@ -296,6 +317,28 @@ class Systemd:
         with self._lock:
             self._state_watchers.append(watcher)
             self._subscribe_states()
+
+    @_systemd_errors
+    def watch_resume(self, watcher: Callable[[], None]) -> bool:
+        """Call ``watcher()`` from the signal thread whenever the machine resumes from a suspend.
+
+        logind says so (``PrepareForSleep(false)``); tell whether logind is on this bus to say it
+        (without it, nobody calls: gpuswapd's naps stay short).
+        """
+        self.connect()
+        with self._lock:
+            self._resume_watchers.append(watcher)
+            self._subscribe_resume()
+            dbus = self._bus.get("org.freedesktop.DBus", "/org/freedesktop/DBus", timeout=self._timeout)
+        if dbus.NameHasOwner(_LOGIND, timeout=self._timeout):
+            return True
+        return _LOGIND in dbus.ListActivatableNames(timeout=self._timeout)
+
+    def _on_prepare_for_sleep(self, _sender: str, _path: str, _iface: str, _sig: str, params: Any) -> None:
+        (sleeping,) = params
+        if not sleeping:  # false: it has resumed
+            for watcher in list(self._resume_watchers):
+                watcher()
 
     def _on_properties_changed(self, _sender: str, path: str, _iface: str, _sig: str, params: Any) -> None:
         iface, changed, _invalidated = params

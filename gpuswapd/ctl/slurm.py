@@ -6,8 +6,10 @@ slurmd runs ``gpuswapctl slurm-prolog`` (``Prolog=``) as root when a job is allo
 it (``SLURM_JOB_GPUS``) to a gpuswapd instance and names the default profile; a job asks for
 another with ``--comment=gpuswap:PROFILE``, read from slurmd's own ``SLURM_JOB_COMMENT`` (or
 squeue), never from a line the user's job name shares. A bad or unknown profile cancels the job
-and leaves the node in service; any other failure fails the Prolog (the node drains). Each GPU's
-lease is held by
+and leaves the node in service; so does a Prolog whose acquires do not finish within its bound, a
+little below Slurm's ``PrologEpilogTimeout`` (a job waiting behind a long lease: past that timeout
+slurmd would kill the Prolog and drain the node); any other failure fails the Prolog (the node
+drains). Each GPU's lease is held by
 ``slurm-job-ID`` "for infinity": only the Epilog's release, or ``slurm-reconcile`` once Slurm no
 longer runs the job, ends it.
 """
@@ -19,12 +21,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from dataclasses import dataclass
 from typing import Any
 
 from gpuswapd.ctl.client import Client, Unreachable
-from gpuswapd.errors import GpuswapError, LeaseNotFound, UnknownProfile
+from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, UnknownProfile
 from gpuswapd.instances import DEFAULT_INSTANCE, socket_of, valid_name
 
 MAP_PATH = "/etc/gpuswapd/slurm/gpus.toml"
@@ -35,6 +38,8 @@ SLURM_TIMEOUT_S = 30.0  # scontrol/squeue: slurmctld answers in well under a sec
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 _HOLDER = re.compile(rf"^{HOLDER_PREFIX}(\d+)$")
 EXIT_OK, EXIT_FAILED = 0, 1
+NO_TIMEOUT = 65534  # Slurm's NO_VAL16: PrologEpilogTimeout unset, slurmd waits for the Prolog for ever
+PROLOG_MARGIN_S = (5.0, 0.1)  # the bound is this far below PrologEpilogTimeout: at least 5 s, or a tenth
 
 
 class SlurmError(Exception):
@@ -153,8 +158,33 @@ def _job_id() -> str:
     return job
 
 
+def prolog_timeout(config: str) -> int | None:
+    """Read ``PrologEpilogTimeout`` from ``scontrol show config`` (None: unset, slurmd waits for ever)."""
+    for line in config.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and key.strip() == "PrologEpilogTimeout":
+            words = value.split()
+            if words and words[0].isdigit() and 0 < int(words[0]) < NO_TIMEOUT:
+                return int(words[0])
+            return None  # UNLIMITED, 65534 (unset)
+    return None
+
+
+def prolog_bound(timeout: int | None) -> float | None:
+    """Give the Prolog's acquires a bound below ``timeout``: a job that waits longer is failed, not the node."""
+    if timeout is None:
+        return None
+    least, share = PROLOG_MARGIN_S
+    return max(1.0, timeout - min(max(least, share * timeout), timeout / 2))
+
+
 def prolog() -> int:
-    """Acquire a lease on each of the job's GPUs; on any failure give back what was got, exit 1."""
+    """Acquire a lease on each of the job's GPUs within the bound; on a failure give back what was got.
+
+    The job's own failures (a bad profile, the bound run out) cancel the job and keep the node in
+    service (exit 0); gpuswapd or the map in the way fails the Prolog (exit 1: the node drains).
+    """
+    started = time.monotonic()
     try:
         job = _job_id()
         gpus = job_gpus(os.environ.get("SLURM_JOB_GPUS"))
@@ -167,23 +197,40 @@ def prolog() -> int:
         return _cancel(job, f"slurm-prolog: {err}")
     except SlurmError as err:
         return _fail(None, f"slurm-prolog: {err}")
+    try:
+        timeout = prolog_timeout(_slurm("scontrol", "show", "config"))
+    except SlurmError as err:
+        return _fail(job, f"slurm-prolog: job {job}: cannot read PrologEpilogTimeout: {err}")
+    bound = prolog_bound(timeout)
     holder = f"{HOLDER_PREFIX}{job}"
     got: list[tuple[str, str]] = []
     for gpu, name in zip(gpus, instances, strict=True):
         request: dict[str, Any] = {"op": "acquire", "for": "infinity", "holder": holder, "wait": True}
         if profile != "default":
             request["profile"] = profile
+        left = None if bound is None else bound - (time.monotonic() - started)
         try:
+            if left is not None:
+                if left <= 0:
+                    raise AcquireTimeout(f"no time was left of the Prolog's {bound:g}s")
+                request["timeout"] = round(left, 3)  # gpuswapd withdraws the acquire then
             with Client(socket_of(name)) as client:
-                reply = client.request(request, timeout=None)  # PrologEpilogTimeout bounds the wait
+                # A line within the bound, and a little more: the daemon's own answer says why.
+                reply = client.request(request, timeout=None if left is None else left + PROLOG_MARGIN_S[0])
         except (Unreachable, GpuswapError, OSError) as err:
             why = err.message if isinstance(err, GpuswapError) else str(err)
             if isinstance(err, UnknownProfile):
                 why = f"job {job} asks for profile {profile!r}, which gpuswapd instance {name} does not have: {why}"
+            late = isinstance(err, AcquireTimeout) or (bound is not None and time.monotonic() - started >= bound)
+            if late:
+                # No "=" in it: scontrol update cuts an AdminComment short at a second one.
+                why = (f"not ready within the Prolog's bound of {bound:g}s ({timeout}s of PrologEpilogTimeout less a "
+                       f"margin): {why}; "
+                       "the job is cancelled, the node stays in service: submit it again later")
             undone = _give_back(got)
             message = f"slurm-prolog: job {job}: GPU {gpu} (gpuswapd instance {name}): {why}{undone}"
-            # An unknown profile is the job's own request: the job fails, the node stays in service.
-            return _cancel(job, message) if isinstance(err, UnknownProfile) else _fail(job, message)
+            # An unknown profile, or a wait past the bound, is the job's: it fails, the node stays in service.
+            return _cancel(job, message) if isinstance(err, UnknownProfile) or late else _fail(job, message)
         got.append((name, reply["lease"]["id"]))
         print(f"slurm-prolog: job {job}: GPU {gpu} held (instance {name}, profile {reply.get('profile', profile)}, "
               f"lease {reply['lease']['id']})", file=sys.stderr)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import GatewayConfig
 from gpuswapd.errors import GpuswapError, LeaseNotFound
 from gpuswapd.gateway.errors import TooManyWaiting, Unavailable
@@ -114,7 +114,7 @@ class OurLease:
 
     held: HeldLease
     profile: str
-    expires_at: float  # wall clock; math.inf for none
+    expires_at: float  # the gateway's clock.now() (ends_at: from the wire's remaining_s); math.inf for none
     last_end: float = field(default_factory=clock.monotonic)
     flights: set[Flight] = field(default_factory=set)
     doomed: bool = False  # preempting: new requests acquire again
@@ -129,7 +129,7 @@ class OurLease:
 
     def usable(self) -> bool:
         """Tell whether a new request may be served under this lease (and it will outlive the request)."""
-        return not self.doomed and not self.ending and clock.wall() < self.expires_at - self.margin
+        return not self.doomed and not self.ending and clock.now() < self.expires_at - self.margin
 
 
 @dataclass(eq=False)
@@ -575,8 +575,8 @@ class Demand:
         if opening is not None and opening.phase not in ("QUEUED", "READY"):
             self.price[profile] = took  # the card moved: what it cost
         expires = held.lease.get("expires_at")
-        lease = OurLease(held, profile, math.inf if expires is None else float(expires))
-        left = lease.expires_at - clock.wall()
+        lease = OurLease(held, profile, ends_at(held.lease))
+        left = lease.expires_at - clock.now()
         lease.margin = min(self.lease_s / 3, left / 2, max(BOARD_MIN_S, 1.5 * self.longest.get(profile, 0.0)))
         previous = self.leases.get(profile)
         if not any(x.profile != profile and not x.ending for x in self.leases.values()):
@@ -620,7 +620,7 @@ class Demand:
             if not lease.flights and not self._wanted(lease.profile) and now - lease.last_end >= keep:
                 await self._release(lease, f"idle for {keep:g}s")
                 return
-            left = lease.expires_at - clock.wall()
+            left = lease.expires_at - clock.now()
             if left <= 0:
                 log.info("gateway_lease_expired", profile=lease.profile, lease=lease.held.id)
                 self._forget(lease)
@@ -629,7 +629,7 @@ class Demand:
                 await self._renew(lease)
                 if lease.ending:
                     return
-                left = lease.expires_at - clock.wall()
+                left = lease.expires_at - clock.now()
             if lease.renew_failures:
                 wake_in = [max(0.0, lease.retry_at - clock.monotonic()), left]
             else:
@@ -639,9 +639,11 @@ class Demand:
                 if gap > 0:
                     wake_in.append(gap)
             lease.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.05, min(wake_in))):
-                    await lease.wake.wait()
+            waker = asyncio.ensure_future(lease.wake.wait())
+            try:
+                await naps.nap(max(0.05, min(wake_in)), waker)  # a suspend meanwhile: looked at again on waking
+            finally:
+                waker.cancel()
 
     async def _renew(self, lease: OurLease) -> None:
         try:
@@ -656,7 +658,7 @@ class Demand:
             lease.retry_at = clock.monotonic() + delay
             self.meters.renew_failures.inc()
             log.warning("gateway_renew_failed", lease=lease.held.id, error=err.message, retry_in_s=delay,
-                        left_s=round(lease.expires_at - clock.wall(), 1))
+                        left_s=round(lease.expires_at - clock.now(), 1))
             return
         if lease.renew_failures:
             log.info("gateway_renewed_after_failures", lease=lease.held.id, failures=lease.renew_failures)
@@ -664,7 +666,7 @@ class Demand:
         lease.retry_at = 0.0
         got = reply.get("lease") or {}
         expires = got.get("expires_at")
-        lease.expires_at = math.inf if expires is None else float(expires)
+        lease.expires_at = ends_at(got)
         if reply.get("capped"):
             log.info("gateway_renew_capped", lease=lease.held.id, expires_at=expires)
 
@@ -746,8 +748,22 @@ def _retry_after(status: dict[str, Any]) -> int | None:
     return max(1, math.ceil(float(back["in_s"])))
 
 
+def ends_at(lease: dict[str, Any]) -> float:
+    """Say when a lease from the wire ends on this process's ``clock.now()`` (math.inf: when released).
+
+    gpuswapd's ``remaining_s`` is measured on its CLOCK_BOOTTIME, and so is ``clock.now()`` here:
+    a wall step in either process moves neither. Without it, the wall-clock ``expires_at``.
+    """
+    if lease.get("expires_at") is None:
+        return math.inf
+    left = lease.get("remaining_s")
+    if isinstance(left, (int, float)):
+        return clock.now() + float(left)
+    return clock.from_wall(float(lease["expires_at"]))
+
+
 def _until(expires_at: Any) -> str:
     if not isinstance(expires_at, (int, float)):
         return "released"
-    left = expires_at - clock.wall()
+    left = expires_at - clock.now()  # another holder's expiry, from the wire: a wall-clock time
     return f"in {max(0, round(left))}s"

@@ -73,7 +73,7 @@ class Observers:
         if rec is None:
             return {}
         return {"window": rec.id, "phase": str(rec.phase), "stage": rec.timings[-1].stage if rec.timings else None,
-                "elapsed_s": round(clock.wall() - rec.opened_at, 3)}
+                "elapsed_s": round(clock.now() - rec.opened_at, 3)}
 
     def _on_event(self, event: Event) -> None:
         self.metrics.on_event(event)

@@ -2,7 +2,8 @@
 
 llama.cpp's ``llama-server`` names its files with ``-m``/``--model``, ``--mmproj`` and
 ``-md``/``--model-draft``, or with the environment variables ``LLAMA_ARG_MODEL``,
-``LLAMA_ARG_MMPROJ`` and ``LLAMA_ARG_MODEL_DRAFT``. A wrapper (``gpu_hold.py -- llama-server
+``LLAMA_ARG_MMPROJ`` and ``LLAMA_ARG_MODEL_DRAFT``. Options count only after a ``llama-*``
+program: ``python -m pkg`` names a module, not a model. A wrapper (``gpu_hold.py -- llama-server
 ...``, ``sh -c "exec llama-server ..."``) is read the same way: any argument of the command line
 counts, and an argument holding a whole command line is split as a shell would. ``$VAR`` and
 ``${VAR}`` are taken from the unit's Environment=. What cannot be resolved to a path (``-hf``:
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from gpuswapd.adapters.unitstates import Commands
 
 MODEL_OPTIONS = frozenset({"-m", "--model", "--mmproj", "-md", "--model-draft"})
+LLAMA_PROGRAM = "llama-"  # llama-server, llama-cli, llama-mtmd-cli …: the programs whose -m is a model file
 MODEL_VARIABLES = ("LLAMA_ARG_MODEL", "LLAMA_ARG_MMPROJ", "LLAMA_ARG_MODEL_DRAFT")
 # Downloaded by llama.cpp (Hugging Face, a URL) into its cache: no path to name.
 DOWNLOAD_OPTIONS = frozenset({"-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hfd", "-hfrd", "--hf-repo-draft",
@@ -52,8 +54,14 @@ def model_files(cmds: Commands) -> Found:
             found.paths.extend(p for p in split_parts(path) if p not in found.paths)
 
     for argv in cmds.argvs:
-        words = _words(argv[1:])
+        words = _words(argv)
+        server = False  # the options are llama.cpp's only after a llama-* program (not python's -m, say)
         for i, word in enumerate(words):
+            if not word.startswith("-") and os.path.basename(word).startswith(LLAMA_PROGRAM):
+                server = True
+                continue
+            if not server:
+                continue
             option, eq, inline = word.partition("=")
             if option in MODEL_OPTIONS and word.startswith("--") and eq:
                 take(option, inline)

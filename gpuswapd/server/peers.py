@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import grp
 import pwd
-import re
 import socket
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,14 +36,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuswapd.adapters import kernel
 from gpuswapd.adapters.kernel import Process
-from gpuswapd.adapters.unitnames import service_prefixes
+from gpuswapd.adapters.unitnames import USER_MANAGER, owner_of
 from gpuswapd.adapters.unitstates import ServiceProcesses
-from gpuswapd.errors import GpuswapError, PermissionDenied, UnitNotFound
+from gpuswapd.errors import GpuswapError, PermissionDenied
 from gpuswapd.leases import Lease
 from gpuswapd.logs import log
 from gpuswapd.outside import Lane
-
-USER_MANAGER = re.compile(r"^user@\d+\.service$")
 
 if TYPE_CHECKING:  # the D-Bus adapter needs PyGObject, which tests of the logic do without
     from gpuswapd.adapters.systemd import Systemd
@@ -195,8 +193,9 @@ class LinuxHost:
         return self.systemd.control_group(unit)
 
     def unit_of_pid(self, pid: int) -> str | None:
-        """Ask systemd which unit the process is in."""
-        return self.systemd.unit_of_pid(pid)
+        """Ask systemd which of its units owns the process (a user manager's user@UID.service included)."""
+        owner = self.systemd.owner_of_pid(pid)
+        return None if owner is None else owner.unit
 
     def service(self, unit: str) -> ServiceProcesses:
         """Ask systemd for the service's User=, DynamicUser=, MainPID and ControlPID."""
@@ -273,19 +272,25 @@ async def identify(peer: Peer, host: Host, lane: Lane) -> Peer:
         except GpuswapError:
             return peer
         return await _bind(peer, unit, group, host, lane)
-    for unit, upto in service_prefixes(process.cgroup or ""):
-        try:
-            group = await lane.call("unit_cgroup", host.unit_cgroup, unit)
-        except UnitNotFound:
-            continue
-        except GpuswapError:
-            return peer  # systemd cannot say now: a lease bound to the uid is the safe answer
-        if group != upto:
-            continue  # a cgroup that only looks like this unit's (made inside another one)
-        if USER_MANAGER.match(unit):
-            return replace(peer, user_manager=True)
-        return await _bind(peer, unit, group, host, lane)
-    return peer
+    # One attribution for callers and for the card's processes (unitnames.owner_of), run as one call
+    # on the systemd lane; what the manager confirmed is kept, per host, by cgroup path.
+    try:
+        owner = await lane.call("unit_cgroup", owner_of, process.cgroup or "/", host.unit_cgroup, _known(host))
+    except GpuswapError:
+        return peer  # systemd cannot say now: a lease bound to the uid is the safe answer
+    if owner.unit is None or not owner.unit.endswith(".service"):
+        return peer
+    if owner.user_manager:
+        return replace(peer, user_manager=True)
+    return await _bind(peer, owner.unit, owner.cgroup, host, lane)
+
+
+_KNOWN: weakref.WeakKeyDictionary[Host, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def _known(host: Host) -> dict[str, str]:
+    """Return the cgroups the host's system manager has confirmed are a unit's (by path)."""
+    return _KNOWN.setdefault(host, {})
 
 
 async def _bind(peer: Peer, unit: str, group: str | None, host: Host, lane: Lane) -> Peer:
@@ -293,13 +298,21 @@ async def _bind(peer: Peer, unit: str, group: str | None, host: Host, lane: Lane
     if group is None:
         return peer
     try:
-        service = await lane.call("unit_service", host.service, unit)
+        # On the lane as one call: the manager's answer, and User= resolved in the user database
+        # (LDAP or sssd can block: never on the event loop).
+        service, owns = await lane.call("unit_service", _service_owned, peer, unit, group, host)
     except GpuswapError:
         return peer  # systemd cannot say now: a lease bound to the uid is the safe answer
-    if owns_service(peer, service, group, host):
+    if owns:
         return replace(peer, unit=unit)
     log.debug("peer_not_the_unit", pid=peer.pid, uid=peer.uid, unit=unit, unit_user=service.user)
     return peer
+
+
+def _service_owned(peer: Peer, unit: str, group: str, host: Host) -> tuple[ServiceProcesses, bool]:
+    """Ask the manager whose ``unit``'s processes are, and apply the binding rule (blocks: run on the lane)."""
+    service = host.service(unit)
+    return service, owns_service(peer, service, group, host)
 
 
 def owns_service(peer: Peer, service: ServiceProcesses, group: str, host: Host) -> bool:

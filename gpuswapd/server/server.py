@@ -46,6 +46,7 @@ IDLE_S = 60.0            # between requests on one connection
 WRITE_S = 10.0           # a client that does not read its replies is dropped after this
 READ_ONLY = frozenset({"status", "history", "watch"})
 BACKLOG = 1024
+NAMES_S = 10.0  # the user and group databases (files, LDAP, sssd) answer within this, or are taken as silent
 # accept() fails with these when the process or the system is out of descriptors or memory:
 # wait a little (never spin), and let the caps bring the count down.
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -71,7 +72,7 @@ class Server:
         self.units = units
         self.outside = outside
         self.planner = planner
-        self.started_at = clock.wall()
+        self.started_at = clock.now()
         d = config.daemon
         self.admission = Admission(d.max_clients, d.max_clients_per_uid, d.reserved_clients, self._in_group)
         self._listener: socket.socket | None = None
@@ -79,14 +80,35 @@ class Server:
         self._clients = Clients(self.admission)
         self.watchers: Watchers | None = None  # gpuswapctl watch; the daemon sets it
         self.max_buffered = MAX_BUFFERED  # what one client may leave unread before it is dropped
+        self._group_gid: int | None = None  # socket_group's gid, resolved off the loop at start
+        self._group_known = False
 
     def _in_group(self, peer: Peer) -> bool:
         """Tell whether the caller was in ``socket_group`` when it connected (SO_PEERGROUPS, not /proc)."""
         group = self.config.daemon.socket_group
-        return bool(group) and peer.member(self.host.group_id(group))
+        if not group:
+            return False
+        if not self._group_known:  # not started on a socket (the simulation's streams): its host is in memory
+            self._group_gid, self._group_known = self.host.group_id(group), True
+        return peer.member(self._group_gid)
+
+    async def _resolve_group(self) -> None:
+        """Resolve ``socket_group`` once, on a thread: the group database may be LDAP or sssd, which can block."""
+        group = self.config.daemon.socket_group
+        if not group:
+            return
+        try:
+            self._group_gid = await asyncio.wait_for(asyncio.to_thread(self.host.group_id, group), NAMES_S)
+            self._group_known = True
+        except TimeoutError:
+            self._group_gid = None
+            self._group_known = True
+            log.error("socket_group_unresolved", group=group, waited_s=NAMES_S,
+                      consequence="only root is served until gpuswapd restarts; check nsswitch (LDAP, sssd)")
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on a listening socket (our own, or one systemd handed over)."""
+        await self._resolve_group()
         # A burst of clients must queue in the kernel, not be refused: listen() again with more room.
         sock.listen(BACKLOG)
         sock.setblocking(False)
@@ -236,16 +258,16 @@ class Server:
             lease_id = req.lease or self._only_lease(peer, req.holder)
             duration, capped = self._cap(req.duration or d.default_lease, peer)
             lease, claim = await self.window.renew(lease_id, duration, allowed=peer.owns)
-            reply: JsonObject = {"ok": True, "lease": lease.to_dict(clock.wall()),
+            reply: JsonObject = {"ok": True, "lease": lease.to_dict(clock.now()),
                                  "capped": capped or claim is not None,
                                  "capped_by": "fair_after" if claim is not None else "max_lease" if capped else None}
             if claim is not None:
                 reply["waiting"] = {"holder": claim.holder, "profile": claim.profile,
-                                    "waited_s": round(clock.wall() - claim.since, 3)}
+                                    "waited_s": round(clock.now() - claim.since, 3)}
             return reply
         if req.op == "status":
             verify = self.config.window.verify
-            return {"ok": True, "version": __version__, "daemon_started_at": self.started_at,
+            return {"ok": True, "version": __version__, "daemon_started_at": round(clock.to_wall(self.started_at), 3),
                     "instance": self.instance, "gpu_index": self.config.gpu.index,
                     "endpoint": {"url": verify.url, "model": verify.model}, "profiles": self._profiles(),
                     **self.window.status()}
@@ -401,7 +423,7 @@ class Server:
                                                                               lease.unit)).active:
                 # The unit died while it waited: its watcher may have fired before the lease existed.
                 await self.window.unit_gone(lease.unit)
-            await self._send(writer, {"ok": True, "lease": {**lease.to_dict(clock.wall()), "token": token},
+            await self._send(writer, {"ok": True, "lease": {**lease.to_dict(clock.now()), "token": token},
                                       "capped": capped,
                                       "waited_s": round(clock.monotonic() - started, 3), "profile": profile.name,
                                       "kind": profile.kind, "gpu_index": self.config.gpu.index})

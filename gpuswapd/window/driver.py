@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.errors import GpuswapError, StateError, Stopping, WindowCancelled
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -47,7 +47,7 @@ class Driver:
 
     def restore_baseline(self, reason: str, cause: str = "state_unreadable") -> None:
         """Restore what the configuration describes: no state could be read, or it was found broken."""
-        self.w.baseline_restore = BaselineRestore(reason=reason, at=clock.wall(), cause=cause)
+        self.w.baseline_restore = BaselineRestore(reason=reason, at=clock.now(), cause=cause)
         log.error("baseline_restore", reason=reason, cause=cause)
         rec = recovery.baseline_record(self.w)
         self.w.record, self.w.unknown_baseline = rec, rec
@@ -98,7 +98,7 @@ class Driver:
                 if rec is not None:
                     rec.fail(failure)
                 failures += 1
-                await asyncio.sleep(backoff(self.w.backoffs.driver, failures))
+                await naps.sleep(backoff(self.w.backoffs.driver, failures))
                 if rec is not None and rec is self.w.unknown_baseline:
                     # It failed before systemd said what to restore: ask again.
                     step = recovery.restore_baseline(self.w, rec)
@@ -137,7 +137,7 @@ class Driver:
             return
         rec.profile = queued[0].profile
         rec.kind = self.w.config.profile(rec.profile).kind
-        self.w.queue.take(rec.id, rec.profile, clock.wall())
+        self.w.queue.take(rec.id, rec.profile, clock.now())
         self.w.tell_queue()
         await parking.stop_watching(self.w)  # the window takes the parked engine over, or removes it
         self.opening = asyncio.create_task(opening.open_window(self.w, rec), name="window-open")

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
@@ -50,7 +50,7 @@ async def hold(w: Context, rec: WindowRecord) -> bool:
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
             if rec.phase is Phase.READY:
                 await preempting.check(w, rec)
-            now = clock.wall()
+            now = clock.now()
             await _expire_leases(w, rec, now)
             if len(rec.leases):
                 linger_from = None
@@ -93,8 +93,9 @@ async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[st
     waker = asyncio.create_task(w.wake.wait())
     retrieve(waker)
     try:
-        timeout = max(0.0, wake_at - now) if math.isfinite(wake_at) else None  # only leases for infinity
-        await asyncio.wait({waker, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        # A nap at most (only leases for infinity: a nap): asyncio's timers stop in a suspend, the
+        # deadlines on clock.now() do not; the loop above looks again.
+        await naps.nap(max(0.0, wake_at - now) if math.isfinite(wake_at) else math.inf, waker, watch)
     finally:
         waker.cancel()
 

@@ -59,7 +59,7 @@ async def read(w: Context, units: list[str]) -> Identity:
     config, invocation = await w.resident.how_it_runs()
     return Identity(props.n_ctx if props else None, props.slots if props else None,
                     props.model_path if props else None, props.alias if props else None, tuple(models),
-                    None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.wall(),
+                    None if held is None else sum(h.used_bytes for h in held), tuple(held or ()), clock.now(),
                     config, invocation)
 
 

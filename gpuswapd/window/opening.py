@@ -253,7 +253,7 @@ async def _wake(op: Opening) -> bool:
         rec.start = "cold"
         return False
     log.info("engine_woken", container=rec.container.name, sleep_level=parked.level,
-             parked_s=round(clock.wall() - parked.since, 3))
+             parked_s=round(clock.now() - parked.since, 3))
     return True
 
 

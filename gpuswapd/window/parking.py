@@ -101,7 +101,7 @@ async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bo
         residual = int(c.residual_bytes or 0)
     # What the window's container record says that a parked engine's does not need goes.
     record = c.without(*_WINDOW_ONLY)
-    w.parked = Parked(container=record, since=clock.wall(), level=level, residual_bytes=residual,
+    w.parked = Parked(container=record, since=clock.now(), level=level, residual_bytes=residual,
                       canary=str(c.canary), profile=rec.profile)
     rec.container = replace(c, parked=True)
     await w.persist(required=False)  # one document: the window lets go of it, parked takes it
@@ -157,7 +157,7 @@ async def _watch(w: Context) -> None:
         why: str | None
         if settings is None:
             why = f"its profile {parked.profile!r} is no longer configured"
-        elif (left := parked.since + settings[0].keep - clock.wall()) <= 0:
+        elif (left := parked.since + settings[0].keep - clock.now()) <= 0:
             why = f"unused for park.keep = {settings[0].keep:g}s"
         else:
             if await sleep_unless(w.stopping, min(settings[1], left)) or w.parked is not parked:
@@ -182,7 +182,7 @@ async def check_at_start(w: Context) -> None:
     why = await w.engine_of(parked.profile).why_not_parked(parked.container)
     if settings is None:
         why = f"its profile {parked.profile!r} is no longer configured"
-    elif why is None and clock.wall() >= parked.since + settings[0].keep:
+    elif why is None and clock.now() >= parked.since + settings[0].keep:
         why = f"unused for park.keep = {settings[0].keep:g}s"
     if why is None:
         log.info("parked_engine_adopted", container=parked.container.name, since=parked.since)

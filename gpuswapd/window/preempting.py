@@ -18,12 +18,11 @@ are not kept across a restart): the adopted window abandons the preemption, says
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.leases import Lease
@@ -56,7 +55,7 @@ def under_way(rec: WindowRecord) -> bool:
 
 async def check(w: Context, rec: WindowRecord) -> None:
     """Start, abandon or complete a preemption of the READY window ``rec``."""
-    now = clock.wall()
+    now = clock.now()
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
     pending = deadline(rec)
     if pending is None:
@@ -182,7 +181,7 @@ async def _stop_unit(w: Context, rec: WindowRecord, unit: str) -> None:
             delay = backoff(w.backoffs.preempt_stop, attempt)
             log.warning("preempted_unit_not_stopped", unit=unit, error=err.message, attempts=attempt,
                         retry_in_s=delay)
-            await asyncio.sleep(delay)
+            await naps.sleep(delay)
     p = rec.preempted
     if p is not None:
         rec.preempted = replace(p, stops_pending=tuple(u for u in p.stops_pending or () if u != unit))

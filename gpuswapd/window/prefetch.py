@@ -30,6 +30,7 @@ from gpuswapd import clock
 from gpuswapd.adapters.pagecache import FileCache, Files, Measured, Progress
 from gpuswapd.config import Config, ProfileKind
 from gpuswapd.errors import GpuswapError
+from gpuswapd.failpoints import failpoint
 from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.parts.modelfiles import model_files
@@ -127,6 +128,7 @@ class ResidentFiles:
             if not files or cached >= total:
                 report.update(outcome="no_files" if not files else "cached", cached_after=report["cached_before"])
                 return
+            await failpoint("prefetch:measured")
             kept = parked_in_host_ram(w, rec, measured.mem_available)
             if measured.mem_available is not None and measured.mem_available - kept < total:
                 report.update(outcome="skipped", reason=(
@@ -138,8 +140,18 @@ class ResidentFiles:
                 return
             report["outcome"] = "reading"
             progress.cached = cached
-            await self.outside.files.call_within(self.config.resident.start_timeout, "prefetch", self.files.prefetch,
-                                                 [f.path for f in files], stop, progress)
+            # Only the files as measured are read (the memory check above counted them): a path that
+            # names another file by now (a FIFO, a larger one) is skipped.
+            progress.measured = {f.path: f.identity for f in files if f.identity is not None}
+            try:
+                await self.outside.files.call_within(self.config.resident.start_timeout, "prefetch",
+                                                     self.files.prefetch, [f.path for f in files], stop, progress)
+            finally:
+                for why in progress.skipped:
+                    self._once(f"prefetch:{why}", why, consequence="not read: it is not the file measured",
+                               phase=str(rec.phase))
+                if progress.skipped:
+                    report["skipped"] = list(progress.skipped)
             after = await self.measure([f.path for f in files])
             done = {f.path: f for f in after.files if f.error is None}
             for row in rows:

@@ -23,7 +23,7 @@ def progress(window: Context, rec: WindowRecord) -> str:
             return ""
         return f" {reading.free_bytes / GiB:.1f}/{_vram_needed(window, rec) / GiB:.1f} GiB free"
     if rec.phase is Phase.BOOTING and rec.timings:
-        took = clock.wall() - rec.timings[-1].started_at
+        took = clock.now() - rec.timings[-1].started_at
         engine = window.profile.window or window.config.window
         return f" {took:.0f}s of {engine.boot_timeout:.0f}s"
     if rec.phase is Phase.READY:

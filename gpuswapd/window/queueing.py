@@ -50,7 +50,7 @@ class Waiter:
     profile: str = DEFAULT_PROFILE
     listener: Listener | None = None
     priority: int = 0
-    since: float = field(default_factory=clock.wall)
+    since: float = field(default_factory=clock.now)
     window: str | None = None  # the window it joined; None while it queues for a later one
     bound: bool = False  # its lease ends with its connection ("bind": "connection")
     token: str | None = None  # the hash of its reclaim token (protocol.token_hash)
@@ -130,7 +130,7 @@ class Queue:
 
     def queued(self, now: float | None = None) -> list[Waiter]:
         """List the requests waiting for a later window: highest effective priority first, then oldest."""
-        now = clock.wall() if now is None else now
+        now = clock.now() if now is None else now
         waiting = [w for w in self.waiters if w.window is None]
         return sorted(waiting, key=lambda w: (-self.effective(w, now), w.since))
 

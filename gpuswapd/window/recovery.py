@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import GpuswapError
 from gpuswapd.logs import log
@@ -57,7 +57,7 @@ async def _read_state(window: Context) -> tuple[Loaded | None, str]:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(lane.deadline):
                     await lane.drained()
-            await asyncio.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
+            await naps.sleep(backoff((window.backoffs.driver[0], math.inf), attempt + 1))
     if loaded is not None and loaded.problems:
         log.error("state_unreadable", problems=loaded.problems, fell_back=loaded.document is not None)
     if loaded is not None and loaded.migrated:
@@ -79,7 +79,7 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
     for lease in record.leases.matching(lambda x: x.bound and x.token is not None) if record and grace > 0 else []:
         # Bound to a connection of the gpuswapd that stopped, which is gone: its client (gpuswapctl
         # run, the gateway) reclaims it with its token on a new connection within the grace, or it ends.
-        lease.reclaim_by = clock.wall() + grace
+        lease.reclaim_by = clock.now() + grace
         log.info("lease_kept_for_reclaim", lease=lease.id, holder=lease.holder, grace_s=grace)
     window.held_down = dict(document.held_down)
     try:
@@ -94,7 +94,7 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
     if document.queue:
         # Their clients saw the connection drop: each sends its acquire again with its token and
         # keeps its place (the time it had waited) within the grace.
-        kept = window.queue.keep(document.queue, clock.wall(), window.config.daemon.reclaim_grace)
+        kept = window.queue.keep(document.queue, clock.now(), window.config.daemon.reclaim_grace)
         log.warning("queue_kept_for_reclaim", waiting=len(document.queue), reclaimable=kept,
                     grace_s=window.config.daemon.reclaim_grace,
                     holders=[str(q.get("holder")) for q in document.queue if isinstance(q, dict)][:20])
@@ -155,7 +155,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     if rec.phase is Phase.DRAINING:  # nothing was changed yet
         w.finish(rec, "recovered")
         return
-    rec.leases.expire(clock.wall())
+    rec.leases.expire(clock.now())
     grace = w.config.daemon.reclaim_grace
     for lease in rec.leases.matching(lambda x: x.bound and (x.token is None or grace <= 0)):
         # Bound to a connection of the gpuswapd that stopped: that connection is gone (one with a
@@ -216,7 +216,7 @@ def baseline_record(w: Context) -> WindowRecord:
     rec = WindowRecord.new()
     c = w.config.window.container
     rec.phase = Phase.CLOSING
-    rec.timings.append(PhaseTiming(Phase.CLOSING, clock.wall(), stage="close"))
+    rec.timings.append(PhaseTiming(Phase.CLOSING, clock.now(), stage="close"))
     # Whatever was running is unknown: the configured engine goes down like any window's.
     rec.container = ContainerHandle(name=c.name, created=c.create, image=c.image)
     rec.baseline = w.baseline_restore or BaselineRestore()

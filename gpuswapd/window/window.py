@@ -117,7 +117,7 @@ class Window:
         # A baseline record is written only once it says what to restore (see restore_baseline).
         return Document(window=None if self.record is self.unknown_baseline else self.record,
                         parked=self.parked.to_dict() if self.parked is not None else None,
-                        queue=[w.to_dict() for w in self.queue.waiters] + self.queue.kept_now(clock.wall()),
+                        queue=[w.to_dict() for w in self.queue.waiters] + self.queue.kept_now(clock.now()),
                         held_down=dict(self.held_down),
                         resident=self.known.to_dict())
 
@@ -181,7 +181,7 @@ class Window:
         profile has waited ``daemon.fair_after``; every other request queues for a later window.
         """
         self._check_serves(profile)
-        rec, now = self.record, clock.wall()
+        rec, now = self.record, clock.now()
         joins = self._joins(rec, profile, now)
         waiter = Waiter(holder, duration, unit, uid, profile, listener, priority, bound=bound, token=token,
                         since=now if since is None else since)
@@ -302,7 +302,7 @@ class Window:
 
     def queue_status(self, now: float | None = None) -> list[JsonObject]:
         """Describe the queue: holder, profile, position, waited, ETA (null until history knows)."""
-        now = clock.wall() if now is None else now
+        now = clock.now() if now is None else now
         rec, ahead = self.record, 0.0
         if rec is not None and not rec.closing:
             ends = [lease.expires_at for lease in rec.leases.all() if math.isfinite(lease.expires_at)]
@@ -311,7 +311,7 @@ class Window:
 
     def tell_queue(self) -> None:
         """Tell every queued client its position and ETA."""
-        now = clock.wall()
+        now = clock.now()
         for entry, waiter in zip(self.queue_status(now), self.queue.queued(now), strict=True):
             if waiter.listener is not None:
                 waiter.listener({"event": "queued", **entry,
@@ -354,7 +354,7 @@ class Window:
 
     def reclaimed_since(self, token: str, profile: str) -> float | None:
         """Return when the request of a reclaim token's hash began waiting before a restart; None if unknown."""
-        return self.queue.reclaim(token, profile, clock.wall())
+        return self.queue.reclaim(token, profile, clock.now())
 
     async def unit_gone(self, unit: str) -> list[Lease]:
         """End the leases held by a unit that became inactive or failed (it may have crashed)."""
@@ -379,7 +379,7 @@ class Window:
         rec = self._open_record()
         lease = rec.leases.get(lease_id)
         self._check_owner(lease, allowed, "renew")
-        now = clock.wall()
+        now = clock.now()
         until, capped_by = now + duration, None
         claim = self.queue.fair_claim(rec.profile)
         if claim is not None:
@@ -413,7 +413,7 @@ class Window:
 
     def status(self) -> JsonObject:
         """Describe the window now: phase, leases, waiters, the last window, what is amiss."""
-        now = clock.wall()
+        now = clock.now()
         return {
             "phase": str(self.phase),
             "window": self.record.to_dict(now) if self.record else None,
@@ -512,7 +512,7 @@ class Window:
         return self.record
 
     async def _grant(self, rec: WindowRecord, w: Waiter) -> Lease:
-        lease = rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound, w.token)
+        lease = rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound, w.token)
         try:
             # A lease is granted once it is on disk: one that is not would be gone after a crash.
             await self._recorded(f"the lease for {w.holder}")
@@ -520,7 +520,7 @@ class Window:
             self._drop_lease(lease)  # its client is gone, or it could not be recorded
             raise
         log.info("lease_granted", lease=lease.id, holder=w.holder, duration_s=w.duration,
-                 waited_s=round(clock.wall() - w.since, 3))
+                 waited_s=round(clock.now() - w.since, 3))
         self.wake.set()
         return lease
 
@@ -572,7 +572,7 @@ class Window:
         else:
             await self.persist(required)
         structlog.contextvars.bind_contextvars(phase=str(phase))
-        elapsed = round(clock.wall() - rec.opened_at, 3)
+        elapsed = round(clock.now() - rec.opened_at, 3)
         log.info("phase_entered", elapsed_s=elapsed, stage=rec.timings[-1].stage)
         self.notify_status()
         self.tell({"event": "phase", "phase": str(phase), "window": rec.id, "elapsed_s": elapsed})
@@ -617,12 +617,12 @@ class Window:
         waiters = self.queue.joined(rec.id)
         for w in waiters:
             self.queue.remove(w)
-        return [(w, rec.leases.grant(w.holder, w.duration, clock.wall(), w.unit, w.uid, w.priority, w.bound, w.token))
+        return [(w, rec.leases.grant(w.holder, w.duration, clock.now(), w.unit, w.uid, w.priority, w.bound, w.token))
                 for w in waiters]
 
     async def grant_adopted(self, rec: WindowRecord) -> None:
         """Give the requests that queued for this profile while the window was being adopted their leases."""
-        if not self.queue.take(rec.id, rec.profile, clock.wall()):
+        if not self.queue.take(rec.id, rec.profile, clock.now()):
             return
         granted = self.grant_waiters(rec)
         try:
@@ -638,7 +638,7 @@ class Window:
         self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
-                     waited_s=round(clock.wall() - waiter.since, 3))
+                     waited_s=round(clock.now() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -676,7 +676,7 @@ class Window:
         self.wake.set()
         for waiter, lease in granted:
             log.info("lease_granted", lease=lease.id, holder=lease.holder, duration_s=waiter.duration,
-                     waited_s=round(clock.wall() - waiter.since, 3))
+                     waited_s=round(clock.now() - waiter.since, 3))
             if waiter.future.done():  # it went away meanwhile
                 self._drop_lease(lease)
             else:
@@ -724,7 +724,7 @@ class Window:
             listener(record)
         self.notify_status()
         log.info("window_finished", window=rec.id, outcome=outcome, start=rec.start, profile=rec.profile,
-                 took_s=round((rec.closed_at or clock.wall()) - rec.opened_at, 3), switched_to=rec.switched_to)
+                 took_s=round((rec.closed_at or clock.now()) - rec.opened_at, 3), switched_to=rec.switched_to)
         structlog.contextvars.unbind_contextvars("window_id", "phase")
         if switch_to is None:
             parking.watch(self)
@@ -761,7 +761,7 @@ class Window:
             self.writer.request()
         elif (state == "inactive" and self.record is None and not self.resident.jobs_running
               and unit not in self.held_down and not self.stopping.is_set()):
-            self.held_down[unit] = clock.wall()
+            self.held_down[unit] = clock.now()
             log.warning("resident_held_down", unit=unit, reason="it was stopped while no window was open, not by "
                         "gpuswapd: it is left down until it is started again (systemctl start)")
             self.writer.request()

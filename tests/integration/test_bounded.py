@@ -315,6 +315,36 @@ def test_a_stray_process_holding_vram_is_refused_before_anything_is_touched(
     assert not plan["ok"] and any(h["pid"] == notebook.pid for h in plan["vram"]["held_by_others"])
 
 
+def test_vram_held_under_a_user_managers_strata_service_is_a_strangers_and_refused_at_once(
+        gpuswapd: Start, probe: Probe, world: Stack, users: dict[str, User],
+        forged_cgroup: Callable[[User, str], Path]) -> None:
+    # systemd-run --user --unit=strata.service: a cgroup ending in strata.service under user@UID.service.
+    alice = users[ALICE]
+    posing = forged_cgroup(alice, "app.slice/strata.service")
+    daemon = gpuswapd(gpu={"window_needs": "22GiB", "resident_needs": "22GiB"})
+    hog = subprocess.Popen([SIM_PYTHON, str(world.paths.sim / "gpu_hold.py"), "--dir", str(world.paths.gpu),
+                            "--name", "hog", "--bytes", "2.5GiB", "--", "/bin/sleep", "600"],
+                           preexec_fn=lambda: (posing / "cgroup.procs").write_text(str(os.getpid())))
+    try:
+        deadline = time.monotonic() + 10
+        while not any(h["name"] == "hog" for h in world.ledger()["holders"]):
+            assert time.monotonic() < deadline and hog.poll() is None
+            time.sleep(0.05)
+        assert str(cgroup_of(hog.pid)).endswith(f"/user@{alice.uid}.service/app.slice/strata.service")
+        with untouched(probe):
+            started = time.monotonic()
+            out = daemon.ctl("acquire", "--for", "1m")
+            assert time.monotonic() - started < 10  # at once: no release_timeout spent waiting
+        assert out.returncode == 1, out.stderr
+        assert "the window cannot fit" in out.stderr and f"by pid {hog.pid} (a stranger's" in out.stderr, out.stderr
+        assert f"user@{alice.uid}.service" in out.stderr, out.stderr
+        status = daemon.status()
+        assert status["last"]["outcome"] == "refused" and status["last"]["error"]["code"] == "wont_fit"
+    finally:
+        hog.kill()  # by its PID: it is ours
+        hog.wait()
+
+
 def test_a_hung_gpu_probe_fails_the_acquire_within_its_deadline_and_stops_nothing(
         gpuswapd: Start, probe: Probe, world: Stack) -> None:
     daemon = gpuswapd(gpu={"probe_timeout": "2s"})

@@ -14,6 +14,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,6 +98,61 @@ def test_a_file_gpuswapd_may_not_read_is_named_with_what_to_do_and_skipped(world
     finally:
         daemon.stop()
         secret.unlink(missing_ok=True)
+
+
+def test_a_fifo_and_a_larger_file_swapped_in_after_the_measure_are_skipped_and_hold_no_worker(
+        gpuswapd: Start, world: Stack) -> None:
+    models = world.paths.root / "models"
+    fifo, bigger = models / "swapped-fifo.gguf", models / "swapped-bigger.gguf"
+    mib = 1 << 20
+    for path in (fifo, bigger):
+        path.unlink(missing_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"GGUF" + b"\x5a" * (mib - 4))
+            f.flush()
+            os.fsync(f.fileno())  # only clean pages can be dropped from the page cache
+    daemon = gpuswapd(resident={"files": [str(world.resident_model), str(fifo), str(bigger)]},
+                      env={"GPUSWAPD_FAILPOINT_DELAY": "prefetch:measured=2,RESTORING:closing=5"})
+    try:
+        assert daemon.ctl("acquire", "--for", "1m").returncode == 0
+        for path in (world.resident_model, fifo, bigger):
+            evict(str(path))  # pushed out by the window (the resident is down): the close has them to read
+        assert measure_file(str(fifo)).ratio < 0.5 and measure_file(str(bigger)).ratio < 0.5
+        assert daemon.ctl("release").returncode == 0
+        deadline = time.monotonic() + 60
+        while not ((daemon.status().get("window") or {}).get("prefetch") or {}).get("files"):
+            assert time.monotonic() < deadline, "the close did not measure the files"
+            time.sleep(0.02)
+        # Measured: now the paths name other files (the close reads them 2 s later).
+        fifo.unlink()
+        os.mkfifo(fifo)
+        bigger.unlink()
+        with open(bigger, "wb") as f:
+            f.truncate(96 * mib)  # sparse: read whole, it would be 96 MiB in the page cache
+        daemon.wait_phase("IDLE")
+        [record] = daemon.ctl_json("history", "--limit", "1")["windows"]
+        p = record["prefetch"]
+        assert p["outcome"] == "done", p
+        skipped = p.get("skipped") or []
+        assert any(str(fifo) in why and "not a regular file" in why for why in skipped), skipped
+        assert any(str(bigger) in why and "not the file measured" in why for why in skipped), skipped
+        assert p["read_bytes"] <= world.resident_model.stat().st_size + 2 * mib
+        assert measure_file(str(bigger)).cached < mib
+        reasons = [e["reason"] for e in daemon.logged("resident_file_skipped")]
+        assert any(str(fifo) in r for r in reasons) and any(str(bigger) in r for r in reasons), reasons
+        assert daemon.status()["hung"]["files"]["hung"] == []
+
+        # With the FIFO in place at the measure, two more closes: no worker held, plan answers.
+        for _ in range(2):
+            assert daemon.ctl("acquire", "--for", "1m").returncode == 0
+            assert daemon.ctl("release").returncode == 0
+            daemon.wait_phase("IDLE")
+        assert daemon.status()["hung"]["files"]["hung"] == []
+        files = daemon.ctl_json("plan")["plan"]["resident_files"]["files"]
+        assert [f["error"] for f in files if f["path"] == str(fifo)] == [f"{fifo}: not a regular file"]
+    finally:
+        fifo.unlink(missing_ok=True)
+        bigger.unlink(missing_ok=True)
 
 
 MINCORE = ("import sys; from gpuswapd.adapters.pagecache import measure_file; f = measure_file(sys.argv[1]); "

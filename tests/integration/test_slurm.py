@@ -7,6 +7,7 @@ submitted by root with ``sbatch --gres=gpu:1`` to the world's one card.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,3 +142,29 @@ def test_a_hostile_job_name_or_a_bad_profile_fails_only_that_job(gpuswapd: Start
     b = sbatch(slurm, jobs, "true")  # the node still takes jobs
     assert slurm.wait_job(b, {"COMPLETED", "FAILED", "CANCELLED"})["JobState"] == "COMPLETED"
 
+
+
+def test_a_prolog_that_waits_past_its_bound_fails_the_job_and_keeps_the_node(gpuswapd: Start, probe: Probe,
+                                                                              slurm: Slurm, tmp_path: Path) -> None:
+    # The window stalls while it opens (as behind a long lease of another profile): the Prolog gives up
+    # below PrologEpilogTimeout (20 s here: its bound is 15 s), before slurmd would kill it and drain the node.
+    conf = slurm.conf.read_text()
+    slurm.conf.write_text(conf.replace("PrologEpilogTimeout=120", "PrologEpilogTimeout=20"))
+    slurm.cmd("scontrol", "reconfigure")
+    try:
+        assert re.search(r"^PrologEpilogTimeout\s*=\s*20$", slurm.cmd("scontrol", "show", "config").stdout, re.M)
+        daemon = gpuswapd(env={"GPUSWAPD_FAILPOINT_DELAY": "BOOTING=60"})
+        link(slurm, daemon)
+        marker = tmp_path / "ran"
+        job = sbatch(slurm, tmp_path, f"touch {marker}")
+        found = slurm.wait_job(job, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=60)
+        assert found["JobState"] == "CANCELLED", found
+        says = "not ready within the Prolog's bound of 15s (20s of PrologEpilogTimeout less a margin)"
+        assert says in found.get("AdminComment", ""), found
+        assert not marker.exists()  # none of the job ran
+        states = slurm.cmd("sinfo", "-h", "-N", "-o", "%T").stdout.split()
+        assert not any("drain" in state for state in states), states
+        assert f"slurm-job-{job}" not in holders(daemon)  # its acquire was withdrawn
+    finally:
+        slurm.conf.write_text(conf)
+        slurm.cmd("scontrol", "reconfigure")

@@ -91,3 +91,32 @@ def test_workers_that_ended_when_idle_are_started_again() -> None:
         assert event.wait(2), f"round {round_}: a job was never run"
         time.sleep(0.06)  # the worker ends, idle
     assert len(done) == 15
+
+
+def test_a_cancelled_call_that_does_not_return_holds_its_worker_and_is_shown_hung(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prefetch's read told to stop returns within a chunk; one blocked in the kernel (a FIFO, a
+    # dead NFS server) does not, and must not be an invisible worker gone.
+    monkeypatch.setattr("gpuswapd.outside.CANCELLED_GRACE_S", 0.05)
+    outside = Outside(Deadlines(files=60))
+    release = threading.Event()
+
+    async def main() -> None:
+        reading = asyncio.create_task(outside.files.call("prefetch", release.wait))
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert outside.status()["files"]["hung"] == []  # within the grace: it may be stopping
+        await asyncio.sleep(0.2)
+        assert [h["call"] for h in outside.status()["files"]["hung"]] == ["prefetch"]
+        release.set()
+        await outside.files.drained()
+        assert outside.status()["files"]["hung"] == []
+        quick = asyncio.create_task(outside.files.call("prefetch", time.sleep, 0.01))
+        await asyncio.sleep(0)
+        quick.cancel()
+        await asyncio.sleep(0.2)
+        assert outside.status()["files"]["hung"] == []  # returned within the grace: never counted
+
+    run(main())

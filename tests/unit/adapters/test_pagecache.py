@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuswapd.adapters import pagecache
-from gpuswapd.adapters.pagecache import PageCache, Progress, evict, measure_file
+from gpuswapd.adapters.pagecache import Identity, PageCache, Progress, evict, measure_file
 
 CHUNK = 1 << 20  # the prefetch's chunk, smaller here: a small file has as many chunks
 SIZE = 8 * CHUNK + 12345  # not a whole number of pages or chunks
@@ -39,7 +39,7 @@ def test_a_file_dropped_from_the_page_cache_measures_empty_and_a_prefetch_reads_
     evict(str(model))
     before = measure_file(str(model))
     assert before.size == SIZE and before.error is None and before.ratio < 0.05
-    progress = Progress(cached=before.cached)
+    progress = Progress(cached=before.cached, measured=measured(model))
     PageCache().prefetch([str(model)], threading.Event(), progress)
     after = measure_file(str(model))
     assert after.ratio == 1.0 and after.cached == SIZE
@@ -47,10 +47,20 @@ def test_a_file_dropped_from_the_page_cache_measures_empty_and_a_prefetch_reads_
 
 
 def test_what_is_cached_already_is_not_read_again(model: Path) -> None:
-    PageCache().prefetch([str(model)], threading.Event(), Progress())
-    progress = Progress()
+    PageCache().prefetch([str(model)], threading.Event(), Progress(measured=measured(model)))
+    progress = Progress(measured=measured(model))
     PageCache().prefetch([str(model)], threading.Event(), progress)
-    assert progress.read == 0
+    assert progress.read == 0 and progress.skipped == []
+
+
+def measured(*paths: Path) -> dict[str, Identity]:
+    """Measure the files as the window does before it reads them: what the prefetch may read."""
+    out = {}
+    for path in paths:
+        identity = measure_file(str(path)).identity
+        assert identity is not None
+        out[str(path)] = identity
+    return out
 
 
 class StopAfter(threading.Event):
@@ -67,14 +77,14 @@ class StopAfter(threading.Event):
 
 def test_a_stopped_prefetch_ends_within_a_chunk(model: Path) -> None:
     evict(str(model))
-    progress = Progress()
+    progress = Progress(measured=measured(model))
     PageCache().prefetch([str(model)], StopAfter(3), progress)  # the file's check, then two chunks
     assert 0 < progress.read <= 3 * CHUNK
     assert measure_file(str(model)).ratio < 0.6
     stopped = threading.Event()
     stopped.set()
     evict(str(model))
-    progress = Progress()
+    progress = Progress(measured=measured(model))
     PageCache().prefetch([str(model)], stopped, progress)
     assert progress.read == 0
 
@@ -153,3 +163,95 @@ def _as_nobody(path: str) -> pagecache.FileCache:
         error, denied, size, mode, owner = eval(r.read())
     os.waitpid(pid, 0)
     return pagecache.FileCache(path, path, size, error=error, denied=denied, mode=mode, owner=owner)
+
+
+# -- whatever the path names at read time ------------------------------------------------------
+
+
+def test_a_fifo_is_measured_at_once_as_no_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    got: list[pagecache.FileCache] = []
+    worker = threading.Thread(target=lambda: got.append(measure_file(str(fifo))), daemon=True)
+    worker.start()
+    worker.join(5)  # open(2) without O_NONBLOCK waits for a writer for ever
+    if worker.is_alive():
+        with open(fifo, "wb"):  # let it go
+            pass
+        pytest.fail("the measure blocked in open(2) on a FIFO")
+    assert got[0].error == "not a regular file" and got[0].identity is None
+
+
+def _disk_file(directory: Path, name: str, size: int) -> Path:
+    path = directory / name
+    path.write_bytes(b"\x5a" * size)
+    return path
+
+
+def test_a_fifo_swapped_in_after_the_measure_is_skipped_without_blocking(model: Path) -> None:
+    path = _disk_file(model.parent, "fifo-swap.gguf", 3 * CHUNK)
+    allowed = measured(path)
+    path.unlink()
+    os.mkfifo(path)
+    try:
+        progress = Progress(measured=allowed)
+        worker = threading.Thread(target=PageCache().prefetch, args=([str(path)], threading.Event(), progress))
+        worker.start()
+        worker.join(5)
+        if worker.is_alive():
+            with open(path, "wb"):  # let it go
+                pass
+            pytest.fail("the prefetch blocked in open(2) on a FIFO")
+        assert progress.read == 0 and len(progress.skipped) == 1 and "not a regular file" in progress.skipped[0]
+    finally:
+        path.unlink()
+
+
+def test_a_larger_sparse_file_swapped_in_is_not_read(model: Path) -> None:
+    path = _disk_file(model.parent, "sparse-swap.gguf", CHUNK)
+    allowed = measured(path)
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(96 * CHUNK)  # sparse: reading it costs nothing on disk but fills the page cache
+    try:
+        progress = Progress(measured=allowed)
+        PageCache().prefetch([str(path)], threading.Event(), progress)
+        assert progress.read == 0 and len(progress.skipped) == 1
+        assert "not the file measured" in progress.skipped[0] and str(96 * CHUNK) in progress.skipped[0]
+    finally:
+        path.unlink()
+
+
+def test_a_file_grown_in_place_since_its_measure_is_not_read(model: Path) -> None:
+    path = _disk_file(model.parent, "grown.gguf", CHUNK)
+    allowed = measured(path)
+    with open(path, "r+b") as f:
+        f.truncate(8 * CHUNK)  # the same inode, larger
+    try:
+        progress = Progress(measured=allowed)
+        PageCache().prefetch([str(path)], threading.Event(), progress)
+        assert progress.read == 0 and "not the file measured" in progress.skipped[0]
+        unmeasured = Progress()
+        PageCache().prefetch([str(path)], threading.Event(), unmeasured)
+        assert unmeasured.read == 0 and unmeasured.skipped == [f"{path}: not measured"]
+    finally:
+        path.unlink()
+
+
+def test_one_symlink_is_followed_as_in_a_hugging_face_cache_and_a_link_to_a_link_is_not(
+        model: Path, tmp_path: Path) -> None:
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    blob.write_bytes(b"x" * 8192)
+    snapshot = tmp_path / "snapshots" / "main" / "model.gguf"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to("../../blobs/0123abcd")  # relative, as huggingface_hub makes them
+    found = measure_file(str(snapshot))
+    assert found.error is None and found.size == 8192 and found.identity is not None
+    assert found.identity.inode == os.stat(blob).st_ino
+    progress = Progress(measured={str(snapshot): found.identity})
+    PageCache().prefetch([str(snapshot)], threading.Event(), progress)
+    assert progress.skipped == []
+    twice = tmp_path / "twice.gguf"
+    twice.symlink_to(snapshot)
+    assert measure_file(str(twice)).error is not None

@@ -14,6 +14,7 @@ import pytest
 from gpuswapd.ctl import slurm
 from gpuswapd.ctl.slurm import SlurmError, job_gpus, load_map
 from gpuswapd.errors import (
+    AcquireTimeout,
     GpuswapError,
     LeaseNotFound,
     PermissionDenied,
@@ -124,11 +125,12 @@ class FakeClients:
 
 
 class FakeSlurm:
-    """Slurm's commands: what each was asked, squeue's job (its comment), and commands that fail."""
+    """Slurm's commands: what each was asked, squeue's job (its comment), its config, and commands that fail."""
 
-    def __init__(self, comment: str = "", failing: tuple[str, ...] = ()) -> None:
+    def __init__(self, comment: str = "", failing: tuple[str, ...] = (), config: str = "") -> None:
         self.comment = comment
         self.failing = failing
+        self.config = config
         self.ran: list[tuple[str, ...]] = []
 
     def __call__(self, *argv: str) -> str:
@@ -139,14 +141,17 @@ class FakeSlurm:
             return json.dumps({"jobs": [{"job_id": 7, "name": "x Comment=gpuswap:Oops", "comment": self.comment}]})
         if argv[0] == "squeue" and "%k" in argv:
             return self.comment + "\n"
+        if argv[:3] == ("scontrol", "show", "config"):
+            return self.config
         return ""
 
 
 def _prolog(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failing: dict[str, GpuswapError],
-            comment: str | None = None, fake: FakeSlurm | None = None) -> tuple[int, FakeClients]:
+            comment: str | None = None, fake: FakeSlurm | None = None,
+            clients: FakeClients | None = None) -> tuple[int, FakeClients]:
     gpu_map = tmp_path / "gpus.toml"
     gpu_map.write_text('[gpus]\n"0" = "a"\n"1" = "b"\n')
-    clients = FakeClients(failing)
+    clients = clients or FakeClients(failing)
     monkeypatch.setattr(slurm, "Client", clients)
     monkeypatch.setattr(slurm, "_slurm", fake or FakeSlurm())
     monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
@@ -224,3 +229,52 @@ def test_reconcile_asks_squeue_for_every_partition(monkeypatch: pytest.MonkeyPat
 def test_an_epilog_with_nothing_to_release_succeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _prolog(monkeypatch, tmp_path, {})
     assert slurm.epilog() == 0
+
+
+CONFIG = "Configuration data as of 2026-12-01T20:00:00\nPrologEpilogTimeout     = {}\nPrologFlags             = Alloc\n"
+
+
+@pytest.mark.parametrize(("value", "seconds", "bound"), [
+    ("120", 120, 108.0), ("20", 20, 15.0), ("6", 6, 3.0), ("65534", None, None), ("UNLIMITED", None, None)])
+def test_the_prologs_bound_is_below_prologepilogtimeout(value: str, seconds: int | None, bound: float | None) -> None:
+    assert slurm.prolog_timeout(CONFIG.format(value)) == seconds
+    assert slurm.prolog_bound(seconds) == bound
+    assert slurm.prolog_timeout("PrologFlags = Alloc\n") is None
+
+
+def test_a_job_waiting_past_the_bound_is_cancelled_and_the_node_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeSlurm(config=CONFIG.format(120))
+    late = AcquireTimeout("the window was not ready within 107.9s (phase now BOOTING); the acquire was withdrawn")
+    code, clients = _prolog(monkeypatch, tmp_path, {"b": late}, fake=fake)
+    assert code == 0  # the job's, not the node's: slurmd keeps the node in service
+    assert [(name, req["op"]) for name, req in clients.asked] == [("a", "acquire"), ("b", "acquire"), ("a", "release")]
+    assert 100 < clients.asked[0][1]["timeout"] <= 108 and clients.asked[1][1]["timeout"] <= 108
+    assert fake.ran[-1] == ("scancel", "7")
+    err = capsys.readouterr().err
+    assert "not ready within the Prolog's bound of 108s (120s of PrologEpilogTimeout less a margin)" in err
+    assert "gave back" in err
+
+
+def test_no_time_left_for_the_next_gpu_cancels_the_job_without_asking(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    fake = FakeSlurm(config=CONFIG.format(20))
+    now = [1000.0]
+    monkeypatch.setattr(slurm.time, "monotonic", lambda: now[0])
+
+    class Slow(FakeClients):
+        def __call__(self, path: str) -> FakeClients.One:
+            now[0] += 16.0  # the first GPU took the whole bound (15 s)
+            return super().__call__(path)
+
+    clients = Slow({})
+    monkeypatch.setattr(slurm, "Client", clients)
+    code, _ = _prolog(monkeypatch, tmp_path, {}, fake=fake, clients=clients)
+    assert code == 0 and fake.ran[-1] == ("scancel", "7")
+    assert [(name, req["op"]) for name, req in clients.asked] == [("a", "acquire"), ("a", "release")]
+
+
+def test_a_prolog_that_cannot_read_slurms_config_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    code, clients = _prolog(monkeypatch, tmp_path, {}, fake=FakeSlurm(failing=("scontrol show",)))
+    assert code == 1 and clients.asked == []

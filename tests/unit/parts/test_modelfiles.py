@@ -67,3 +67,10 @@ def test_a_unit_that_runs_no_model_names_nothing() -> None:
     assert found(("/usr/bin/llama-swap", "--config", "/etc/llama-swap.yaml", "--listen", ":8080")) == ([], [])
     assert found() == ([], [])
     assert found(("/opt/llama-server", "-m")) == ([], [])  # no value: nothing to take
+
+
+def test_m_is_a_model_only_as_llama_servers_option_not_pythons() -> None:
+    assert found(("/usr/bin/python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/x")) == ([], [])
+    assert found(("/usr/bin/python3", "-m", "wrapper", "--", "/opt/llama-server", "-m", "/m/a.gguf"))[0] == \
+        ["/m/a.gguf"]
+    assert found(("/bin/sh", "-c", "python -m http.server; exec llama-server -m /m/b.gguf"))[0] == ["/m/b.gguf"]

@@ -222,3 +222,28 @@ def test_an_acquire_tells_its_token_first_and_the_token_reclaims_the_lease_on_a_
             await server.close()
 
     run(main())
+
+
+def test_the_socket_group_is_resolved_once_at_start_and_off_the_event_loop(tmp_path: Path) -> None:
+    # The group database may be LDAP or sssd, which can block: never on the loop, never per connection.
+    world = FakeWorld()
+    server, path = serve(world, tmp_path)
+    asked: list[bool] = []
+    real = server.host.group_id
+
+    def group_id(name: str) -> int | None:
+        asked.append(threading.current_thread() is threading.main_thread())
+        return real(name)
+
+    server.host.group_id = group_id  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(server.window):
+            await server.start(own_socket(str(path), "", 0o600))
+            for _ in range(3):
+                assert (await ask(path, {"op": "status"}))["ok"]
+                assert (await ask(path, {"op": "plan"}))["ok"] is not None
+            await server.close()
+
+    run(main())
+    assert asked == [False]  # once, on a worker thread
