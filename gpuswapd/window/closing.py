@@ -410,6 +410,9 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         await w.enter(rec, Phase.RESTORING, required=False)
+        # A late stop job may have stopped the resident after its restore: what its old process
+        # held is freed first, or the new one starts into it (as after the engine's stop).
+        await _wait_resident_vram(w, rec)
         await _restore(w, rec)
         await w.enter(rec, Phase.RESUMING_TIMERS, required=False)
         await _resume(w, rec)
