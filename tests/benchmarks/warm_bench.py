@@ -238,7 +238,7 @@ def seed_context(stats: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the warm benchmark."""
-    cli = parser("warm_bench", __doc__, cycles_of="a window with the slots kept and one without")
+    cli = parser("warm_bench", __doc__, cycles_of="kept and cold windows")
     add_world_options(cli)
     cli.add_argument("--words", type=int, default=1600, metavar="N",
                      help="words of the agent's system prompt (default 1600: about 2.5k tokens)")

@@ -141,6 +141,22 @@ def acquire_in_background(daemon: RunningDaemon, *args: str) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def pauses_then_gives_up(client: subprocess.Popen[str]) -> None:
+    """Check a waiting ``gpuswapctl acquire`` takes gpuswapd's death as a pause, then make it give up.
+
+    It waits to reclaim its place with its token (it does not exit); once it is stopped, nobody
+    comes back for the opening it asked for, and the next gpuswapd rolls it back.
+    """
+    try:
+        client.wait(3)
+    except subprocess.TimeoutExpired:
+        pass
+    else:
+        raise AssertionError(f"gpuswapctl acquire exited {client.returncode} when gpuswapd died: {client.stderr}")
+    client.terminate()
+    assert client.wait(10) != 0  # the GPU was not obtained
+
+
 def ctl_as(user: User, daemon: RunningDaemon, *args: str) -> tuple[int, str, str]:
     """Run gpuswapctl as ``user`` (in a child that dropped root); return exit code, stdout, stderr."""
     code, out, err = as_user(user, lambda: ctl_output(daemon, args))

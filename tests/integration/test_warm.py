@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.integration.conftest import wait_for
 from tests.stack import llama
 from tests.stack.daemon import RunningDaemon
@@ -77,6 +79,13 @@ def long_answer() -> Iterator[None]:
     wait_for(processing, "a slot processing the long answer", 20)
     yield
     asker.join(60)
+
+
+@pytest.fixture(autouse=True)
+def no_stale_slot_files(world: Stack) -> None:
+    """Start each test with an empty slot directory: what an earlier test's killed gpuswapd left is not this test's."""
+    for path in Path(world.paths.slots).iterdir():
+        path.unlink()
 
 
 def slot_files(world: Stack) -> list[str]:
