@@ -444,7 +444,7 @@ class Demand:
                 self._status = None
             return  # the gateway's own requests keep it: they end, then it is given back
         if self.config.on_resident_busy == "fail":
-            until = ", ".join(f"{x.get('holder')} until {_until(x.get('expires_at'))}" for x in others)
+            until = ", ".join(f"{x.get('holder')} until {_until(x)}" for x in others)
             raise Unavailable(f"the card is held by {until} (profile {window.get('profile')!r}, phase "
                               f"{window.get('phase')}): the resident is down meanwhile "
                               "(gateway.on_resident_busy = \"fail\")", retry_after=_retry_after(status),
@@ -762,8 +762,11 @@ def ends_at(lease: dict[str, Any]) -> float:
     return clock.from_wall(float(lease["expires_at"]))
 
 
-def _until(expires_at: Any) -> str:
-    if not isinstance(expires_at, (int, float)):
-        return "released"
-    left = expires_at - clock.now()  # another holder's expiry, from the wire: a wall-clock time
+def _until(lease: dict[str, Any]) -> str:
+    left = lease.get("remaining_s")  # another holder's lease, as gpuswapd counts it
+    if not isinstance(left, (int, float)):
+        expires_at = lease.get("expires_at")
+        if not isinstance(expires_at, (int, float)):
+            return "released"
+        left = expires_at - clock.wall()  # the wire's expiry is a wall-clock time
     return f"in {max(0, round(left))}s"
