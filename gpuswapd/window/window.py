@@ -464,7 +464,8 @@ class Window:
             return None
         close_s = self.times.close_time()
         if rec.closing:
-            started = next(t.started_at for t in rec.timings if t.stage == "close")
+            # Sealed (about to close) has no close stage yet: the close starts now.
+            started = next((t.started_at for t in rec.timings if t.stage == "close"), now)
             at = max(now, started + (close_s or 0.0))
         else:
             if any(w.profile != rec.profile for w in self.queue.queued(now)):

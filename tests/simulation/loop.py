@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+from collections.abc import Callable
 from typing import Any
 
 EPOCH = 1_800_000_000.0  # the wall clock at virtual time 0 (January 2027)
@@ -35,8 +36,11 @@ class _Selector(selectors.SelectSelector):
     def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self.clock = clock
+        self.on_turn: Callable[[], None] | None = None  # called once per turn of the loop
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self.on_turn is not None:
+            self.on_turn()
         if timeout is None:
             raise Deadlock("nothing is ready and no timer is scheduled")
         if timeout > 0:
@@ -48,7 +52,8 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     """One incarnation's event loop on the shared virtual clock."""
 
     def __init__(self, clock: VirtualClock) -> None:
-        super().__init__(_Selector(clock))
+        self.selector = _Selector(clock)
+        super().__init__(self.selector)
         self.clock = clock
         self.errors: list[str] = []
         self.set_exception_handler(self._unhandled)

@@ -429,6 +429,7 @@ class Run:
         self.ended_at = 0.0
         self._pids = iter(range(5_000_000, 6_000_000))
         self._last_status = ""
+        self._status_key: tuple[Any, ...] = ()
         self.windows = 0
         self.notifier = _Notifier(self)
         self.initial_timers = {name: t.active for name, t in self.world.systemd.timer_units.items()}
@@ -497,6 +498,7 @@ class Run:
         while not self.done:
             loop = VirtualLoop(self.clock)
             self.loop = loop
+            loop.selector.on_turn = self._status_probe
             asyncio.set_event_loop(loop)
             self.world.new_incarnation(loop)
             try:
@@ -1088,6 +1090,27 @@ class Run:
         for loop in (self.loop,):
             if loop is not None and loop.errors:
                 self.violate("9", f"an exception escaped its owner: {loop.errors[0]}")
+
+    def _status_probe(self) -> None:
+        """Ask for the status whenever the window changed (phase, sealed, leases, queue): it answers in every state.
+
+        A status that raises is a `gpuswapctl status` answered "gpuswapd failed on this request".
+        """
+        daemon = self.host.daemon if self.host.state == "up" else None
+        if daemon is None:
+            return
+        w = daemon.window
+        rec = w.record
+        key = (id(rec), w.phase, rec is not None and rec.sealed, rec is not None and len(rec.timings),
+               rec is not None and len(rec.leases), len(w.queue), w.parked is not None)
+        if key == self._status_key:
+            return
+        self._status_key = key
+        try:
+            w.status()
+        except Exception as err:
+            self.violate("9", f"status failed in phase {w.phase}: {err!r} "
+                              f"{' '.join(traceback.format_exception(err)[-2:])[:300]}")
 
     def _disk_window(self) -> bool:
         data = self.world.store.current
