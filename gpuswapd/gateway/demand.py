@@ -141,6 +141,7 @@ class Opening:
     phase: str = "QUEUED"
     since: float = field(default_factory=clock.monotonic)
     withdraw: asyncio.TimerHandle | None = None  # nobody waits: the acquire is withdrawn then
+    withdrawn: bool = False  # it was: a request that comes now makes a new acquire (it rejoins gpuswapd's opening)
 
 
 class Demand:
@@ -344,6 +345,9 @@ class Demand:
         def withdraw() -> None:
             if not self._wanted(opening.profile) and not opening.task.done():
                 log.info("gateway_acquire_withdrawn", profile=opening.profile, reason="nobody waits for it")
+                opening.withdrawn = True
+                if self.openings.get(opening.profile) is opening:
+                    del self.openings[opening.profile]  # a retry acquires anew, not into the cancelled one
                 opening.task.cancel()
         if opening.withdraw is not None:
             opening.withdraw.cancel()
@@ -364,6 +368,8 @@ class Demand:
                     return self._board(lease)
                 phase = "YIELDING"  # another tenant is owed the card: this lease goes once its requests end
             else:
+                if opening is not None and opening.withdrawn:
+                    opening = None  # withdrawn while this request came: acquire again (it rejoins gpuswapd's)
                 if opening is not None and opening.task.done():
                     if opening.task.cancelled() or opening.task.exception() is not None:
                         raise _unavailable(profile, opening.task)
@@ -517,7 +523,7 @@ class Demand:
 
     def _opening(self, profile: str) -> Opening:
         opening = self.openings.get(profile)
-        if opening is None or opening.task.done():
+        if opening is None or opening.task.done() or opening.withdrawn:
             task = spawn(self._acquire(profile), f"gateway-acquire-{profile}")
             opening = self.openings[profile] = Opening(profile, task)
             task.add_done_callback(partial(self._opened, opening))

@@ -109,6 +109,7 @@ class FakeDaemon:
         self.renews = 0
         self.away = 0  # this many acquires find gpuswapd gone (a restart)
         self.reclaims: list[str | None] = []  # the token each acquire sent again
+        self.cancel_lag = 0.0  # a withdrawn acquire takes this long to end (its connection closing)
 
     async def acquire(self, profile: str, duration: float, priority: int, holder: str | None,
                       progress: Callable[[dict[str, Any]], None], reclaim: str | None = None) -> FakeHeld:
@@ -123,6 +124,8 @@ class FakeDaemon:
             await self.gate.wait()
         except asyncio.CancelledError:
             self.withdrawn += 1
+            if self.cancel_lag:
+                await asyncio.shield(asyncio.sleep(self.cancel_lag))
             raise
         if self.fail is not None:
             raise self.fail
@@ -373,6 +376,34 @@ def test_more_than_max_waiting_get_429_and_the_rest_are_answered() -> None:
         r.daemon.gate.set()
         codes = sorted(reply.status_code for reply in await asyncio.gather(*asks))
         assert codes == [200] * 8 + [429] * 4 and r.daemon.acquires == ["default"]
+        await r.demand.close()
+    run(main())
+
+
+def test_a_retry_that_comes_while_the_withdrawn_acquire_is_ending_acquires_again() -> None:
+    """A client with a short timeout hangs up, its acquire is withdrawn, and its retry comes before that ends."""
+    async def main() -> None:
+        r = rig()
+        r.daemon.gate.clear()
+        r.daemon.cancel_lag = 0.2
+        tenant = r.app.tenants.engines["default"]
+
+        async def ask() -> None:
+            async with r.demand.serving(tenant, demand_module_quiet):
+                pass
+
+        first = asyncio.create_task(ask())
+        await asyncio.sleep(0.1)
+        first.cancel()  # the client's own timeout
+        await asyncio.gather(first, return_exceptions=True)
+        while not r.daemon.withdrawn:
+            await asyncio.sleep(0.01)
+        # withdrawn, and still ending: the retry comes now
+        retry = asyncio.create_task(ask())
+        await asyncio.sleep(0.05)
+        r.daemon.gate.set()
+        await asyncio.wait_for(retry, 5)  # answered: not "withdrawn (the gateway is stopping)"
+        assert r.daemon.acquires == ["default", "default"]
         await r.demand.close()
     run(main())
 
