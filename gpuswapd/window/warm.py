@@ -18,7 +18,7 @@ too, or ``resident.cache.save_path``), gpuswapd keeps it:
   count: another model or context skips the restore. The verify's completion is asked in a slot
   that no file fills. A restore that fails leaves the resident serving cold: never DEGRADED.
 - **Removed**: gpuswapd's files are removed once restored or skipped, when the window ends
-  however it ends, and before each save (stale ones of a gpuswapd that stopped mid-window). The
+  however it ends (after the timers are resumed), and before each save (stale ones of a gpuswapd that stopped mid-window). The
   save directory is written by llama-server as the resident's user; gpuswapd removes its files
   through the directory's group (``ReadWritePaths=`` in gpuswapd.service names
   ``/var/cache/gpuswapd/slots``, which tmpfiles.d makes ``2770 root:gpuswap``).
@@ -266,7 +266,7 @@ def verify_slot(rec: WindowRecord) -> int | None:
 
 
 async def restore(w: Context, rec: WindowRecord) -> None:
-    """Restore the saved slots into the resident just verified; never fail the close; remove the files."""
+    """Restore the saved slots into the resident just verified; never fail the close (discard removes the files)."""
     report = rec.cache
     if report is None or "restore" in report or not _files(report):
         return
@@ -292,7 +292,8 @@ async def restore(w: Context, rec: WindowRecord) -> None:
     else:
         log.warning("resident_cache_not_restored", outcome=result["outcome"], reason=result.get("reason"),
                     consequence="the resident serves, cold: its slots prefill again")
-    await _remove_all(w, rec, report)
+    # The files are removed at the window's end (discard), after the timers: a removal that hangs on
+    # the disk must not keep them paused while the resident it verified may have gone again.
 
 
 async def _restore(w: Context, report: JsonObject, result: dict[str, Any]) -> None:
