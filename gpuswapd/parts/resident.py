@@ -47,6 +47,9 @@ class Resident:
         self.slot_files: SlotFiles = slot_files if slot_files is not None else SlotDir()
         self.kv_per_token: int | None = None  # bytes a slot's file takes per token, as last saved
         self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
+        # Started again, but their marks could not be removed (the state directory hung): removed
+        # once it answers, before a later start could read them as a stop of gpuswapd's.
+        self.unmark_pending: set[str] = set()
 
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
@@ -118,14 +121,27 @@ class Resident:
             await self.outside.state.call("mark", self.marks.add, list(names))
         except OSError as err:
             raise StateError(f"cannot record what gpuswapd stops: {err.strerror or err}; nothing was stopped") from err
+        self.unmark_pending -= set(names)  # stopped again: these marks are current
 
     async def unmark(self, names: list[str]) -> None:
         """Forget that gpuswapd stopped these: they run again. A failure is noted, not raised."""
         try:
             await self.outside.state.call("unmark", self.marks.remove, list(names))
         except (GpuswapError, OSError) as err:
-            log.warning("stopped_record_not_cleared", names=names, error=getattr(err, "message", None) or str(err),
-                        consequence="a later baseline restore may start them again")
+            first = not set(names) <= self.unmark_pending
+            self.unmark_pending |= set(names)
+            if first:
+                log.warning("stopped_record_not_cleared", names=names,
+                            error=getattr(err, "message", None) or str(err),
+                            consequence="removed once the state directory answers; a start of gpuswapd before "
+                                        "then may start them again")
+            return
+        self.unmark_pending -= set(names)
+
+    async def retry_unmark(self) -> None:
+        """Remove the marks a hung state directory kept (no window open: none of them is current)."""
+        if self.unmark_pending:
+            await self.unmark(sorted(self.unmark_pending))
 
     async def stopped(self) -> list[str]:
         """List the units and timers gpuswapd stopped and has not started again."""

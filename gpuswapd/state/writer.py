@@ -49,6 +49,7 @@ class StateWriter:
         self.error: str | None = None
         self.failed_since: float | None = None
         self.on_change: Callable[[], None] = lambda: None
+        self.on_writable: Callable[[], None] = lambda: None  # the state directory answers again
         self._stopped = False
 
     @property
@@ -139,6 +140,7 @@ class StateWriter:
                          after_s=round(clock.monotonic() - (self.failed_since or clock.monotonic()), 1))
                 self.error, self.failed_since = None, None
                 self.on_change()
+                self.on_writable()
             async with self._progress:
                 self._written = max(self._written, change)
                 self._progress.notify_all()

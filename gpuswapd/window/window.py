@@ -83,6 +83,7 @@ class Window:
         self.backoffs = backoffs or Backoffs()
         self.writer = StateWriter(store, outside.state, self.document, self.backoffs.writer)
         self.writer.on_change = self.notify_status
+        self.writer.on_writable = self._writable_again
         self.record: WindowRecord | None = None
         self.last: WindowRecord | None = None
         self.baseline_restore: BaselineRestore | None = None
@@ -767,6 +768,14 @@ class Window:
                         "gpuswapd: it is left down until it is started again (systemctl start)")
             self.writer.request()
 
+    def _writable_again(self) -> None:
+        """The state directory answers again: remove the marks it kept of units started since (idle only)."""
+        async def retry() -> None:
+            if self.record is None:  # checked again as it runs: a window that opened meanwhile marks its own
+                await self.resident.retry_unmark()
+        if self.record is None and self.resident.unmark_pending and not self.stopping.is_set():
+            spawn(retry(), "retry-unmark")
+
     async def reconcile(self) -> None:
         """Look at the resident while no window is open: report a unit that is down, never start it.
 
@@ -779,6 +788,7 @@ class Window:
         if self.stopping.is_set() or self.refusing or self.record is not None or len(self.queue) \
                 or self.driver.task is not None:
             return
+        await self.resident.retry_unmark()
         states = await self.resident.unit_states(self.config.resident.units)
         self.learn_names(states)
         if self.record is not None or self.driver.task is not None:

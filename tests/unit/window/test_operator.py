@@ -275,3 +275,32 @@ def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
             assert not plan.problems
 
     run(main())
+
+
+def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None:
+    """Started again, but the mark could not be removed: a later start would read it as gpuswapd's stop."""
+    world = FakeWorld()
+    marks = memory_marks(world.store)
+    remove = marks.remove
+    failing = {"left": 2}  # the units' unmark, then the timers'
+
+    def flaky(names: list[str]) -> None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise OSError(5, "Input/output error")
+        remove(names)
+
+    marks.remove = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None
+            await w.release(lease.id)
+            await settle(w)
+            assert w.phase is Phase.IDLE and world.snapshot() == BASELINE
+            assert marks.read() != [] and w.resident.unmark_pending  # kept by the failed removal
+            await w.reconcile()  # the state directory answers now
+            assert marks.read() == [] and not w.resident.unmark_pending
+
+    run(main())
