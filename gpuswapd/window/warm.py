@@ -18,8 +18,8 @@ too, or ``resident.cache.save_path``), gpuswapd keeps it:
   count: another model or context skips the restore. The verify's completion is asked in a slot
   that no file fills. A restore that fails leaves the resident serving cold: never DEGRADED.
 - **Removed**: gpuswapd's files are removed once restored or skipped, when the window ends
-  however it ends (after the timers are resumed), and before each save (stale ones of a gpuswapd that stopped mid-window). The
-  save directory is written by llama-server as the resident's user; gpuswapd removes its files
+  however it ends (after the timers are resumed), and before each save (stale ones of a gpuswapd
+  that stopped mid-window). The save directory is written by llama-server as the resident's user; gpuswapd removes its files
   through the directory's group (``ReadWritePaths=`` in gpuswapd.service names
   ``/var/cache/gpuswapd/slots``, which tmpfiles.d makes ``2770 root:gpuswap``).
 

@@ -769,7 +769,7 @@ class Window:
             self.writer.request()
 
     def _writable_again(self) -> None:
-        """The state directory answers again: remove the marks it kept of units started since (idle only)."""
+        """Remove the marks a hung state directory kept, now that it answers again (idle only)."""
         async def retry() -> None:
             if self.record is None:  # checked again as it runs: a window that opened meanwhile marks its own
                 await self.resident.retry_unmark()
