@@ -19,9 +19,10 @@ too, or ``resident.cache.save_path``), gpuswapd keeps it:
   that no file fills. A restore that fails leaves the resident serving cold: never DEGRADED.
 - **Removed**: gpuswapd's files are removed once restored or skipped, when the window ends
   however it ends (after the timers are resumed), and before each save (stale ones of a gpuswapd
-  that stopped mid-window). The save directory is written by llama-server as the resident's user; gpuswapd removes its files
-  through the directory's group (``ReadWritePaths=`` in gpuswapd.service names
-  ``/var/cache/gpuswapd/slots``, which tmpfiles.d makes ``2770 root:gpuswap``).
+  that stopped mid-window). The save directory is written by llama-server as the resident's
+  user; gpuswapd removes its files through the directory's group (``ReadWritePaths=`` in
+  gpuswapd.service names ``/var/cache/gpuswapd/slots``, which tmpfiles.d makes
+  ``2770 root:gpuswap``).
 
 The window's record keeps what happened (``cache``): slots, tokens, bytes and seconds of the save
 and of the restore, or why it was skipped. ``gpuswapd_resident_prefill_tokens_saved_total``
