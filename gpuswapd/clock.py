@@ -9,9 +9,12 @@ suspended, so a lease shorter than a suspend has ended when the machine wakes.
 - ``now()`` is the daemon's time: the wall clock read once at start (``anchor``), moved on by
   ``monotonic()`` since. Leases, windows and their timings are stamped with it: a wall step moves
   none of them.
-- ``wall()`` is for what a person or another process reads: the log's and events' timestamps, the
-  state document's lease times and the wire's ``expires_at`` (``to_wall``: the wall-clock moment a
-  daemon time falls on, as the wall clock reads now; ``from_wall`` back).
+- ``wall()`` is for what a person or another process reads: the log's and events' timestamps and
+  the wire's ``expires_at`` (``to_wall``: the wall-clock moment a daemon time falls on, as the wall
+  clock reads now; ``from_wall`` back).
+- The state document keeps the daemon's own time (``document_frame``) and a ``sample`` of it
+  beside ``CLOCK_BOOTTIME`` and the boot's id: the next start in the same boot continues that time
+  (``continue_from``), so a lease keeps its length across a restart and a wall step together.
 
 In service these read ``time.time`` and ``CLOCK_BOOTTIME``. The deterministic simulation points
 them at its virtual clocks (``use``), so a history of hours runs in milliseconds and replays
@@ -22,16 +25,32 @@ resume, and the sleeper checks its deadline on this clock again).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def _boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+def _read_boot_id() -> str:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # unknown: a start never continues an earlier daemon's time
+
+
 _wall: Callable[[], float] = time.time
 _boot: Callable[[], float] = _boottime
+_boot_id: Callable[[], str] = _read_boot_id
+_document: contextvars.ContextVar[bool] = contextvars.ContextVar("clock_document", default=False)
 STEP_S = 0.5  # the wall clock moved this far from the daemon's time: the wire's times follow it
 _anchor: tuple[float, float] = (time.time(), _boottime())  # (wall, boot) when the daemon's time was set
 _offset = 0.0  # the wall clock's lead over the daemon's time, as last seen (offset())
@@ -69,12 +88,50 @@ def offset() -> float:
 
 def to_wall(when: float) -> float:
     """Return the wall-clock time at which a daemon time falls, as the wall clock reads now."""
-    return when + offset()
+    return when if _document.get() else when + offset()
 
 
 def from_wall(when: float) -> float:
     """Return the daemon time at which a wall-clock time falls, as the wall clock reads now."""
-    return when - offset()
+    return when if _document.get() else when - offset()
+
+
+@contextlib.contextmanager
+def document_frame() -> Iterator[None]:
+    """Within, ``to_wall`` and ``from_wall`` keep the daemon's time: what the state document stores."""
+    token = _document.set(True)
+    try:
+        yield
+    finally:
+        _document.reset(token)
+
+
+def sample() -> dict[str, Any]:
+    """Return the daemon's time beside ``CLOCK_BOOTTIME`` and the boot's id (stored with the state document)."""
+    return {"boot_id": _boot_id(), "now": round(now(), 6), "boot": round(_boot(), 6)}
+
+
+def continue_from(stored: object) -> bool:
+    """Continue the daemon's time of the gpuswapd that wrote ``stored`` (a ``sample``) if it ran in this boot.
+
+    Its times (leases, the parked engine's keep, the queue's waits) then mean what they meant to
+    it, whatever the wall clock did meanwhile. Another boot, or no sample: the time stays anchored
+    at the wall clock (the only clock two boots share). Return whether it continued.
+    """
+    global _anchor, _offset
+    if not isinstance(stored, dict):
+        return False
+    boot_id, then, boot = stored.get("boot_id"), stored.get("now"), stored.get("boot")
+    if not isinstance(boot_id, str) or not boot_id or boot_id != _boot_id():
+        return False
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (then, boot)):
+        return False
+    if float(boot) > _boot():  # written later in this boot than now: not this boot's after all
+        return False
+    _anchor = (float(then), float(boot))
+    _offset = 0.0
+    offset()
+    return True
 
 
 def stamp(when: float | None = None, fmt: str = "%Y%m%d-%H%M%S") -> str:
@@ -82,13 +139,14 @@ def stamp(when: float | None = None, fmt: str = "%Y%m%d-%H%M%S") -> str:
     return time.strftime(fmt, time.localtime(wall() if when is None else when))
 
 
-def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float]) -> None:
+def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float],
+        boot_id: Callable[[], str] = lambda: "simulated") -> None:
     """Read the time from these clocks from now on (the simulation's virtual time), anchored afresh."""
-    global _wall, _boot
-    _wall, _boot = wall_clock, monotonic_clock
+    global _wall, _boot, _boot_id
+    _wall, _boot, _boot_id = wall_clock, monotonic_clock, boot_id
     anchor()
 
 
 def reset() -> None:
     """Read the real clocks again."""
-    use(time.time, _boottime)
+    use(time.time, _boottime, _read_boot_id)

@@ -79,7 +79,7 @@ KNOWN_EVENTS = frozenset({
     # Before an engine boots (gpuswapd.checks.bootchecks): its compile caches and the known-bad table.
     "compile_cache_not_kept", "known_bad_allowed", "known_bad_setting",
     # Time and names: how naps follow a suspend (naps.py), a socket group the group database did not resolve.
-    "durations_on_boottime", "resume_unwatched", "socket_group_unresolved",
+    "durations_on_boottime", "daemon_time_continued", "resume_unwatched", "socket_group_unresolved",
 })
 PLANNED: frozenset[str] = frozenset()  # named by the design, not logged yet
 # Logged, but no event for hooks or watchers: a hook's own outcome (a hook for it would loop), the

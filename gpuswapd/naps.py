@@ -49,7 +49,9 @@ async def nap(seconds: float, *also: asyncio.Future[Any]) -> None:
     woken: asyncio.Future[None] = loop.create_future()
 
     def wake(_: Any = None) -> None:
-        if not woken.done():
+        if loop.is_closed():  # a loop thrown away with this nap in it (the simulation's dead incarnations)
+            _napping.discard(wake)
+        elif not woken.done():
             woken.set_result(None)
 
     timer = loop.call_later(max(0.0, min(seconds, _longest)), wake)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.simulation.history import Setup, draw_awaiting, draw_events, draw_setup
+from tests.simulation.history import Setup, draw_apart, draw_events, draw_setup
 from tests.simulation.runner import Outcome, Violation, play
 
 CASES = Path(__file__).with_name("simulate_cases")
@@ -37,7 +37,7 @@ def draw(seed: int, events: int, draw_all: bool = False) -> tuple[Setup, list[di
     rng = random.Random(seed)
     setup = draw_setup(rng)
     history = draw_events(rng, setup, events)
-    return setup, draw_awaiting(seed, setup, history) if draw_all else history
+    return setup, draw_apart(seed, setup, history, draw_all)
 
 
 def run_seed(args: tuple[int, ...]) -> tuple[int, list[Violation], float, int, float]:

@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuswapd import clock
 from gpuswapd.errors import ConfigError
 from gpuswapd.protocol import JsonObject
 from gpuswapd.record import WindowRecord
@@ -50,6 +51,8 @@ class Document:
     held_down: dict[str, float] = field(default_factory=dict)
     # What the resident is (gpuswapd.window.baseline.Known): its baseline, its footprint, a change left.
     resident: JsonObject | None = None
+    # The daemon's time when it was written (clock.sample): the next start in this boot continues it.
+    clock: JsonObject | None = None
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,10 @@ class Loaded:
 
 def encode(document: Document) -> bytes:
     """Serialize a document with its checksum (one line of JSON)."""
-    body: JsonObject = {"version": VERSION, "seq": document.seq,
-            "window": document.window.to_dict() if document.window else None,
-            "parked": document.parked, "queue": document.queue}
+    with clock.document_frame():  # the daemon's own time, continued by the next start in this boot
+        window = document.window.to_dict() if document.window else None
+    body: JsonObject = {"version": VERSION, "seq": document.seq, "window": window,
+                        "parked": document.parked, "queue": document.queue, "clock": clock.sample()}
     if document.held_down:
         body["held_down"] = document.held_down
     if document.resident:
@@ -112,9 +116,14 @@ def decode(data: bytes) -> Document:
     resident = body.get("resident")
     if resident is not None and not isinstance(resident, dict):
         raise ValueError("resident: expected an object or null")
+    stamp = body.get("clock")
+    if stamp is not None and not isinstance(stamp, dict):
+        raise ValueError("clock: expected an object or null")
     window = body.get("window")
-    return Document(seq=seq, window=None if window is None else WindowRecord.from_dict(window),
-                    parked=parked, queue=queue, held_down={k: float(v) for k, v in held.items()}, resident=resident)
+    with clock.document_frame():
+        record = None if window is None else WindowRecord.from_dict(window)
+    return Document(seq=seq, window=record, parked=parked, queue=queue,
+                    held_down={k: float(v) for k, v in held.items()}, resident=resident, clock=stamp)
 
 
 class StateStore:

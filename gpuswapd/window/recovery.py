@@ -31,6 +31,10 @@ async def recover_at_start(window: Context) -> None:
     """Pick up the state an earlier gpuswapd left, or restore the baseline if none can be read."""
     loaded, problem = await _read_state(window)
     document = loaded.document if loaded is not None else None
+    # Its times are the daemon's time of the gpuswapd that wrote it: in this boot, that time goes on
+    # (a wall step since moves no lease); after a reboot, the wall clock is the only bridge.
+    if document is not None and clock.continue_from(document.clock):
+        log.info("daemon_time_continued", wall_step_s=round(clock.offset(), 3))
     window.writer.start(document.seq if document else 0)
     if loaded is None or loaded.unreadable:
         window.restore_baseline(f"no copy of the state could be read ({problem})")

@@ -394,7 +394,8 @@ class Window:
         except BaseException:
             lease.expires_at = was  # it still ends when it did
             raise
-        log.info("lease_renewed", lease=lease.id, holder=lease.holder, expires_at=lease.expires_at,
+        log.info("lease_renewed", lease=lease.id, holder=lease.holder,
+                 expires_at=round(clock.to_wall(lease.expires_at), 3) if math.isfinite(lease.expires_at) else None,
                  capped_by=None if capped_by is None else "fair_after",
                  waiting=None if capped_by is None else capped_by.holder)
         self.wake.set()

@@ -22,20 +22,17 @@ FAULTABLE = sorted((system, call) for system, calls in CALLS.items() for call in
 
 # Draws and invariants that today's gpuswapd fails because of an open bug: drawn only with
 # ``python -m tests.simulate --draw-all`` (a Setup's ``awaiting``), so that the fixed seeds and
-# the saved cases pass meanwhile. The branch that fixes a bug removes its entry here, and from
-# then on every seed draws it.
-AWAITING_FIX: dict[str, str] = {
-    # Invariant 14, "gpuswapd starts a unit or a timer only to undo its own stop": today a crash of
-    # the resident is restored by the reconcile, and a baseline restore starts every matching timer
-    # (one never enabled too) and what its operator stopped (issue 34, "The operator's word is final":
-    # items 1, 3 and 5).
-    "start_only_what_it_stopped": "issue 34 items 1, 3, 5",
-    # The operator stops the resident while gpuswapd is down (an upgrade, the Restart= gap): the
-    # first reconcile brings it back as a baseline restore (issue 34 item 1).
-    "operator_stop_while_down": "issue 34 item 1",
-    # The wall clock steps an hour either way: a lease's expiry follows it (stepped forward, a
-    # lease ends early, which invariant 4 names; issue 35 "Nothing on the box can fool it" item 2).
-    "clock_steps": "issue 35 item 2",
+# the saved cases pass meanwhile. The change that fixes a bug moves its entry to DRAWN_APART, and
+# from then on every seed draws it. None waits today.
+AWAITING_FIX: dict[str, str] = {}
+# Draws every seed makes from a stream of its own (``draw_apart``), merged in by time, so that the
+# seed's other draws stay as they were when these joined:
+DRAWN_APART: dict[str, str] = {
+    # The operator stops the resident while gpuswapd is down (an upgrade, the Restart= gap): it
+    # stays stopped (invariant 14: gpuswapd starts a unit or timer only to undo its own stop).
+    "operator_stop_while_down": "the operator's stop while gpuswapd is down",
+    # The wall clock steps an hour or ten minutes: no lease's length follows it (invariant 4).
+    "clock_steps": "wall-clock steps",
 }
 
 
@@ -274,21 +271,22 @@ def draw_events(rng: random.Random, setup: Setup, count: int) -> list[dict[str, 
     return events
 
 
-def draw_awaiting(seed: int, setup: Setup, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add the draws of AWAITING_FIX to a history (``--draw-all``), from a stream of their own.
+def draw_apart(seed: int, setup: Setup, events: list[dict[str, Any]], draw_all: bool = False) -> list[dict[str, Any]]:
+    """Add the draws of DRAWN_APART (and with ``draw_all``, of AWAITING_FIX) to a history, from a stream of their own.
 
     The seed's usual draws are left exactly as they were: these come from another generator and
     are merged in by time.
     """
-    setup.awaiting = tuple(AWAITING_FIX)
+    setup.awaiting = tuple(AWAITING_FIX) if draw_all else ()
+    kinds = {*DRAWN_APART, *setup.awaiting}
     rng = random.Random(seed * 7919 + 1)
     end = max((float(e["at"]) for e in events), default=100.0)
     extra: list[dict[str, Any]] = []
-    if "operator_stop_while_down" in setup.awaiting:
+    if "operator_stop_while_down" in kinds:
         for _ in range(rng.choice((0, 1, 1, 2))):
             extra.append({"do": "operator_stop_while_down", "at": round(rng.uniform(1.0, end), 2),
                           "restart_after": rng.choice((2.0, 5.0, 30.0))})
-    if "clock_steps" in setup.awaiting:
+    if "clock_steps" in kinds:
         for _ in range(rng.choice((0, 1, 2))):
             extra.append({"do": "clock_step", "at": round(rng.uniform(1.0, end), 2),
                           "by": rng.choice((3600.0, -3600.0, 600.0))})

@@ -38,7 +38,7 @@ Beyond the seven:
 13. A lease on an engine is granted only after a completion from that engine since its last
     start or wake (READY is never granted on /health alone).
 14. gpuswapd starts a unit (14) or a timer (14t) only to undo its own stop, whatever its
-    operator did and whenever (awaiting its fix: checked only with --draw-all).
+    operator did and whenever.
 """
 
 from __future__ import annotations
@@ -454,7 +454,13 @@ class Run:
         world.docker.specs["hyperqwen"] = EngineSpec(ENGINE_BYTES, residual, s.engine_boot)
         world.docker.specs["qwen-eval"] = EngineSpec(ENGINE_BYTES, residual, s.eval_boot, sleeps=s.eval_sleeps)
         world.http.engines = {"engine.sim:18020": "hyperqwen", "eval.sim:18021": "qwen-eval"}
+        sd.in_restore = self._restoring
         return world
+
+    def _restoring(self) -> bool:
+        daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
+        rec = daemon.window.record if daemon is not None else None
+        return rec is not None and rec.phase in (Phase.RESTORING, Phase.DEGRADED)
 
     def container_of(self, profile: str) -> str | None:
         return {"default": "hyperqwen", "eval": "qwen-eval"}.get(profile)
@@ -607,7 +613,7 @@ class Run:
             daemon = self.host.daemon
             c.window = daemon.window.record.id if daemon is not None and daemon.window.record is not None else None
             expires = lease.get("expires_at")
-            self.lease_expiry[c.lease] = math.inf if expires is None else float(expires) - EPOCH
+            self.lease_expiry[c.lease] = math.inf if expires is None else self._on_virtual(float(expires))
             self.leases[c.lease] = c
             self.note(f"  {c.id}: reclaimed lease {c.lease} on window {c.window}")
             return
@@ -1053,8 +1059,8 @@ class Run:
             self.violate("3", f"out of memory on the card: {world.card.ooms[0]}")
         if world.timer_violations:
             self.violate("12", world.timer_violations[0])
-        if world.systemd.start_violations and "start_only_what_it_stopped" in self.setup.awaiting:
-            # 14 for units, 14t for timers: each is its own finding (issue 34 items 1 and 3).
+        if world.systemd.start_violations:
+            # 14 for units, 14t for timers: each is its own finding.
             for found in world.systemd.start_violations:
                 self.violate("14t" if ".timer " in found else "14", found)
         if world.short_starts and self.config.gpu.resident_needs >= RESIDENT_NEEDS:
@@ -1120,13 +1126,13 @@ class Run:
         now = self.clock.now
         rec = daemon.window.record
         current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
-        if "clock_steps" in self.setup.awaiting:  # awaiting a fix: a lease also ends at its expiry, not much later
-            for lease_id in current:
-                late = now - self.lease_expiry.get(lease_id, math.inf)
-                if late > LATE_EXPIRY_S:
-                    self.violate("4", f"lease {lease_id} is still held {late:.0f}s after it expired "
-                                      f"(at {self.lease_expiry[lease_id]:.1f}s); the wall clock was stepped by "
-                                      f"{self.clock.wall_offset:+.0f}s")
+        # A lease also ends at its expiry, not much later, whatever the wall clock did.
+        for lease_id in current:
+            late = now - self.lease_expiry.get(lease_id, math.inf)
+            if late > LATE_EXPIRY_S:
+                self.violate("4", f"lease {lease_id} is still held {late:.0f}s after it expired "
+                                  f"(at {self.lease_expiry[lease_id]:.1f}s); the wall clock was stepped by "
+                                  f"{self.clock.wall_offset:+.0f}s")
         for lease_id, c in list(self.leases.items()):
             if lease_id in current:
                 continue
@@ -1246,7 +1252,7 @@ class Run:
         preempted = rec.preempted
         if preempted is not None and preempted.revoked_at is None and preempted.abandoned_at is None:
             return
-        if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.wall()) is not None:
+        if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.now()) is not None:
             return
         if self.faults.active(("systemd", "state")) or self.clock.now < self.world.store.broken_until \
                 or not w.writer.writable or {"systemd", "state"} & set(daemon.outside.hung()):

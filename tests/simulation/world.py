@@ -252,6 +252,7 @@ class Unit:
     fit: Fit | None = None  # a llama-server that fits itself to the free memory
     n_ctx: int = 0  # its context per slot, as its /props says
     exec_start: tuple[str, ...] = ()  # what it runs (none given: llama-server on /models/NAME.gguf if it holds VRAM)
+    started_by: str = ""  # who asked for its last start: "gpuswapd" or "its operator"
 
 
 @dataclass
@@ -292,6 +293,9 @@ class Systemd:
         self._stopping: dict[str, str] = {}  # stops under way: who asked
         self._cause: str | None = None  # who stops what a stop takes down with it
         self.start_violations: list[str] = []
+        # Whether gpuswapd is restoring the resident now (its start and verify, retried): a unit of its
+        # start that dies meanwhile is its restore failing, still gpuswapd's stop to undo.
+        self.in_restore: Callable[[], bool] = lambda: False
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -533,6 +537,7 @@ class Systemd:
             return
         unit.started_at.append(self.world.clock.now)
         self.stopped_by.pop(unit.name, None)
+        unit.started_by = "its operator" if unit.name in self.operator_jobs else "gpuswapd"
         if unit.name in self.operator_jobs:
             self.operator_jobs.discard(unit.name)
             self.operator_started.append(self.world.clock.now)
@@ -554,6 +559,8 @@ class Systemd:
             self.world.card.release(self._key(unit))
         outer = self._cause
         cause = self._stopping.pop(unit.name, None) or outer or "a crash"
+        if cause == "a crash" and unit.started_by == "gpuswapd" and self.in_restore():
+            cause = "gpuswapd"  # its restore's start did not last: the restore goes on undoing its own stop
         self.stopped_by[unit.name] = cause
         self._cause = cause  # what it takes down goes for the same reason
         try:

@@ -148,3 +148,25 @@ def test_without_word_of_resumes_no_nap_is_longer_than_a_few_seconds(monkeypatch
     naps.resumes_told(True)
     assert naps.longest() == naps.TOLD_NAP_S
     naps.resumes_told(False)
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_lease_keeps_its_length_across_a_restart_after_a_wall_step(clocks: Clocks, step: float) -> None:
+    """The state document keeps the daemon's time: the next start in this boot goes on with it."""
+    from gpuswapd.record import WindowRecord
+    from gpuswapd.state.store import Document, decode, encode
+
+    clock.anchor()  # the first gpuswapd starts
+    rec = WindowRecord.new()
+    lease = rec.leases.grant("job", 600, clock.now(), None, None, 0, False, None)
+    data = encode(Document(seq=1, window=rec))
+    clocks.step(step)  # the wall clock steps; gpuswapd is killed before it writes again
+    clock.anchor()  # the next gpuswapd starts, in the same boot
+    document = decode(data)
+    assert clock.continue_from(document.clock)
+    assert document.window is not None
+    [back] = document.window.leases.all()
+    assert back.id == lease.id and 599 < back.remaining(clock.now()) <= 600  # not 600 -/+ 3600
+    assert abs(back.to_dict(clock.now())["expires_at"] - (time.time() + step + 600)) < 2.0  # the wire: the wall
+    stranger = {**document.clock, "boot_id": "another-boot"}  # after a reboot: the wall clock is the only bridge
+    assert not clock.continue_from(stranger) and not clock.continue_from(None)
