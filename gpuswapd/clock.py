@@ -121,14 +121,12 @@ def continue_from(stored: object) -> bool:
     global _anchor, _offset
     if not isinstance(stored, dict):
         return False
-    boot_id, then, boot = stored.get("boot_id"), stored.get("now"), stored.get("boot")
+    boot_id, then, boot = stored.get("boot_id"), _finite(stored.get("now")), _finite(stored.get("boot"))
     if not isinstance(boot_id, str) or not boot_id or boot_id != _boot_id():
         return False
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (then, boot)):
+    if then is None or boot is None or boot > _boot():  # later than now: not this boot's after all
         return False
-    if float(boot) > _boot():  # written later in this boot than now: not this boot's after all
-        return False
-    _anchor = (float(then), float(boot))
+    _anchor = (then, boot)
     _offset = 0.0
     offset()
     return True
@@ -137,6 +135,11 @@ def continue_from(stored: object) -> bool:
 def stamp(when: float | None = None, fmt: str = "%Y%m%d-%H%M%S") -> str:
     """Format a wall-clock time (now by default) in local time."""
     return time.strftime(fmt, time.localtime(wall() if when is None else when))
+
+
+def _finite(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float],
