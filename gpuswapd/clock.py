@@ -50,6 +50,7 @@ def _read_boot_id() -> str:
 _wall: Callable[[], float] = time.time
 _boot: Callable[[], float] = _boottime
 _boot_id: Callable[[], str] = _read_boot_id
+_kernel: Callable[[], float] = time.monotonic  # CLOCK_MONOTONIC: systemd's *TimestampMonotonic
 _document: contextvars.ContextVar[bool] = contextvars.ContextVar("clock_document", default=False)
 STEP_S = 0.5  # the wall clock moved this far from the daemon's time: the wire's times follow it
 _anchor: tuple[float, float] = (time.time(), _boottime())  # (wall, boot) when the daemon's time was set
@@ -64,6 +65,11 @@ def wall() -> float:
 def monotonic() -> float:
     """Return seconds on ``CLOCK_BOOTTIME`` (every deadline and duration; the time suspended counts)."""
     return _boot()
+
+
+def kernel_monotonic() -> float:
+    """Return seconds on ``CLOCK_MONOTONIC``: the clock of systemd's ``*TimestampMonotonic`` properties."""
+    return _kernel()
 
 
 def now() -> float:
@@ -145,11 +151,14 @@ def _finite(value: Any) -> float | None:
 def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float],
         boot_id: Callable[[], str] = lambda: "simulated") -> None:
     """Read the time from these clocks from now on (the simulation's virtual time), anchored afresh."""
-    global _wall, _boot, _boot_id
+    global _wall, _boot, _boot_id, _kernel
     _wall, _boot, _boot_id = wall_clock, monotonic_clock, boot_id
+    _kernel = monotonic_clock
     anchor()
 
 
 def reset() -> None:
     """Read the real clocks again."""
     use(time.time, _boottime, _read_boot_id)
+    global _kernel
+    _kernel = time.monotonic

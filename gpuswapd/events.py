@@ -60,7 +60,7 @@ KNOWN_EVENTS = frozenset({
     "resident_cache_files_left", "resident_cache_files_removed", "resident_cache_not_restored",
     "resident_cache_not_saved", "resident_cache_restored", "resident_cache_saved", "resident_cache_slots_skipped",
     "resident_down", "resident_down_at_exit", "resident_restart_failed", "resident_restarting_crashed",
-    "resident_up", "stopped_record_not_cleared", "stopped_record_unreadable",
+    "resident_up", "stopped_record_not_cleared", "stopped_record_stale", "stopped_record_unreadable",
     "resident_file_skipped", "resident_footprint_larger", "resident_found_down",
     "resident_held_down",
     "resident_hold_lifted", "resident_identity_unread",

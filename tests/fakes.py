@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpuswapd import clock
 from gpuswapd.adapters.docker import ContainerState, RunSettings
 from gpuswapd.adapters.gpu import GpuProcess, VramReading
 from gpuswapd.adapters.kernel import Process
@@ -225,6 +226,7 @@ class FakeUnit:
     masked: bool = False  # systemctl mask: nothing starts it
     names: tuple[str, ...] = ()  # its Id and aliases, as Names says (empty: its name alone)
     invocation: int = 1  # its InvocationID, new at each start
+    active_enter: float | None = None  # when it last became active (CLOCK_MONOTONIC; None: before the test)
     unit_file_state: str = "enabled"
 
 
@@ -235,6 +237,7 @@ class FakeSystemd:
         self.gpu = gpu
         self.units: dict[str, FakeUnit] = {}
         self.timer_units: dict[str, tuple[str, str]] = {}  # timer -> (active_state, service)
+        self.timer_entered: dict[str, float] = {}  # timer -> when it last became active (started in the test)
         self.jobs = JobResults()
         self._count = itertools.count(1)
         self._lock = threading.RLock()
@@ -298,6 +301,8 @@ class FakeSystemd:
     def _start(self, name: str) -> str:
         with self._lock:
             if name in self.timer_units:
+                if self.timer_units[name][0] != "active":
+                    self.timer_entered[name] = clock.kernel_monotonic()
                 self.timer_units[name] = ("active", self.timer_units[name][1])
                 return "done"
             unit = self.units.get(name)
@@ -330,6 +335,7 @@ class FakeSystemd:
                 return "failed"
             unit.active_state = "active"
             unit.invocation += 1
+            unit.active_enter = clock.kernel_monotonic()
             self.started.append(name)
             self.started_at.append((next(self.moments), name))
             return "done"
@@ -358,14 +364,16 @@ class FakeSystemd:
         """Read a unit's state."""
         with self._lock:
             if unit in self.timer_units:
-                return UnitState(unit, "loaded", self.timer_units[unit][0], "waiting")
+                return UnitState(unit, "loaded", self.timer_units[unit][0], "waiting",
+                                 active_enter=self.timer_entered.get(unit))
             u = self.units.get(unit)
             if u is None:
                 return UnitState(unit, "not-found", "inactive", "dead")
             return UnitState(unit, "masked" if u.masked else "loaded", u.active_state,
                              "running" if u.active_state == "active" else "dead",
                              "masked" if u.masked else u.unit_file_state, u.names or (unit,),
-                             f"{u.invocation:032x}" if u.active_state == "active" else "")
+                             f"{u.invocation:032x}" if u.active_state == "active" else "",
+                             active_enter=u.active_enter)
 
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)

@@ -164,9 +164,10 @@ class Systemd:
     def state(self, unit: str) -> UnitState:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
+        entered = int(p.get("ActiveEnterTimestampMonotonic") or 0)  # microseconds; 0: never
         return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
                          tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex(),
-                         bool((p.get("Job") or (0, "/"))[0]))
+                         bool((p.get("Job") or (0, "/"))[0]), entered / 1e6 if entered > 0 else None)
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)

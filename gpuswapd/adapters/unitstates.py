@@ -23,6 +23,8 @@ class UnitState:
     names: tuple[str, ...] = ()  # every name of the unit (its Id and its aliases); signals carry the Id
     invocation: str = ""  # InvocationID: new at each start of the unit, by whoever started it ("": none, unknown)
     job: bool = False  # a job for it is queued (a start at boot, its operator's): it is on its way
+    # When it last became active, on CLOCK_MONOTONIC (ActiveEnterTimestampMonotonic; None: never, or unknown).
+    active_enter: float | None = None
 
     @property
     def active(self) -> bool:

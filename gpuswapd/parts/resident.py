@@ -144,11 +144,33 @@ class Resident:
             await self.unmark(sorted(self.unmark_pending))
 
     async def stopped(self) -> list[str]:
-        """List the units and timers gpuswapd stopped and has not started again."""
+        """List the units and timers gpuswapd stopped and has not started again.
+
+        A mark whose unit became active after it was written is stale (its removal failed, and
+        gpuswapd was killed before it could retry): it ran again since, whoever started it, and
+        what it is now is its operator's. Such a mark is removed, never acted on. When systemd
+        cannot say, every mark counts.
+        """
         try:
-            return await self.outside.state.call("read_marks", self.marks.read)
+            marked = await self.outside.state.call("read_marks", self.marks.read_times)
         except OSError as err:
             raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
+        dated = sorted(n for n, at in marked.items() if at is not None)
+        stale: list[str] = []
+        if dated:
+            try:
+                states = await self.unit_states(dated)
+            except GpuswapError:
+                states = {}
+            for name in dated:
+                entered, at = (states[name].active_enter if name in states else None), marked[name]
+                if entered is not None and at is not None and entered > at:
+                    stale.append(name)
+        if stale:
+            log.warning("stopped_record_stale", names=stale,
+                        reason="each became active again after gpuswapd stopped it: left as it is now")
+            await self.unmark(stale)
+        return sorted(n for n in marked if n not in stale)
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""

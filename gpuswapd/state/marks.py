@@ -3,6 +3,10 @@
     /run/gpuswapd/NAME.stopped/strata.service       written (and fsync'd) before the stop
     /run/gpuswapd/NAME.stopped/agent-sync.timer     removed once it runs again
 
+Each file holds the ``CLOCK_MONOTONIC`` second it was written: a unit that became active after
+it (systemd's ``ActiveEnterTimestampMonotonic``) ran again since, whoever started it, and its mark
+is stale (one whose removal failed, gpuswapd killed before it could retry).
+
 gpuswapd starts a unit or a timer only to undo its own stop. The state document says what a
 window stopped; this second record says it too, so that what gpuswapd stopped is known even when
 every copy of the document is torn or a window's record was lost: a baseline restore starts
@@ -16,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gpuswapd import clock
 from gpuswapd.errors import StateError
 
 
@@ -29,21 +34,23 @@ class Marks:
 
     def __init__(self, directory: str | os.PathLike[str] | None) -> None:
         self.dir = Path(directory) if directory is not None else None
-        self._memory: set[str] = set()
+        self._memory: dict[str, float] = {}
 
     def add(self, names: list[str]) -> None:
         """Record that gpuswapd is about to stop these units or timers (fsync'd before it returns)."""
         names = [n for n in names if _plain(n)]
         if not names:
             return
+        stamp = clock.kernel_monotonic()
         if self.dir is None:
-            self._memory.update(names)
+            self._memory.update(dict.fromkeys(names, stamp))
             return
         try:
             self.dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             for name in names:
                 fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
+                    os.write(fd, f"{stamp:.6f}\n".encode())
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -55,7 +62,8 @@ class Marks:
     def remove(self, names: list[str]) -> None:
         """Forget these names: they run again (or are their operator's now)."""
         if self.dir is None:
-            self._memory.difference_update(names)
+            for name in names:
+                self._memory.pop(name, None)
             return
         try:
             for name in names:
@@ -69,12 +77,16 @@ class Marks:
 
     def read(self) -> list[str]:
         """List what gpuswapd stopped and has not started again (sorted)."""
+        return sorted(self.read_times())
+
+    def read_times(self) -> dict[str, float | None]:
+        """Map each name gpuswapd stopped to the CLOCK_MONOTONIC second of its mark (None: not said)."""
         if self.dir is None:
-            return sorted(self._memory)
+            return dict(self._memory)
         try:
-            return sorted(p.name for p in self.dir.iterdir() if _plain(p.name))
+            return {p.name: _stamp(p) for p in self.dir.iterdir() if _plain(p.name)}
         except FileNotFoundError:
-            return []
+            return {}
         except OSError as err:
             raise StateError(f"cannot read what gpuswapd stopped in {self.dir}: {err.strerror or err}") from err
 
@@ -85,6 +97,19 @@ class Marks:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _stamp(path: Path) -> float | None:
+    """Read a mark's second (an empty file, an older gpuswapd's, or anything else: None)."""
+    try:
+        text = path.read_text(errors="replace")[:64].strip()
+    except FileNotFoundError:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < float("inf") else None
 
 
 def marks_dir(runtime: str | os.PathLike[str], instance: str) -> Path:

@@ -267,6 +267,7 @@ class Timer:
     next_run: int | None = None
     job: tuple[str, int, list[str]] | None = None  # the pending job: (method, world action, job paths)
     stopped_at: float | None = None  # when it was last stopped (paused)
+    entered: float | None = None  # when it last became active (ActiveEnterTimestampMonotonic)
     resident_was_up: bool = False  # whether the resident served when it was stopped
 
 
@@ -312,7 +313,8 @@ class Systemd:
     def add_timer(self, name: str, active: bool, every_s: float, runs_s: float) -> None:
         """Load a timer and its service; an active timer runs its service every ``every_s``."""
         service = name.removesuffix(".timer") + ".service"
-        self.timer_units[name] = Timer(name, active, service, every_s, runs_s)
+        self.timer_units[name] = Timer(name, active, service, every_s, runs_s,
+                                       entered=self.world.clock.now if active else None)
         self.units[service] = Unit(service)
         if active:
             self._schedule_timer(self.timer_units[name])
@@ -353,12 +355,15 @@ class Systemd:
     def state(self, unit: str) -> UnitState:
         """Read a unit's state."""
         if unit in self.timer_units:
-            return UnitState(unit, "loaded", "active" if self.timer_units[unit].active else "inactive", "waiting")
+            timer = self.timer_units[unit]
+            return UnitState(unit, "loaded", "active" if timer.active else "inactive", "waiting",
+                             active_enter=timer.entered)
         u = self.units.get(unit)
         if u is None:
             return UnitState(unit, "not-found", "inactive", "dead")
         sub = {"active": "running", "activating": "start", "deactivating": "stop", "failed": "failed"}
-        return UnitState(unit, "loaded", u.active_state, sub.get(u.active_state, "dead"))
+        return UnitState(unit, "loaded", u.active_state, sub.get(u.active_state, "dead"),
+                         active_enter=u.started_at[-1] if u.started_at else None)
 
     def stop_closure(self, units: list[str]) -> list[str]:
         """List the active units and their active dependents."""
@@ -610,6 +615,8 @@ class Systemd:
             self.stopped_by.pop(name, None)
         elif timer.active:
             self.stopped_by[name] = self._stopping.pop(name, "gpuswapd")
+        if method == "StartUnit" and not timer.active:
+            timer.entered = self.world.clock.now
         timer.active = method == "StartUnit"
         self.world.scheduler.cancel(timer.next_run)
         timer.next_run = None

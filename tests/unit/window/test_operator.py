@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,49 @@ def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None
             assert marks.read() == [] and not w.resident.unmark_pending
 
     run(main())
+
+
+def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None:
+    """A mark left behind (its removal failed, gpuswapd killed before the retry) and an operator's stop while down."""
+    world = FakeWorld()
+    marks = memory_marks(world.store)
+    remove = marks.remove
+    failing = {"left": 2}
+
+    def flaky(names: list[str]) -> None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise OSError(5, "Input/output error")
+        remove(names)
+
+    marks.remove = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None
+            await w.release(lease.id)
+            await settle(w)
+            assert w.phase is Phase.IDLE and marks.read() != []
+            await w.shutdown(restore=False)  # killed before the state directory answered again
+        world.systemd._stop("strata.service")  # its operator's stop while gpuswapd is down
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is None  # no lost record: every mark was stale
+        assert marks.read() == []
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "inactive"  # the operator's word stands
+
+
+def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp_path: Path) -> None:
+    marks = Marks(tmp_path / "default.stopped")
+    marks.add(["strata.service"])
+    (tmp_path / "default.stopped" / "agent-sync.timer").write_text("")  # an older gpuswapd's
+    (tmp_path / "default.stopped" / "odd.service").write_text("not a time")
+    times = marks.read_times()
+    assert times["agent-sync.timer"] is None and times["odd.service"] is None
+    stamp = times["strata.service"]
+    assert stamp is not None and abs(stamp - time.monotonic()) < 5  # CLOCK_MONOTONIC, as systemd's stamps
