@@ -298,6 +298,9 @@ class WindowRecord:
     # What the window changed, written before it is changed, so it can always be undone.
     timers: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
+    # CLOCK_MONOTONIC just before it stopped them: one that became active after this (systemd's
+    # ActiveEnterTimestampMonotonic) ran again since, and its stop was undone.
+    stopped_mono: float | None = None
     container: ContainerHandle | None = None
     leases: LeaseBook = field(default_factory=LeaseBook)
     restarts: int = 0
@@ -380,7 +383,8 @@ class WindowRecord:
         return {
             "id": self.id, "phase": str(self.phase), "opened_at": self.opened_at,
             "closed_at": self.closed_at, "timings": [t.to_dict() for t in self.timings],
-            "timers": self.timers, "units": self.units, "container": _out(self.container),
+            "timers": self.timers, "units": self.units, "stopped_mono": self.stopped_mono,
+            "container": _out(self.container),
             "leases": [lease.to_dict(now) for lease in self.leases.all()], "restarts": self.restarts,
             "error": _out(self.error), "outcome": self.outcome, "degraded": self.degraded,
             "baseline": _out(self.baseline),
@@ -405,7 +409,7 @@ class WindowRecord:
         return cls(
             id=d.text("id"), phase=d.phase("phase"), opened_at=d.number("opened_at"),
             closed_at=d.number("closed_at", optional=True), timings=timings,
-            timers=d.texts("timers"), units=d.texts("units"),
+            timers=d.texts("timers"), units=d.texts("units"), stopped_mono=d.number("stopped_mono", optional=True),
             container=_in(ContainerHandle.from_dict, d.table("container")),
             leases=LeaseBook(leases), restarts=int(d.number("restarts", default=0)),
             error=_in(ErrorRecord.from_dict, d.table("error")),

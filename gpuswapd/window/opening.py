@@ -163,7 +163,7 @@ async def _pause_timers(op: Opening) -> None:
         log.warning("resident_found_down", units=down,
                     consequence="left as it is: gpuswapd starts only what it stopped")
     # Recorded by the write that enters STOPPING_RESIDENT, before any unit is stopped.
-    rec.units = list(op.running)
+    rec.units, rec.stopped_mono = list(op.running), clock.kernel_monotonic()
     # What the resident really holds, while it still holds it: the checks from here on count that
     # (the same write records it).
     await identity.learn_footprint(w, op.running)

@@ -109,6 +109,7 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
 async def _carry_on(window: Context, record: WindowRecord | None) -> None:
     """Resume the window the document held, or restore the baseline over a lost one; then reconcile the engines."""
     if record is not None:
+        await _undone_meanwhile(window, record)
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
         # Its engine still runs, but no record of it was kept and history never saw it close:
@@ -129,6 +130,30 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
         log.warning("orphan_check_failed", error=_why(err, window), retry="in the background")
         closing.sweep_orphans(window)
     await parking.check_at_start(window)
+
+
+async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
+    """Leave to their operator the units this window stopped that ran again since and are down now.
+
+    The record on disk can be older than the window: a state directory that failed its writes kept
+    a window gpuswapd had already closed, and its restore started the units; their operator may have
+    stopped them since, while gpuswapd was down. A unit that became active after the window stopped
+    it had its stop undone: what it is now is its operator's (or systemd's), and it is not started.
+    """
+    if not rec.units or rec.stopped_mono is None:
+        return
+    try:
+        states = await w.resident.unit_states(list(rec.units))
+    except (GpuswapError, asyncio.CancelledError) as err:
+        log.info("resident_stop_unchecked", error=_why(err, w), consequence="the record stands")
+        return  # systemd cannot say: the record stands
+    undone = [u for u, st in states.items() if st.active_enter is not None and st.active_enter > rec.stopped_mono
+              and not st.active]
+    if undone:
+        log.warning("resident_stop_undone_meanwhile", units=undone, window=rec.id,
+                    consequence="left as they are: they ran again after this window stopped them")
+        rec.units = [u for u in rec.units if u not in undone]
+        await w.resident.unmark(undone)
 
 
 async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:

@@ -738,7 +738,7 @@ class Window:
         """Close ``rec`` (with ``outcome``) straight into a window of ``profile``, keeping the resident down."""
         nxt = WindowRecord.new()
         nxt.profile, nxt.kind = profile, self.config.profile(profile).kind
-        nxt.timers, nxt.units = list(rec.timers), list(rec.units)
+        nxt.timers, nxt.units, nxt.stopped_mono = list(rec.timers), list(rec.units), rec.stopped_mono
         nxt.switched_from, nxt.saved = rec.id, self.times.saved()
         # The engine it took down is still being freed: the next window waits for it, never blames it.
         nxt.freeing, nxt.freeing_unknown = list(rec.freeing), rec.freeing_unknown
