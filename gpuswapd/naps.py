@@ -12,6 +12,7 @@ nap may be longer (``TOLD_NAP_S``), a bound for a signal that went missing.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,9 @@ TOLD_NAP_S = 60.0  # logind tells of every resume: this only bounds a lost signa
 EARLY_S = 1e-3  # a sleep this close to its end is over
 
 _longest = NAP_S
-_napping: set[Callable[[], None]] = set()
+# Weak: a nap whose loop was thrown away never runs its ``finally`` (the simulation's dead
+# incarnations), and must not keep that loop and everything on it alive.
+_napping: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
 
 
 def resumes_told(told: bool) -> None:

@@ -76,6 +76,11 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             self.clock.now = when
         callback(*args)
 
+    def close(self) -> None:
+        """Close it, and let go of the run its selector reports to."""
+        self.selector.on_turn = None
+        super().close()
+
     def _write_to_self(self) -> None:
         """Nothing to wake: every callback comes from this thread."""
 

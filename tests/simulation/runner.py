@@ -1085,6 +1085,8 @@ class Run:
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("2", f"the resident is down ({states}) with no window record in memory or on disk "
                               f"(gpuswapd {self.host.state})")
+        if any(conn.hung_up for conn in self.host.connections):  # gone for good: buffers nothing
+            self.host.connections = [conn for conn in self.host.connections if not conn.hung_up]
         for conn in self.host.connections:
             self.record.buffered = max(self.record.buffered, conn.buffered())
             if conn.buffered() > BUFFER_BOUND:
@@ -1341,6 +1343,13 @@ def _forget_tasks(loop: asyncio.AbstractEventLoop) -> None:
         tasks._running.discard(task)
 
 
+def _bury(graveyard: list[VirtualLoop]) -> None:
+    while graveyard:
+        loop = graveyard.pop()
+        _forget_tasks(loop)
+        loop.close()
+
+
 @contextlib.contextmanager
 def seams(record: Record) -> Iterator[list[VirtualLoop]]:
     """Point gpuswapd's clock, ids and workers at the simulation for one run, and its log at the record.
@@ -1384,10 +1393,7 @@ def seams(record: Record) -> Iterator[list[VirtualLoop]]:
         record.tracing = False
         with warnings.catch_warnings():  # "coroutine ... was never awaited": the dead ones' leftovers
             warnings.simplefilter("ignore")
-            for loop in graveyard:
-                _forget_tasks(loop)
-                loop.close()
-            graveyard.clear()
+            _bury(graveyard)  # no name here may still hold a loop (its selector holds the run)
             gc.collect()
         gc.enable()
         clock.reset()
