@@ -13,7 +13,11 @@ from gpuswapd.logs import log
 from gpuswapd.outside import Outside
 from gpuswapd.sizes import format_size
 
-POLL_S = 0.02  # a read itself takes time (nvidia-smi ~30-60 ms): poll tightly
+# The driver's release usually lands within 0.5-1.5 s of the exit (Ollama's measure): poll tightly
+# through that, then as Ollama does, every 250 ms (a read itself takes time: nvidia-smi ~30-60 ms).
+POLL_S = 0.02
+TIGHT_S = 1.5
+POLL_SLOW_S = 0.25
 
 
 class UnitNamer(Protocol):
@@ -58,7 +62,7 @@ class Vram:
             if clock.monotonic() - started >= timeout:
                 # Only now ask who holds it: listing processes costs a second query per poll.
                 raise VramTimeout(await self.describe_shortfall(await self.read() or reading, need, timeout))
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(POLL_S if clock.monotonic() - started < TIGHT_S else POLL_SLOW_S)
             reading = await self.read(processes=False)
         took = clock.monotonic() - started
         if reading is not None:
