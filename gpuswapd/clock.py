@@ -39,12 +39,17 @@ def _boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+_boot_id_read: list[str] = []  # read once: a process never outlives its boot
+
+
 def _read_boot_id() -> str:
-    try:
-        with open(BOOT_ID) as f:
-            return f.read().strip()
-    except OSError:
-        return ""  # unknown: a start never continues an earlier daemon's time
+    if not _boot_id_read:
+        try:
+            with open(BOOT_ID) as f:
+                _boot_id_read.append(f.read().strip())
+        except OSError:
+            _boot_id_read.append("")  # unknown: a start never continues an earlier daemon's time
+    return _boot_id_read[0]
 
 
 _wall: Callable[[], float] = time.time

@@ -79,9 +79,13 @@ def encode(document: Document) -> bytes:
         body["held_down"] = document.held_down
     if document.resident:
         body["resident"] = document.resident
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    body["sha256"] = hashlib.sha256(canonical).hexdigest()
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    # The checksum covers the sorted body without it, and sits in its sorted place: each half is
+    # serialized once (the state is written at every change of the window).
+    before = json.dumps({k: v for k, v in body.items() if k < "sha256"}, sort_keys=True, separators=(",", ":"))
+    after = json.dumps({k: v for k, v in body.items() if k > "sha256"}, sort_keys=True, separators=(",", ":"))
+    canonical = f"{before[:-1]},{after[1:]}".encode()
+    digest = hashlib.sha256(canonical).hexdigest()
+    return f'{before[:-1]},"sha256":"{digest}",{after[1:]}\n'.encode()
 
 
 def decode(data: bytes) -> Document:
