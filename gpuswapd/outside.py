@@ -122,6 +122,28 @@ class _Stuck:
     since: float
 
 
+class _Call:
+    """One blocking call in flight: whether it returned, and who wants to know when it does."""
+
+    __slots__ = ("_then", "landed")
+
+    def __init__(self) -> None:
+        self.landed = False
+        self._then: list[Callable[[], None]] = []
+
+    def land(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.landed = True
+        for then in self._then:
+            loop.call_soon(then)
+        self._then.clear()
+
+    def when_landed(self, then: Callable[[], None]) -> None:
+        if self.landed:
+            asyncio.get_running_loop().call_soon(then)
+        else:
+            self._then.append(then)
+
+
 class Lane:
     """One outside system's calls: bounded workers, a deadline on each call, hung calls counted."""
 
@@ -160,16 +182,18 @@ class Lane:
             raise self._error(f"{_WHAT[self.system]} is hung: {len(self._stuck)} call(s) have not returned "
                               f"({oldest.call} for {clock.monotonic() - oldest.since:.0f}s); {_NEXT[self.system]}")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[R] = loop.create_future()
+        waiter: asyncio.Future[R] = loop.create_future()  # cancelled when its caller stops waiting
+        call = _Call()
         context = contextvars.copy_context()
 
         def settle(result: Any, error: BaseException | None) -> None:
-            if future.cancelled():
-                return
+            call.land(loop)
+            if waiter.done():
+                return  # nobody waits any more (deadline or cancellation): drop what it brings
             if error is not None:
-                future.set_exception(error)
+                waiter.set_exception(error)
             else:
-                future.set_result(result)
+                waiter.set_result(result)
 
         def done(result: Any, error: BaseException | None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: gpuswapd is exiting
@@ -179,24 +203,22 @@ class Lane:
         started = clock.monotonic()
         try:
             # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation.
+            # The call itself is not the awaited future (its thread cannot be cancelled): what it
+            # brings after its caller stopped waiting lands in ``call`` and is dropped.
             async with asyncio.timeout(deadline):
-                return await asyncio.shield(future)
+                return await waiter
         except TimeoutError:
-            self._hung(name, future, started)
+            self._hung(name, call, started)
             raise self._error(f"{_WHAT[self.system]} did not answer ({name}) within {deadline:g}s; "
                               f"{_NEXT[self.system]}") from None
         except asyncio.CancelledError:
-            if not future.done() and name in CHANGES.get(self.system, frozenset()):
-                self._hung(name, future, started, abandoned=True)
-            elif not future.done():
+            if not call.landed and name in CHANGES.get(self.system, frozenset()):
+                self._hung(name, call, started, abandoned=True)
+            elif not call.landed:
                 # A call told to stop (the prefetch's stop event) returns within a moment; one that
                 # does not still holds a worker, and is counted and shown as hung until it returns.
-                loop.call_later(CANCELLED_GRACE_S, self._still_running, name, future, started)
+                loop.call_later(CANCELLED_GRACE_S, self._still_running, name, call, started)
             raise
-        finally:
-            if not future.done():
-                # Nobody waits any more (deadline or cancellation): drop what it brings.
-                future.add_done_callback(_drop)
 
     async def run(self, name: str, awaitable: Awaitable[R], deadline: float | None = None) -> R:
         """Await an asynchronous call (or a signal) of this system within a deadline."""
@@ -232,12 +254,12 @@ class Lane:
         """Wait until every call that outlived its deadline has returned (and done what it did)."""
         await self._drained.wait()
 
-    def _still_running(self, name: str, future: asyncio.Future[Any], started: float) -> None:
-        if not future.done() and id(future) not in self._stuck:
-            self._hung(name, future, started)
+    def _still_running(self, name: str, call: _Call, started: float) -> None:
+        if not call.landed and id(call) not in self._stuck:
+            self._hung(name, call, started)
 
-    def _hung(self, name: str, future: asyncio.Future[Any], started: float, abandoned: bool = False) -> None:
-        key = id(future)
+    def _hung(self, name: str, call: _Call, started: float, abandoned: bool = False) -> None:
+        key = id(call)
         self._stuck[key] = _Stuck(name, started)
         if name not in LOOKS_ONLY.get(self.system, frozenset()):
             self.hung_total += 1
@@ -248,7 +270,7 @@ class Lane:
         else:
             log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck))
 
-        def returned(_: asyncio.Future[Any]) -> None:
+        def returned() -> None:
             stuck = self._stuck.pop(key, None)
             if stuck is not None:
                 log.info("outside_call_returned", system=self.system, call=name,
@@ -256,7 +278,7 @@ class Lane:
             if not self._stuck:
                 self._drained.set()
 
-        future.add_done_callback(returned)
+        call.when_landed(returned)
 
     def close(self) -> None:
         """Let the idle workers end."""
@@ -304,11 +326,6 @@ class Outside:
     def hung(self) -> list[str]:
         """Name the systems with a hung call."""
         return [lane.system for lane in self.lanes() if lane.status()["hung"]]
-
-
-def _drop(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def close_unawaited(awaitable: Awaitable[Any]) -> None:
