@@ -42,9 +42,20 @@ class Times:
         self._woke: dict[str, deque[float]] = {}  # the recent wakes from park
         self._closed: dict[str, deque[float]] = {}  # the recent closes back to the resident, per profile
         self._switched: dict[str, deque[float]] = {}  # the recent closes straight into another window
+        self._medians: dict[int, float | None] = {}  # by id of a deque above; cleared when one learns
+
+    def _median(self, values: deque[float] | None) -> float | None:
+        """Return the median of ``values``, as computed once since the last window was learnt."""
+        if values is None:
+            return None
+        key = id(values)
+        if key not in self._medians:
+            self._medians[key] = _median(values)
+        return self._medians[key]
 
     def learn(self, record: Finished) -> None:
         """Take the timings of one finished window (a history record)."""
+        self._medians.clear()
         timings = record.timings
         ready = next((t for t in timings if t.phase == str(Phase.READY)), None)
         opened = record.opened_at
@@ -71,7 +82,7 @@ class Times:
 
     def close_time(self) -> float | None:
         """Return the median close of a window back to the resident (start of the close to IDLE); None if never seen."""
-        return _median(self._close)
+        return self._median(self._close)
 
     def boots(self) -> dict[str, JsonObject]:
         """Describe each profile's boots to healthy (BOOTING): the last two, the longest, how many."""
@@ -79,13 +90,13 @@ class Times:
 
     def open_time(self, profile: str) -> float | None:
         """Return the median open time of ``profile`` (first acquire to READY); None if never seen."""
-        return _median(self._open.get(profile))
+        return self._median(self._open.get(profile))
 
     def saved(self) -> JsonObject | None:
         """Say what a direct switch saves: the resident's start and verify, as last measured."""
         if not self._restore:
             return None
-        return {"resident_restore_s": round(float(statistics.median(self._restore)), 3),
+        return {"resident_restore_s": round(float(self._median(self._restore) or 0.0), 3),
                 "measured_windows": len(self._restore)}
 
     def swap_price(self, leaving: str | None, coming: str) -> float:
@@ -96,22 +107,22 @@ class Times:
         """
         close = 0.0
         if leaving is not None:
-            close = _median(self._switched.get(leaving)) or _median(self._closed.get(leaving)) or 0.0
+            close = self._median(self._switched.get(leaving)) or self._median(self._closed.get(leaving)) or 0.0
         return close + (self.open_time(coming) or 0.0)
 
     def price(self, profiles: Iterable[str]) -> dict[str, JsonObject]:
         """Describe each profile's price of a swap for ``status``: medians of its recent windows (null: never seen)."""
-        restart = _median(self._restore)
+        restart = self._median(self._restore)
 
         def r(value: float | None) -> float | None:
             return None if value is None else round(value, 3)
 
         out: dict[str, JsonObject] = {}
         for name in profiles:
-            opened, closed = self.open_time(name), _median(self._closed.get(name))
-            out[name] = {"open_s": r(opened), "boot_s": r(_median(self._booted.get(name))),
-                         "wake_s": r(_median(self._woke.get(name))), "close_s": r(closed),
-                         "switch_close_s": r(_median(self._switched.get(name))),
+            opened, closed = self.open_time(name), self._median(self._closed.get(name))
+            out[name] = {"open_s": r(opened), "boot_s": r(self._median(self._booted.get(name))),
+                         "wake_s": r(self._median(self._woke.get(name))), "close_s": r(closed),
+                         "switch_close_s": r(self._median(self._switched.get(name))),
                          "resident_restart_s": r(restart),
                          "swap_s": None if opened is None or closed is None else r(opened + closed),
                          "windows": len(self._open.get(name) or ())}
