@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.skips import Allowed, parse, unlisted
+
+pytest_plugins = ("pytester",)
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = """
@@ -23,31 +22,32 @@ def test_skips_here():
 """
 
 
-def _run(tmp_path: Path, allowlist: str, machine: str = "") -> subprocess.CompletedProcess[str]:
-    # In front of the caller's own path: makepkg's check() brings pytest on PYTHONPATH.
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    (tmp_path / "test_x.py").write_text(TESTS)
-    (tmp_path / "allowed.txt").write_text(allowlist)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.skips", "--allowed-skips",
-                           str(tmp_path / "allowed.txt"), "-q", "-p", "no:cacheprovider", "test_x.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "GPUSWAPD_TEST_MACHINE": machine, "PYTHONPATH": path})
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, allowlist: str,
+         machine: str = "") -> pytest.RunResult:
+    """Run a pytest session with the plugin, in this process (a subprocess costs a second of imports)."""
+    pytester.makepyfile(test_x=TESTS)
+    allowed = pytester.makefile(".txt", allowed=allowlist)
+    monkeypatch.setenv("GPUSWAPD_TEST_MACHINE", machine)
+    return pytester.runpytest_inprocess("-p", "tests.skips", "--allowed-skips", str(allowed), "-q",
+                                        "-p", "no:cacheprovider", "-p", "no:xdist", "test_x.py")
 
 
-def test_an_unlisted_skip_fails_the_run_and_a_listed_one_does_not(tmp_path: Path) -> None:
-    out = _run(tmp_path, "# nothing allowed\n")
-    assert out.returncode == 1, out.stdout
-    assert "1 passed, 1 skipped" in out.stdout
-    assert "test_x.py::test_skips_here: no frobnicator on this host" in out.stdout
-    assert "1 unlisted skip(s): the run fails" in out.stdout
+def test_an_unlisted_skip_fails_the_run_and_a_listed_one_does_not(pytester: pytest.Pytester,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _run(pytester, monkeypatch, "# nothing allowed\n")
+    text = str(out.stdout)
+    assert out.ret == 1, text
+    assert "1 passed, 1 skipped" in text
+    assert "test_x.py::test_skips_here: no frobnicator on this host" in text
+    assert "1 unlisted skip(s): the run fails" in text
 
     entry = "test_x.py::test_skips_here | bare-ci | no frobnicator\n"
-    out = _run(tmp_path, entry, machine="bare-ci")
-    assert out.returncode == 0, out.stdout
-    assert "skips allowed by allowed.txt on machine bare-ci" in out.stdout
-    out = _run(tmp_path, entry)  # the reference machine: an entry for another machine does not apply
-    assert out.returncode == 1, out.stdout
-    assert "does not allow on machine reference" in out.stdout
+    out = _run(pytester, monkeypatch, entry, machine="bare-ci")
+    assert out.ret == 0, str(out.stdout)
+    assert "skips allowed by allowed.txt on machine bare-ci" in str(out.stdout)
+    out = _run(pytester, monkeypatch, entry)  # the reference machine: an entry for another machine does not apply
+    assert out.ret == 1, str(out.stdout)
+    assert "does not allow on machine reference" in str(out.stdout)
 
 
 def test_an_entry_allows_its_test_only_for_its_reason() -> None:
