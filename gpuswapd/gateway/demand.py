@@ -52,7 +52,9 @@ REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again
 WITHDRAW_GRACE_S = 0.0
 RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
 RESIDENCY_MIN_S = 10.0
-BATCH_GAP_S = 1.0  # a tenant whose last request ended this recently still uses the card (a client's next comes)
+# A tenant whose last request ended this recently still uses the card (a client's next comes), as
+# long as the two swaps its waiting saves cost as much: a move seen to take milliseconds waits no second.
+BATCH_GAP_S = 1.0
 STATUS_FRESH_S = 0.5  # a status read is reused this long by the resident requests that wait
 
 Tell = Callable[[str, float], Awaitable[None]]  # (phase, seconds waited): a waiting request's heartbeat
@@ -300,21 +302,31 @@ class Demand:
         oldest = self._oldest_other(tenant)
         return oldest is not None and clock.monotonic() - oldest[1] > self.residency(tenant, oldest[0])
 
-    def _busy(self) -> str | None:
-        """Return the tenant of the gateway's that uses the card now (requests in flight, or one just ended)."""
-        recent = clock.monotonic() - BATCH_GAP_S
+    def batch_gap(self, tenant: str, waiter: str) -> float:
+        """Return how long after its last request ``tenant`` still holds the card against ``waiter``.
+
+        BATCH_GAP_S, or less when the two swaps that waiting saves (to ``waiter`` and back) were
+        seen to cost less: a tenant not seen yet costs RESIDENCY_MIN_S, as in ``residency``.
+        """
+        price = self.price.get(waiter, RESIDENCY_MIN_S) + self.price.get(tenant, RESIDENCY_MIN_S)
+        return min(BATCH_GAP_S, price)
+
+    def _busy(self, waiter: str) -> str | None:
+        """Return the tenant of the gateway's using the card against ``waiter`` (in flight, or just ended)."""
+        now = clock.monotonic()
         for lease in self.leases.values():
-            if (lease.flights or lease.last_end > recent) and not lease.ending:
+            if (lease.flights or lease.last_end > now - self.batch_gap(lease.profile, waiter)) and not lease.ending:
                 return lease.profile
         # The resident's requests in flight, or waiting for it to come back (then it is the tenant
         # the card is moving to: another's acquire would take it away as soon as it arrived).
-        if self.resident_flights or self.waits.get(RESIDENT) or self.resident_last_end > recent:
+        if self.resident_flights or self.waits.get(RESIDENT) or \
+                self.resident_last_end > now - self.batch_gap(RESIDENT, waiter):
             return RESIDENT
         return None
 
     def _turn(self, profile: str) -> bool:
         """Tell whether ``profile`` may ask for the card now: nobody of ours uses it, or its residency passed."""
-        busy = self._busy()
+        busy = self._busy(profile)
         if busy is None or busy == profile:
             return True
         since = self._waiting_since(profile)
@@ -488,10 +500,6 @@ class Demand:
         """Tell whether requests wait for ``profile``'s window (they board once it is READY)."""
         return self.wanting.get(profile, 0) > 0
 
-    def _others_wait(self, profile: str) -> bool:
-        """Tell whether a request of the gateway's waits for a tenant other than ``profile``."""
-        return self._oldest_other(profile) is not None
-
     def _board(self, lease: OurLease | None) -> Flight:
         if lease is None:
             flight = Flight(RESIDENT)
@@ -614,9 +622,10 @@ class Demand:
             now = clock.monotonic()
             # Another tenant's request waits: the lease goes once its own requests are done (none
             # in flight, and no next one within BATCH_GAP_S), or at once past its residency.
-            gap = lease.last_end + BATCH_GAP_S - now
+            other = self._oldest_other(lease.profile)
+            gap = lease.last_end + (BATCH_GAP_S if other is None else self.batch_gap(lease.profile, other[0])) - now
             if not lease.flights and (self._owed(lease.profile) or (
-                    not self._wanted(lease.profile) and self._others_wait(lease.profile) and gap <= 0)):
+                    not self._wanted(lease.profile) and other is not None and gap <= 0)):
                 self.lost[lease.profile] = now
                 await self._release(lease, "its last request ended while another tenant's request waits")
                 return

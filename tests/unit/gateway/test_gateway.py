@@ -1074,3 +1074,29 @@ def test_an_upstreams_html_error_page_reaches_the_client_as_an_error_object() ->
         assert error["type"] == "error" and "Internal Server Error" in error["error"]["message"]
         assert b'outcome="upstream_error"' in r.app.meters.render()
     run(main())
+
+
+@pytest.mark.parametrize(("eval_price", "gap"), [(None, demand_module.BATCH_GAP_S), (0.05, None)])
+def test_a_tenant_keeps_the_card_after_its_last_request_only_as_long_as_the_swaps_it_saves_cost(
+        eval_price: float | None, gap: float | None) -> None:
+    async def main() -> None:
+        r = rig(idle=60.0, hold=20.0)
+        if eval_price is not None:
+            r.demand.price["eval"] = eval_price  # as gpuswapd's status or the gateway's own acquires had it
+        done = asyncio.Event()
+        first = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(0.05)
+        done.set()
+        await first
+        expected = r.demand.batch_gap("default", "eval")
+        started = time.monotonic()
+        reply = await r.client.post("/v1/chat/completions", json=chat("qwen-eval"))
+        took = time.monotonic() - started
+        assert reply.status_code == 200, reply.text
+        assert r.daemon.acquires == ["default", "eval"]
+        if gap is None:  # the default tenant's swaps were seen to take milliseconds: no second of batching
+            assert expected < 0.1 and took < 0.5, (expected, took)
+        else:  # a tenant not seen yet costs as much as an unknown engine: the default's next request may come
+            assert expected == gap and took >= gap - 0.1, (expected, took)
+        await r.demand.close()
+    run(main())
