@@ -5,7 +5,9 @@
 
 No test world is needed: the upstreams are the world's engine simulator (tests/stack/standins/engine_sim.py,
 run as plain processes on a ledger of their own), gpuswapd is a stand-in that grants the gateway's
-leases at once (the window's own costs are the swap benchmark's), and the gateway is the real
+leases at once (the window's own costs are the swap benchmark's) and whose status prices a swap at
+0 s (so the gateway's schedule holds no tenant's card for a next request: what batching costs is
+the schedule benchmark's), and the gateway is the real
 ``gpuswapd-gateway``. With ``--servers all`` the same application also runs under the alternatives:
 uvicorn without its C parser and event loop (h11 on asyncio), and hypercorn. Every gateway runs for
 the whole run, side by side; only the one being measured has work.
@@ -215,7 +217,11 @@ class StandIn:
             if op == "watch":
                 writer.write(b'{"event": "subscribed"}\n')
             elif op == "status":
-                writer.write(json.dumps({"ok": True, "phase": "READY", "window": None}).encode() + b"\n")
+                # The card moves at once here, and says so as gpuswapd's status does (its medians): the
+                # gateway's schedule then keeps no tenant waiting for the price of a swap.
+                free = {"open_s": 0.0, "close_s": 0.0, "resident_restart_s": 0.0}
+                writer.write(json.dumps({"ok": True, "phase": "READY", "window": None,
+                                         "price": {"default": free, "long": free}}).encode() + b"\n")
             elif op == "acquire":
                 self.acquires += 1
                 writer.write(json.dumps({"ok": True, "lease": lease}).encode() + b"\n")
