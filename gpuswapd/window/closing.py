@@ -397,6 +397,11 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
     A stop job or a container create that timed out here may still be done by systemd or Docker
     later, after the restore: wait until every such call has returned, then take the engine
     down, start the resident and the timers once more (each is a no-op if already so).
+
+    Only a late call to systemd can have stopped the resident after its restore: when only
+    Docker's calls were late, the resident restored and verified stays as it is now. A unit of
+    it that is down by then (it crashed meanwhile, its operator stopped it) is not gpuswapd's to
+    start.
     """
     while hung_mark(w) != w.hung_mark:
         rec.degraded = "waiting for calls to systemd or Docker that outlived their deadline to return"
@@ -405,17 +410,19 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
         w.notify_status()
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
+        systemd_late = hung_mark(w)[0] != w.hung_mark[0]
         w.hung_mark = hung_mark(w)
         if rec.container is not None and not rec.container.parked:
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
-        await w.enter(rec, Phase.RESTORING, required=False)
-        # A late stop job may have stopped the resident after its restore: what its old process
-        # held is freed first, or the new one starts into it (as after the engine's stop).
-        await _wait_resident_vram(w, rec)
-        await _restore(w, rec)
-        await w.enter(rec, Phase.RESUMING_TIMERS, required=False)
-        await _resume(w, rec)
+        if systemd_late:
+            await w.enter(rec, Phase.RESTORING, required=False)
+            # A late stop job may have stopped the resident after its restore: what its old process
+            # held is freed first, or the new one starts into it (as after the engine's stop).
+            await _wait_resident_vram(w, rec)
+            await _restore(w, rec)
+            await w.enter(rec, Phase.RESUMING_TIMERS, required=False)
+            await _resume(w, rec)
         rec.degraded = None
         log.info("late_calls_reconciled")
 
