@@ -47,6 +47,7 @@ Pause = Callable[[float], Awaitable[None]]
 POLL_S = 0.25
 READ_FOR_S = 30.0
 WARN_AFTER = 5  # tries at start before an unanswered /props is warned of (it may still be loading)
+WINDOW_LOOK_S = 2.0  # no baseline yet and a window open at start (a baseline restore): looked at again this often
 
 
 # -- reading it -----------------------------------------------------------------------------------
@@ -251,12 +252,20 @@ async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
 
 
 async def record_at_start(w: Context) -> None:
-    """Record the baseline at start once the resident serves while no window is open."""
+    """Record the baseline at start once the resident serves while no window is open.
+
+    A window open at start (one adopted, a baseline restore after unreadable state) compares and
+    records it at its restore when a baseline is known; when none is (the state document that held
+    it could not be read), it is recorded here once that window is over.
+    """
     attempt = 0
     units = w.config.resident.units
     while not w.stopping.is_set():
         if w.record is not None or len(w.queue):
-            return  # a window's restore compares and records it
+            if w.known.baseline is not None:
+                return  # a window's restore compares and records it
+            await sleep_unless(w.stopping, WINDOW_LOOK_S)
+            continue
         try:
             running = await w.resident.closure()
             if set(units) <= set(running):
