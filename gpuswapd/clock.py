@@ -154,11 +154,15 @@ def _finite(value: Any) -> float | None:
 
 
 def use(wall_clock: Callable[[], float], monotonic_clock: Callable[[], float],
-        boot_id: Callable[[], str] = lambda: "simulated") -> None:
-    """Read the time from these clocks from now on (the simulation's virtual time), anchored afresh."""
+        boot_id: Callable[[], str] = lambda: "simulated", kernel_clock: Callable[[], float] | None = None) -> None:
+    """Read the time from these clocks from now on (the simulation's virtual time), anchored afresh.
+
+    ``monotonic_clock`` stands for CLOCK_BOOTTIME, ``kernel_clock`` (by default the same) for
+    CLOCK_MONOTONIC, which stops while the machine is suspended.
+    """
     global _wall, _boot, _boot_id, _kernel
     _wall, _boot, _boot_id = wall_clock, monotonic_clock, boot_id
-    _kernel = monotonic_clock
+    _kernel = monotonic_clock if kernel_clock is None else kernel_clock
     anchor()
 
 

@@ -33,6 +33,9 @@ DRAWN_APART: dict[str, str] = {
     "operator_stop_while_down": "the operator's stop while gpuswapd is down",
     # The wall clock steps an hour or ten minutes: no lease's length follows it (invariant 4).
     "clock_steps": "wall-clock steps",
+    # The machine suspends for 20 s to an hour (logind there to tell of the resume, or not): the
+    # time suspended counts on CLOCK_BOOTTIME, and a lease that ran out meanwhile ends at the resume.
+    "suspends": "suspends",
 }
 
 
@@ -290,5 +293,10 @@ def draw_apart(seed: int, setup: Setup, events: list[dict[str, Any]], draw_all: 
         for _ in range(rng.choice((0, 1, 2))):
             extra.append({"do": "clock_step", "at": round(rng.uniform(1.0, end), 2),
                           "by": rng.choice((3600.0, -3600.0, 600.0))})
+    if "suspends" in kinds:
+        told = rng.random() < 0.75  # one machine: logind is there for all its resumes, or for none
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            extra.append({"do": "suspend", "at": round(rng.uniform(1.0, end), 2),
+                          "for": rng.choice((20.0, 300.0, 3600.0)), "told": told})
     return sorted([*events, *extra], key=lambda e: float(e["at"]))
 

@@ -18,16 +18,21 @@ class VirtualClock:
     """Virtual seconds shared by every incarnation of the daemon and by the simulated world."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.now = 0.0  # CLOCK_MONOTONIC: the event loop's time and the world's (it stops in a suspend)
         self.wall_offset = 0.0  # what the wall clock was stepped by (an operator's date, NTP)
+        self.suspended = 0.0  # how long the machine was suspended in all
 
     def monotonic(self) -> float:
-        """Return the virtual monotonic time."""
+        """Return the virtual CLOCK_BOOTTIME (gpuswapd's durations): it counts the time suspended."""
+        return self.now + self.suspended
+
+    def kernel(self) -> float:
+        """Return the virtual CLOCK_MONOTONIC (systemd's *TimestampMonotonic): it stops in a suspend."""
         return self.now
 
     def wall(self) -> float:
-        """Return the virtual wall-clock time."""
-        return EPOCH + self.now + self.wall_offset
+        """Return the virtual wall-clock time (it counts the time suspended, and follows steps)."""
+        return EPOCH + self.now + self.suspended + self.wall_offset
 
 
 class _Selector(selectors.SelectSelector):

@@ -423,6 +423,7 @@ class Run:
         self.baseline_restores: list[float] = []
         self.images_gone: list[tuple[float, float, str]] = []
         self.env_unreadable: list[tuple[float, float]] = []
+        self.suspends: list[tuple[float, float]] = []  # (virtual time, seconds slept)
         self.loop: VirtualLoop | None = None
         self.graveyard = graveyard
         self.done = False
@@ -455,6 +456,7 @@ class Run:
         world.docker.specs["qwen-eval"] = EngineSpec(ENGINE_BYTES, residual, s.eval_boot, sleeps=s.eval_sleeps)
         world.http.engines = {"engine.sim:18020": "hyperqwen", "eval.sim:18021": "qwen-eval"}
         sd.in_restore = self._restoring
+        sd.logind = all(e.get("told", True) for e in self.events if e["do"] == "suspend")
         return world
 
     def _restoring(self) -> bool:
@@ -910,14 +912,46 @@ class Run:
 
     def _on_virtual(self, wall: float) -> float:
         """The virtual moment a wall-clock time stands for now (the wall clock may have been stepped)."""
-        return wall - EPOCH - self.clock.wall_offset
+        return wall - EPOCH - self.clock.wall_offset - self.clock.suspended
+
+    def _daemon_to_world(self, t: float) -> float:
+        """The virtual moment a time of gpuswapd's own (a record's ``at``) stands for.
+
+        gpuswapd's time runs on CLOCK_BOOTTIME from its anchor (continued across restarts in this
+        boot); the world's on CLOCK_MONOTONIC: a time inside a suspend is its resume.
+        """
+        boot = t - (clock.now() - self.clock.monotonic())
+        world, slept_before = boot, 0.0
+        for at, slept in self.suspends:
+            if boot < at + slept_before:
+                break
+            world = max(at, boot - slept_before - slept)
+            slept_before += slept
+        return world
 
     def _do_clock_step(self, e: dict[str, Any]) -> None:
-        """The wall clock steps (date -s, NTP after a long drift); durations must not move with it.
-
-        Awaiting a fix (issue 35 item 2): drawn only with --draw-all.
-        """
+        """The wall clock steps (date -s, NTP after a long drift); durations must not move with it."""
         self.clock.wall_offset += float(e["by"])
+
+    def _do_suspend(self, e: dict[str, Any]) -> None:
+        """The machine sleeps ``for`` seconds and resumes: CLOCK_BOOTTIME and the wall clock move on,
+        the event loop's clock (CLOCK_MONOTONIC) and the world do not.
+
+        A lease is as long on CLOCK_BOOTTIME as it was granted: one that ran out while the machine
+        slept is due at the resume, and ends within a nap of it (at once when logind tells of the
+        resume, ``told``; else within naps.NAP_S). Invariant 4 holds it to that.
+        """
+        slept = float(e["for"])
+        now = self.clock.now
+        self.note(f"  the machine sleeps {slept:g}s (logind {'tells' if e.get('told', True) else 'is absent'})")
+        self.suspends.append((now, slept))
+        self.clock.suspended += slept
+        for lease_id, due in self.lease_expiry.items():
+            if due > now:
+                self.lease_expiry[lease_id] = max(now, due - slept)
+        if e.get("told", True):
+            for watcher in list(self.world.systemd.resume_watchers):
+                watcher()
 
     def _do_resident_crash(self, e: dict[str, Any]) -> None:
         """The resident's server dies by itself (it fails); systemd's Restart=on-failure brings it back.
@@ -1170,7 +1204,7 @@ class Run:
         daemon = self.host.daemon
         if any(t >= c.granted_at for t in self.baseline_restores) or (
                 daemon is not None and daemon.window.baseline_restore is not None
-                and (daemon.window.baseline_restore.at or 0.0) - EPOCH >= c.granted_at):
+                and self._daemon_to_world(daemon.window.baseline_restore.at or 0.0) >= c.granted_at):
             return "no state could be read: the baseline was restored"
         record = self.finished.get(str(c.window)) or self._window_in_memory(c.window)
         if record is None:
@@ -1178,7 +1212,8 @@ class Run:
         preempted = record.get("preempted") or {}
         if preempted.get("revoked_at") is not None and any(h.get("lease") == lease_id
                                                            for h in preempted.get("holders") or []):
-            if not self._could_open(str(preempted.get("profile")), float(preempted.get("at") or 0) - EPOCH):
+            noticed = self._daemon_to_world(float(preempted.get("at") or 0))
+            if not self._could_open(str(preempted.get("profile")), noticed):
                 self.violate("4", f"lease {lease_id} of client {c.id} was revoked for preemptor "
                                   f"{preempted.get('by')} (profile {preempted.get('profile')}), which could not "
                                   "open a window when it was noticed (its image or env file was missing)")
@@ -1256,6 +1291,8 @@ class Run:
             return
         if rec.closing or rec.pending_switch or rec.degraded or w.queue.blocked(rec.profile, clock.now()) is not None:
             return
+        if w.adopting is rec:
+            return  # left READY by the gpuswapd before: it grants nothing until its engine is seen to serve
         if self.faults.active(("systemd", "state")) or self.clock.now < self.world.store.broken_until \
                 or not w.writer.writable or {"systemd", "state"} & set(daemon.outside.hung()):
             return  # a grant waits for its write: a failing or hung state directory delays it
@@ -1359,7 +1396,7 @@ def seams(record: Record) -> Iterator[list[VirtualLoop]]:
     whatever its coroutines do when they are closed lands in a world that is thrown away.
     """
     counter = iter(range(1, 1 << 30))
-    clock.use(record.clock.wall, record.clock.monotonic)
+    clock.use(record.clock.wall, record.clock.monotonic, kernel_clock=record.clock.kernel)
     ids.use(lambda nbytes: f"{next(counter):0{2 * nbytes}x}")
     workers.use(SimPool)
     saved = structlog.get_config()

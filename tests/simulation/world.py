@@ -280,6 +280,8 @@ class Systemd:
         self.timer_units: dict[str, Timer] = {}
         self.jobs = JobResults()
         self.watchers: list[Callable[[str, str], None]] = []
+        self.logind = True  # logind is on the bus: it tells of every resume (PrepareForSleep(false))
+        self.resume_watchers: list[Callable[[], None]] = []
         self._paths = itertools.count(1)
         self._pids = itertools.count(7_000_000)
         self.fail_starts: dict[str, int] = {}
@@ -335,6 +337,12 @@ class Systemd:
     def watch_active_state(self, watcher: Callable[[str, str], None]) -> None:
         """Call ``watcher(unit, state)`` when a unit's ActiveState changes."""
         self.watchers.append(watcher)
+
+    def watch_resume(self, watcher: Callable[[], None]) -> bool:
+        """Call ``watcher()`` at every resume from a suspend; tell whether logind is there to say it."""
+        if self.logind:
+            self.resume_watchers.append(watcher)
+        return self.logind
 
     def system_state(self) -> str:
         """Say the system runs."""
@@ -1270,6 +1278,7 @@ class World:
     def new_incarnation(self, loop: asyncio.AbstractEventLoop) -> None:
         """A daemon starts (its predecessor is dead): forget what the dead one registered."""
         self.systemd.watchers = []
+        self.systemd.resume_watchers = []
         self.systemd.jobs = JobResults()
         for _, future, action in self.docker.exit_waiters:
             self.scheduler.cancel(action)
