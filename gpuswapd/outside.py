@@ -158,6 +158,7 @@ class Lane:
         self._drained = asyncio.Event()
         self._drained.set()
         self.hung_total = 0  # calls that ever outlived their deadline, but those that only look
+        self.changes_hung = 0  # of those, the calls that change the system (CHANGES): a stop job, a create
         self._error = _ERRORS[system]
 
     async def call(self, name: str, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -263,6 +264,8 @@ class Lane:
         self._stuck[key] = _Stuck(name, started)
         if name not in LOOKS_ONLY.get(self.system, frozenset()):
             self.hung_total += 1
+        if name in CHANGES.get(self.system, frozenset()):
+            self.changes_hung += 1
         self._drained.clear()
         if abandoned:
             log.warning("outside_call_hung", system=self.system, call=name, hung=len(self._stuck),

@@ -337,16 +337,18 @@ def _first_step(rec: WindowRecord) -> int:
     return 0
 
 
-async def close(w: Context, rec: WindowRecord, outcome: str) -> None:
+async def close(w: Context, rec: WindowRecord, outcome: str, switch: bool = True) -> None:
     """Take the engine down, wait for VRAM, restore and verify the resident, resume the timers.
 
     An engine that could not be taken down in CLOSING is retried alongside the restore, and the
     record is cleared only once it is gone too: nothing of the window is left behind.
+    ``switch=False``: never straight into the next window (a stale record, whose resident is up
+    again: the next window stops what runs itself, it takes nothing over).
     """
     first = _first_step(rec)
     remover: asyncio.Task[bool] | None = None
     # The resident's files are read into the page cache meanwhile; nothing waits for it (prefetch.py).
-    fetch = w.files.start(w, rec) if switch_target(w, rec) is None else None
+    fetch = w.files.start(w, rec) if not switch or switch_target(w, rec) is None else None
     try:
         for index, (phase, step) in enumerate(STEPS):
             if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
@@ -358,7 +360,8 @@ async def close(w: Context, rec: WindowRecord, outcome: str) -> None:
             if rec.phase is not phase:
                 await w.enter(rec, phase, required=False)
             await step(w, rec)
-            if phase is Phase.CLOSING and not engine_left(rec) and (nxt := switch_target(w, rec)) is not None:
+            nxt = switch_target(w, rec) if phase is Phase.CLOSING and switch and not engine_left(rec) else None
+            if nxt is not None:
                 await reap(fetch)
                 w.switch(rec, nxt, outcome)
                 return
@@ -386,9 +389,9 @@ async def close(w: Context, rec: WindowRecord, outcome: str) -> None:
     w.finish(rec, outcome)
 
 
-def hung_mark(w: Context) -> tuple[int, int]:
-    """Count the calls to systemd and Docker that ever outlived their deadline."""
-    return w.outside.systemd.hung_total, w.outside.docker.hung_total
+def hung_mark(w: Context) -> tuple[int, int, int]:
+    """Count the calls to systemd and Docker that ever outlived their deadline, and systemd's that change it."""
+    return w.outside.systemd.hung_total, w.outside.docker.hung_total, w.outside.systemd.changes_hung
 
 
 async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
@@ -398,10 +401,10 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
     later, after the restore: wait until every such call has returned, then take the engine
     down, start the resident and the timers once more (each is a no-op if already so).
 
-    Only a late call to systemd can have stopped the resident after its restore: when only
-    Docker's calls were late, the resident restored and verified stays as it is now. A unit of
-    it that is down by then (it crashed meanwhile, its operator stopped it) is not gpuswapd's to
-    start.
+    Only a late job of systemd's (a stop) can have stopped the resident after its restore: when
+    only Docker's calls or systemd's reads were late, the resident restored and verified stays as
+    it is now. A unit of it that is down by then (it crashed meanwhile, its operator stopped it)
+    is not gpuswapd's to start.
     """
     while hung_mark(w) != w.hung_mark:
         rec.degraded = "waiting for calls to systemd or Docker that outlived their deadline to return"
@@ -410,7 +413,7 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
         w.notify_status()
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
-        systemd_late = hung_mark(w)[0] != w.hung_mark[0]
+        systemd_late = hung_mark(w)[2] != w.hung_mark[2]
         w.hung_mark = hung_mark(w)
         if rec.container is not None and not rec.container.parked:
             await _retry_take_down(w, rec, None)

@@ -175,7 +175,7 @@ class Context(Services, Protocol):
     held_down: dict[str, float]
     park_watch: asyncio.Task[None] | None
     sweeper: asyncio.Task[None] | None
-    hung_mark: tuple[int, int]
+    hung_mark: tuple[int, int, int]
     unknown_baseline: WindowRecord | None
     adopting: WindowRecord | None  # a window left by the last gpuswapd, until it is adopted or closed
     baseline_restore: BaselineRestore | None
