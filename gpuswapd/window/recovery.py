@@ -196,7 +196,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
         log.warning("window_stale", window=rec.id, units=rec.units,
                     reason="its resident is up again: its close finished but was not recorded")
-        await closing.close(w, rec, "recovered")
+        await closing.close(w, rec, "recovered", switch=False)
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
     if rec.phase is Phase.READY and len(rec.leases) and (
