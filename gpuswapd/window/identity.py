@@ -106,7 +106,18 @@ async def _others(w: Context, units: list[str]) -> list[Holder]:
 
 
 async def learn_footprint(w: Context, running: list[str]) -> None:
-    """Before a window stops the resident, learn what its processes hold; warn once if more than it is said to need."""
+    """Before a window stops the resident, learn what its processes hold; warn once if more than it is said to need.
+
+    With no baseline yet (its state document could not be read, and it was not serving at
+    start), the resident as it runs now, as its operator left it, is the baseline: the first
+    restore gpuswapd sees may come back beside a parked engine, fitted into less.
+    """
+    if w.known.baseline is None and set(w.config.resident.units) <= set(running):
+        try:
+            _record(w, await read(w, running), "the resident as it ran before the first window gpuswapd saw")
+        except GpuswapError as err:
+            log.info("resident_identity_unread", error=err.message,
+                     consequence="the window's restore records the baseline")
     held = await _held(w, running)
     if not held:
         return  # no probe, or nothing listed under its units (a resident off the card)
