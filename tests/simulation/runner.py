@@ -1245,6 +1245,8 @@ class Run:
         strata = self.world.systemd.units["strata.service"]
         full = FIT.ctx // FIT.slots
         baseline = daemon.window.known.baseline
+        if self.held_for_good and not self.world.resident_serves():
+            return  # its operator keeps it down: gpuswapd cannot read it (and need not have, if its state was lost)
         if baseline is None or (baseline.n_ctx, baseline.slots, baseline.models) != (full, FIT.slots, ("strata",)):
             self.violate("1", f"quiet, but gpuswapd's baseline of the resident is {baseline and baseline.describe()}, "
                               f"not n_ctx {full} x {FIT.slots} slots, models strata")
