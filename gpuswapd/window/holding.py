@@ -12,7 +12,7 @@ from gpuswapd.errors import EngineFailed, GpuswapError
 from gpuswapd.logs import log
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
-from gpuswapd.tasks import reap, retrieve
+from gpuswapd.tasks import reap, retrieve, spawn
 from gpuswapd.window import closing, opening, preempting
 
 WATCH_BARE_S = 10.0  # a bare window has no engine to watch; leases and the queue still wake it
@@ -101,7 +101,27 @@ async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[st
 
 
 async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
-    """Restart a failed engine until it serves again, within ``max_restarts`` for the window."""
+    """Restart a failed engine until it serves again, within ``max_restarts`` for the window.
+
+    Leases still end at their expiry meanwhile (a restart may take a boot timeout and more).
+    """
+    expiring = spawn(_expire_on_time(w, rec), "lease-expiry")
+    try:
+        return await _restarted(w, rec, reason)
+    finally:
+        await reap(expiring)
+
+
+async def _expire_on_time(w: Context, rec: WindowRecord) -> None:
+    """End each lease at its expiry, telling its holder, while the holding loop waits on a restart."""
+    while True:
+        now = clock.now()
+        await _expire_leases(w, rec, now)
+        due = rec.leases.next_expiry()
+        await naps.nap(max(0.0, due - now) if due is not None and math.isfinite(due) else naps.longest())
+
+
+async def _restarted(w: Context, rec: WindowRecord, reason: str) -> bool:
     cfg = w.profile.engine
     log.error("engine_failed", reason=reason, restarts=rec.restarts, max_restarts=cfg.max_restarts)
     await w.enter(rec, Phase.RECOVERING, required=False)
