@@ -171,8 +171,11 @@ class SimPool:
                 done(result, None)
 
         if late > 0:
+            asked = loop.time()
+
             def late_run() -> None:
                 world_module.LATE[0] = True  # what a call that outlived its deadline does now is not gpuswapd's choice
+                world_module.LATE_ASKED[0] = asked
                 try:
                     run()
                 finally:
@@ -1115,7 +1118,11 @@ class Run:
         crashed = bool(self.crashes or self.held) and (
             any(now - t <= grace for t in self.crashes) or now - (self.idle_since or now) <= grace
             or self.faults.active(("systemd",)))
-        if not world.resident_up() and not in_memory and not on_disk and not held and not crashed:
+        # Down by a crash or its operator's hand, it is not gpuswapd's to bring back (systemd's Restart=
+        # is: this world's waits while others hold the card).
+        theirs = all(world.systemd.stopped_by.get(u) in ("a crash", "its operator")
+                     for u in world.resident_units if world.systemd.units[u].active_state != "active")
+        if not world.resident_up() and not in_memory and not on_disk and not held and not crashed and not theirs:
             states = {u: world.systemd.units[u].active_state for u in world.resident_units}
             self.violate("2", f"the resident is down ({states}) with no window record in memory or on disk "
                               f"(gpuswapd {self.host.state})")

@@ -55,6 +55,7 @@ AGENT_TOKENS = 1566  # what an agent's context holds in strata's first slot once
 # True while a blocking call that outlived its deadline does its work late: an engine it starts
 # then may find the card taken (an out-of-memory gpuswapd could not prevent: the call was gone).
 LATE = [False]
+LATE_ASKED = [0.0]  # when gpuswapd made the late call that does its work now
 
 
 class Scheduler:
@@ -445,6 +446,11 @@ class Systemd:
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)
 
+    def _went_down_at(self, name: str) -> float:
+        """Return when the unit last went down (inactive or failed), or 0."""
+        return max((t for t, unit, state in self.history if unit == name and state in ("inactive", "failed")),
+                   default=0.0)
+
     def _whose_start(self, name: str) -> None:
         """Invariant 14: a start gpuswapd asks for is of a unit or timer that is up, or that it stopped itself."""
         if self.operator_hand:
@@ -454,6 +460,8 @@ class Systemd:
         down = (not timer.active) if timer is not None else (
             unit is not None and unit.active_state in ("inactive", "failed", "deactivating"))
         who = self.stopped_by.get(name, "nobody (it never ran)")
+        if down and LATE[0] and self._went_down_at(name) > LATE_ASKED[0]:
+            return  # a start asked before the unit went down (a crash), done late by systemd: not gpuswapd's choice
         if down and who != "gpuswapd":
             self.start_violations.append(f"gpuswapd started {name} at {self.world.clock.now:.2f}s, "
                                          f"which {who} stopped, not gpuswapd")
