@@ -278,12 +278,11 @@ def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
     run(main())
 
 
-def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None:
-    """Started again, but the mark could not be removed: a later start would read it as gpuswapd's stop."""
-    world = FakeWorld()
+def _marks_failing_removal(world: FakeWorld, times: int = 2) -> Marks:
+    """The world's stop marks, whose next ``times`` removals fail with EIO (the units' unmark, then the timers')."""
     marks = memory_marks(world.store)
     remove = marks.remove
-    failing = {"left": 2}  # the units' unmark, then the timers'
+    failing = {"left": times}
 
     def flaky(names: list[str]) -> None:
         if failing["left"]:
@@ -292,6 +291,13 @@ def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None
         remove(names)
 
     marks.remove = flaky  # type: ignore[method-assign]
+    return marks
+
+
+def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None:
+    """Started again, but the mark could not be removed: a later start would read it as gpuswapd's stop."""
+    world = FakeWorld()
+    marks = _marks_failing_removal(world)
 
     async def main() -> None:
         async with running(world.window()) as w:
@@ -310,17 +316,7 @@ def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None
 def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None:
     """A mark left behind (its removal failed, gpuswapd killed before the retry) and an operator's stop while down."""
     world = FakeWorld()
-    marks = memory_marks(world.store)
-    remove = marks.remove
-    failing = {"left": 2}
-
-    def flaky(names: list[str]) -> None:
-        if failing["left"]:
-            failing["left"] -= 1
-            raise OSError(5, "Input/output error")
-        remove(names)
-
-    marks.remove = flaky  # type: ignore[method-assign]
+    marks = _marks_failing_removal(world)
 
     async def main() -> None:
         async with running(world.window()) as w:
