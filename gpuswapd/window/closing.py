@@ -261,9 +261,21 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             rec.degraded = None
             # Verified and as it was: its slots' caches go back before the timers reach it (warm.py).
             await warm.restore(w, rec)
+            if await _gone_since_verify(w, rec):
+                # Reading it and its caches took a while (a hung /props): it died meanwhile, and the
+                # timers would resume against it. Its start did not last: the restore goes on.
+                raise Degraded("the resident stopped after it was verified, before the timers resumed")
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)
+
+
+async def _gone_since_verify(w: Context, rec: WindowRecord) -> bool:
+    """Tell whether a unit the restore started is no longer up (False when systemd cannot say)."""
+    try:
+        return not set(rec.units) <= set(await w.resident.closure())
+    except GpuswapError:
+        return False
 
 
 async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
