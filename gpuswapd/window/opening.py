@@ -172,8 +172,25 @@ async def _pause_timers(op: Opening) -> None:
 async def _stop_resident(op: Opening) -> None:
     # The timers are paused and their jobs done: the slots' caches are kept for the restore (warm.py).
     await warm.save(op.window, op.rec)
+    if op.rec.cache is not None:
+        await _drop_gone_meanwhile(op)
     await op.window.resident.stop(op.running)
     await warm.after_stop(op.window, op.rec)
+
+
+async def _drop_gone_meanwhile(op: Opening) -> None:
+    """Leave out a unit that went down while its slots were saved (it crashed): not gpuswapd's stop to undo."""
+    w, rec = op.window, op.rec
+    running = await w.resident.closure()
+    gone = [u for u in op.running if u not in running]
+    if not gone:
+        return
+    log.warning("resident_found_down", units=gone,
+                consequence="left as it is: it went down while its slots were saved, and gpuswapd starts only "
+                            "what it stopped")
+    op.running = [u for u in op.running if u in running]
+    rec.units = [u for u in rec.units if u not in gone]
+    await w.persist(required=True)
 
 
 async def _wait_vram(op: Opening) -> None:
