@@ -648,21 +648,29 @@ class Systemd:
         A resident that served when the timer stopped must serve again, and one started again since
         the timer stopped (gpuswapd's restore) must have answered a completion since that start: the
         agents the timer runs use the resident. One already down when the timer stopped (its
-        operator's stop, a crash) is not this rule's: the timer ran with it down before.
+        operator's stop, a crash) is not this rule's: the timer ran with it down before; nor is one
+        that served since (and, if gpuswapd started it again, answered a completion since) and then
+        crashed or was stopped by its operator: the timers run with it down as they would without
+        gpuswapd, and systemd's Restart= is its way back.
         """
         world = self.world
         if timer.stopped_at is None:
             return
+        since = max((t for u in world.resident_units for t in self.units[u].started_at), default=0.0)
+        answered = any(t >= since and who == "resident" for t, who in world.http.completions)
         if timer.resident_was_up and not world.resident_serves():
+            down = [u for u in world.resident_units if self.units[u].active_state != "active"]
+            if (since < timer.stopped_at or answered) and \
+                    all(self.stopped_by.get(u) in ("a crash", "its operator") for u in down):
+                return  # served (verified, if started since), then crashed or its operator stopped it: not gpuswapd's
             states = {u: self.units[u].active_state for u in world.resident_units}
             world.timer_violations.append(
                 f"{timer.name} was started at {world.clock.now:.2f}s, but the resident, up when it was stopped "
                 f"at {timer.stopped_at:.2f}s, is not serving ({states})")
             return
-        since = max((t for u in world.resident_units for t in self.units[u].started_at), default=0.0)
         if since < timer.stopped_at:
             return
-        if not any(t >= since and who == "resident" for t, who in world.http.completions):
+        if not answered:
             world.timer_violations.append(
                 f"{timer.name} was started at {world.clock.now:.2f}s, but the resident started at {since:.2f}s "
                 "has answered no completion since")
