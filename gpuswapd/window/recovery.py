@@ -149,6 +149,10 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
         return  # systemd cannot say: the record stands
     undone = [u for u, st in states.items() if st.active_enter is not None and st.active_enter > rec.stopped_mono
               and not st.active]
+    if rec.phase in (Phase.RESTORING, Phase.DEGRADED) and any(states[u].active_state == "failed" for u in undone):
+        # Left restoring, it may have started them itself before gpuswapd went: one that failed
+        # since (and what it took down with it) is its own start that did not last: the restore goes on.
+        undone = []
     if undone:
         log.warning("resident_stop_undone_meanwhile", units=undone, window=rec.id,
                     consequence="left as they are: they ran again after this window stopped them")
@@ -196,6 +200,11 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
         log.warning("window_stale", window=rec.id, units=rec.units,
                     reason="its resident is up again: its close finished but was not recorded")
+        # The units it stopped were started again by that close: none is gpuswapd's to start now (one
+        # down by the time this close gets there crashed, or its operator stopped it). Its timers
+        # are resumed once more: that close may have ended before them.
+        await w.resident.unmark(rec.units)
+        rec.units = []
         await closing.close(w, rec, "recovered", switch=False)
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.

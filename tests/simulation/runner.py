@@ -464,7 +464,11 @@ class Run:
 
     def _restoring(self) -> bool:
         daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
-        rec = daemon.window.record if daemon is not None else None
+        if daemon is None:  # killed in its restore: the record it left says so, and the next start goes on with it
+            data = self.world.store.current
+            return data is not None and any(f'"phase":"{p}"'.encode() in data
+                                            for p in (Phase.RESTORING, Phase.DEGRADED))
+        rec = daemon.window.record
         return rec is not None and rec.phase in (Phase.RESTORING, Phase.DEGRADED)
 
     def container_of(self, profile: str) -> str | None:
