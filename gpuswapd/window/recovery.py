@@ -200,11 +200,6 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
         log.warning("window_stale", window=rec.id, units=rec.units,
                     reason="its resident is up again: its close finished but was not recorded")
-        # The units it stopped were started again by that close: none is gpuswapd's to start now (one
-        # down by the time this close gets there crashed, or its operator stopped it). Its timers
-        # are resumed once more: that close may have ended before them.
-        await w.resident.unmark(rec.units)
-        rec.units = []
         await closing.close(w, rec, "recovered", switch=False)
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
