@@ -46,7 +46,7 @@ R = TypeVar("R")
 CALLS: dict[str, frozenset[str]] = {
     "systemd": frozenset({"connect", "closure", "timers", "queue_jobs", "job", "unit_state", "system_state",
                           "unit_of_pid", "unit_cgroup", "unit_service",
-                          "commands"}),
+                          "commands", "user_name"}),
     "docker": frozenset({"ping", "image_present", "state", "create", "start", "stop", "remove",
                          "logs_tail", "find", "env_file", "top",
                          "settings"}),  # wait_exit: a long wait on a thread of its own

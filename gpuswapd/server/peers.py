@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpuswapd import clock
 from gpuswapd.adapters import kernel
 from gpuswapd.adapters.kernel import Process
 from gpuswapd.adapters.unitnames import USER_MANAGER, owner_of
@@ -283,6 +284,40 @@ async def identify(peer: Peer, host: Host, lane: Lane) -> Peer:
     if owner.user_manager:
         return replace(peer, user_manager=True)
     return await _bind(peer, owner.unit, owner.cgroup, host, lane)
+
+
+NAME_FRESH_S = 60.0  # a user name looked up is used this long (a renamed user shows within a minute)
+_NAMES: weakref.WeakKeyDictionary[Host, dict[int, tuple[str, float]]] = weakref.WeakKeyDictionary()
+
+
+async def named(peer: Peer, host: Host, lane: Lane) -> Peer:
+    """Give the peer its user's name, looked up on the lane (the user database may be LDAP or sssd).
+
+    Never on the event loop: a name is used in holders and messages, and a lookup that blocks
+    would stop every client. Looked up at most once a minute per uid; the uid stands in for a name
+    the lookup could not give.
+    """
+    names = _NAMES.setdefault(host, {})
+    known = names.get(peer.uid)
+    if known is None or clock.monotonic() - known[1] > NAME_FRESH_S:
+        try:
+            name = await lane.call("user_name", host.user_name, peer.uid)
+        except GpuswapError:
+            name = str(peer.uid)
+        if len(names) > 4096:
+            names.clear()  # uids come from the kernel: bounded all the same
+        known = names[peer.uid] = (name, clock.monotonic())
+    return replace(peer, names=_Named(known[0]))
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A user name looked up once: what ``Peer.names`` answers from then on."""
+
+    name: str
+
+    def __call__(self, uid: int) -> str:
+        return self.name
 
 
 _KNOWN: weakref.WeakKeyDictionary[Host, dict[str, str]] = weakref.WeakKeyDictionary()

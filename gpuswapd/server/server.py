@@ -32,7 +32,7 @@ from gpuswapd.protocol import MAX_LINE, JsonObject, Request, encode, error_reply
 from gpuswapd.retry import backoff
 from gpuswapd.server.admission import Admission
 from gpuswapd.server.clients import Clients
-from gpuswapd.server.peers import Host, LinuxHost, Peer, identify
+from gpuswapd.server.peers import Host, LinuxHost, Peer, identify, named
 from gpuswapd.server.watch import MAX_BUFFERED, Watchers
 from gpuswapd.sizes import format_size
 from gpuswapd.state.store import StateStore
@@ -193,6 +193,7 @@ class Server:
         return await identify(peer, self.host, self.outside.systemd)
 
     async def _serve(self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = await named(peer, self.host, self.outside.systemd)
         wait = FIRST_REQUEST_S
         while True:
             try:

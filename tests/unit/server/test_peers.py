@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ from gpuswapd.adapters.unitstates import ServiceProcesses
 from gpuswapd.errors import BusUnavailable, PermissionDenied
 from gpuswapd.outside import Deadlines, Outside
 from gpuswapd.server.listen import own_socket
-from gpuswapd.server.peers import LinuxHost, Peer, PeerChanged, identify
+from gpuswapd.server.peers import LinuxHost, Peer, PeerChanged, identify, named
 from gpuswapd.server.server import Server
 from gpuswapd.window.plan import Plan
 from tests.fakes import FakeHost, FakeProcess, FakeUnit, FakeWorld, running, settle
@@ -371,3 +372,36 @@ def test_with_proc_hidden_systemd_names_the_unit_and_a_caller_gone_meanwhile_is_
     host.unit_of_pid = exits_meanwhile  # type: ignore[method-assign]
     with pytest.raises(PermissionDenied, match="has exited"):
         run(_identified(host, 8001))
+
+
+def test_a_users_name_is_looked_up_off_the_event_loop_and_kept_a_minute() -> None:
+    """LDAP or sssd can block a lookup: the loop serves everyone else meanwhile, and asks once a minute per uid."""
+
+    class SlowDirectory:
+        asked = 0
+
+        def user_name(self, uid: int) -> str:
+            SlowDirectory.asked += 1
+            time.sleep(0.3)  # a directory server that is slow to answer
+            return "alice"
+
+    async def main() -> None:
+        host, outside = SlowDirectory(), Outside()
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        peer = await named(Peer(4242, ALICE, ALICE), host, outside.systemd)  # type: ignore[arg-type]
+        ticker.cancel()
+        assert peer.user == "alice" and peer.holder == "alice[4242]"
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
+        assert len(ticks) > 10 and max(gaps) < 0.15, max(gaps)  # the loop never waited on the lookup
+        again = await named(Peer(4243, ALICE, ALICE), host, outside.systemd)  # type: ignore[arg-type]
+        assert again.user == "alice" and SlowDirectory.asked == 1  # kept: not asked again
+        outside.close()
+
+    run(main())

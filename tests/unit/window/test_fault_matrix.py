@@ -47,7 +47,8 @@ HANG_S = 0.25  # a hung call's thread returns this much later, long after its de
 PREFETCH = "prefetch"  # where the close's prefetch makes its calls, whatever phase the close is in by then
 # Calls only the daemon's startup and the socket server make, tested at their own seams.
 NOT_THE_DRIVER = {("systemd", "connect"), ("systemd", "system_state"), ("systemd", "unit_cgroup"),
-                  ("systemd", "unit_service"), ("state", "read_history"), ("docker", "settings")}
+                  ("systemd", "unit_service"), ("systemd", "user_name"), ("state", "read_history"),
+                  ("docker", "settings")}
 CONCURRENCY = 16
 RESIDENT_UNITS = ("strata.service", "llama-swap.service")
 
