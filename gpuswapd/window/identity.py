@@ -235,6 +235,10 @@ async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
     if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
         raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.name}, "
                        "which could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd keeps trying")
+    # A stop of gpuswapd's own again: recorded before it, so that a start after a SIGKILL meanwhile
+    # does not take the units, down by this stop, for stopped by their operator (recovery).
+    rec.stopped_mono = clock.kernel_monotonic()
+    await w.persist(required=False)
     await w.resident.stop(rec.units)
     was = w.known.baseline
     need = max(w.resident_needs, (was.held_bytes or 0) if was is not None else 0)
