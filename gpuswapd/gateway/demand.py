@@ -124,6 +124,7 @@ class OurLease:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
+    span: float = math.inf  # the lease's length as last granted (max_lease may cap it below the gateway's ask)
     renew_failures: int = 0
     retry_at: float = 0.0  # monotonic: a failed renewal is tried again from then
     boarded: bool = False  # a request has been served under it
@@ -591,6 +592,7 @@ class Demand:
         expires = held.lease.get("expires_at")
         lease = OurLease(held, profile, ends_at(held.lease))
         left = lease.expires_at - clock.now()
+        lease.span = left
         lease.margin = min(self.lease_s / 3, left / 2, max(BOARD_MIN_S, 1.5 * self.longest.get(profile, 0.0)))
         previous = self.leases.get(profile)
         if not any(x.profile != profile and not x.ending for x in self.leases.values()):
@@ -640,15 +642,19 @@ class Demand:
                 log.info("gateway_lease_expired", profile=lease.profile, lease=lease.held.id)
                 self._forget(lease)
                 return
-            if left < self.lease_s / 2 and not lease.doomed and now >= lease.retry_at:
+            # Renewed when less than half of it is left: half of what was asked, or of what gpuswapd
+            # granted when its max_lease is shorter (a 20 s lease is renewed at 10 s, not never).
+            half = min(self.lease_s, lease.span) / 2
+            if left < half and not lease.doomed and now >= lease.retry_at:
                 await self._renew(lease)
                 if lease.ending:
                     return
                 left = lease.expires_at - clock.now()
+                half = min(self.lease_s, lease.span) / 2
             if lease.renew_failures:
                 wake_in = [max(0.0, lease.retry_at - clock.monotonic()), left]
             else:
-                wake_in = [left - self.lease_s / 2 if left > self.lease_s / 2 else left]
+                wake_in = [left - half if left > half else left]
             if not lease.flights:
                 wake_in.append(lease.last_end + keep - now)
                 if gap > 0:
@@ -682,6 +688,8 @@ class Demand:
         got = reply.get("lease") or {}
         expires = got.get("expires_at")
         lease.expires_at = ends_at(got)
+        if reply.get("capped_by") != "fair_after":  # a lease that ends at a fair claim is not renewed past it
+            lease.span = lease.expires_at - clock.now()
         if reply.get("capped"):
             log.info("gateway_renew_capped", lease=lease.held.id, expires_at=expires)
 

@@ -7,6 +7,7 @@ engine's boot count, gpuswapd's status and history, every request's answer.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -129,5 +130,61 @@ def test_sigkill_and_restart_of_gpuswapd_with_6_requests_waiting_through_the_gat
     for t in askers:
         t.join(150)
     assert [status for status, _ in replies] == [200] * 6, replies
+    daemon.wait_phase("IDLE", timeout=90)
+    assert_resident_back(probe)
+
+
+def renew_failures() -> float:
+    _, text, _ = get("/metrics")
+    return sum(float(line.split()[-1]) for line in str(text).splitlines()
+               if line.startswith("gpuswapd_gateway_renew_failures_total"))
+
+
+def test_a_failed_renewal_is_retried_and_the_stream_under_it_outlives_the_leases_first_grant(
+        gpuswapd: Start, gateway: Gate, probe: Probe, world: Stack) -> None:
+    # gpuswapd grants leases of 20 s at most (max_lease): the gateway renews its own at 10 s left.
+    # Around that moment gpuswapd's socket is moved away (as a cleaner of /run would): every renewal
+    # fails to connect and is tried again; put back, the next one lands and the stream goes on.
+    # 200 tokens, 3 to a chunk every 0.5 s: a stream of ~33 s; the window's own warm-up and verify
+    # ask 12 (8 of them reasoning).
+    slow = {**ENGINE_ENV, "ENGINE_CHUNK_DELAY": "0.5", "ENGINE_ANSWER_TOKENS": "200"}
+    daemon = gpuswapd(daemon={"max_lease": "20s", "default_lease": "20s", "linger": "1s"},
+                      **gateway_sections(), window__container={"env": slow},
+                      window__warmup={"max_tokens": 12}, window__verify={"max_tokens": 12})
+    gateway(daemon)
+    streamed: dict[str, Any] = {}
+
+    def stream() -> None:
+        with httpx.Client(timeout=120) as http, http.stream(
+                "POST", f"{URL}/v1/chat/completions", json=chat("hyperqwen", stream=True, max_tokens=200)) as resp:
+            lines = list(resp.iter_lines())
+            streamed.update(status=resp.status_code, lines=lines, at=time.time())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    wait_for(lambda: bool(((daemon.status()["window"] or {}).get("phase") == "READY")
+                          and daemon.status()["window"]["leases"]), "the gateway's lease on a READY window", 60)
+    lease = daemon.status()["window"]["leases"][0]
+    first_end = float(lease["expires_at"])  # wall clock
+    assert first_end - time.time() <= 20.5, lease  # capped by max_lease
+    time.sleep(max(0.0, first_end - 13 - time.time()))  # 3 s before the renewal is due
+    away = daemon.socket.with_name(daemon.socket.name + ".away")
+    daemon.socket.rename(away)
+    try:
+        wait_for(lambda: renew_failures() >= 1, "a renewal to fail", 15)
+        assert time.time() < first_end - 5, "the failure came too late to tell a retry from the first grant"
+        time.sleep(2)  # tried again meanwhile (after 0.5 s, then 1 s), and failing again
+    finally:
+        away.rename(daemon.socket)
+    streaming.join(120)
+    assert streamed.get("status") == 200, streamed
+    chunks = [json.loads(line[6:]) for line in streamed["lines"] if line.startswith("data: {")]
+    assert "data: [DONE]" in streamed["lines"] and not [c for c in chunks if "error" in c], streamed["lines"][-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # all 200 tokens: the stream ran whole
+    assert streamed["at"] > first_end + 5, "the stream did not outlive the lease's first grant"
+    assert renew_failures() >= 2, "a failed renewal was not tried again within seconds"
+    renewed = [e for e in daemon.logged("lease_renewed") if e.get("lease") == lease["id"]]
+    assert renewed, "the lease was never renewed"
+    assert not [e for e in daemon.logged("lease_expired") if e.get("lease") == lease["id"]]
     daemon.wait_phase("IDLE", timeout=90)
     assert_resident_back(probe)

@@ -497,6 +497,23 @@ def test_a_capped_renewal_is_taken_as_it_comes() -> None:
     run(main())
 
 
+def test_a_lease_that_max_lease_caps_below_half_the_ask_is_renewed_at_half_of_what_was_granted() -> None:
+    async def main() -> None:
+        r = rig()
+        r.demand.lease_s = 1.0  # asked for 1 s; renewed when less than half of the granted length is left
+        r.daemon.renew_cap = 0.2  # gpuswapd's max_lease: each renewal is granted 0.2 s
+        done = asyncio.Event()
+        task = asyncio.create_task(_hold_request(r, "default", done))
+        await asyncio.sleep(1.6)  # past the first grant's end, and several capped grants
+        lease = r.demand.leases.get("default")
+        assert lease is not None and not lease.ending, "the lease ran out under a running request"
+        assert lease.expires_at > clock.now() and r.daemon.renews >= 4
+        done.set()
+        await task
+        await r.demand.close()
+    run(main())
+
+
 def test_a_preemption_stops_new_requests_then_cuts_those_in_flight() -> None:
     async def main() -> None:
         r = rig()
