@@ -1,7 +1,7 @@
-"""Swap only when it pays: the gateway's schedule (this checkout) against the old one (main's gateway), side by side.
+"""Swap only when it pays: the gateway's schedule (this checkout) against the old one, side by side.
 
     .venv/bin/python -m tests.benchmarks.schedule_bench [--cycles 1] [--minutes 4] [--boot 30] [--back 5]
-                                                       [--workloads agent,alternate,burst]
+                                                       [--workloads agent,alternate,burst] [--old REV]
 
 No test world is needed: each policy gets its own stand-in of gpuswapd that models one card
 with a price (a window's move to an engine costs ``--boot`` seconds, the resident's return
@@ -9,7 +9,8 @@ with a price (a window's move to an engine costs ``--boot`` seconds, the residen
 drained through the gateway's own ``/gpuswapd/in-flight?draining=1`` before it stops, a window
 closed when its last lease ends), its own model servers (each answers a request in a fixed
 service time, 2 s) and its own gateway: the real ``gpuswapd-gateway`` of this checkout ("new"),
-and the gateway of ``main`` ("old", ``git archive main gpuswapd`` run from a folder of its own).
+and the gateway of ``--old`` ("old": by default bcfa671, the last gateway without a schedule,
+``git archive REV gpuswapd`` run from a folder of its own).
 Both run at once on the same workload, started together, so that the machine's load falls on
 both alike; the workloads run one after another, each on fresh processes.
 
@@ -62,6 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICE_S = 2.0
 HOLD_S = 300.0
 WORKLOADS = ("agent", "alternate", "burst", "soak")
+OLD = "bcfa671"  # the last gateway without a schedule (its merge is ff67a66's first parent)
 RECLAIM_S = 2.0  # after a restart the stand-in keeps an adopted window this long for its holders to come back
 MODELS = {"resident": "strata", "default": "hyperqwen", "eval": "qwen-eval"}
 CONFIG = """
@@ -124,6 +126,7 @@ class Card:
     moving_s: float = 0.0
     made: int = 0
     restarts: int = 0
+    took: dict[str, float] = field(default_factory=dict)  # tenant: seconds its last move took
     adopted_until: float = 0.0
 
     def __post_init__(self) -> None:
@@ -151,7 +154,10 @@ class Card:
         window = None if self.tenant == "resident" and self.phase == "IDLE" else {
             "profile": self.tenant, "phase": self.phase, "timings": [],
             "leases": [{"id": i, "holder": "gateway", "expires_at": time.time() + 3600} for i in self.leases]}
-        return {"ok": True, "phase": self.phase, "window": window,
+        # The price of each swap, as gpuswapd's history has it (once the card has moved there).
+        price = {p: {"open_s": s, "resident_restart_s": self.took.get("resident")}
+                 for p, s in self.took.items() if p != "resident"}
+        return {"ok": True, "phase": self.phase, "window": window, "price": price,
                 "resident_back": {"in_s": self.back_s, "close_s": self.back_s} if window else None}
 
     async def run(self) -> None:
@@ -202,7 +208,8 @@ class Card:
             self.tenant = to
             self.set_phase("READY")
         self.swaps += 1
-        self.moving_s += time.monotonic() - started
+        self.took[to] = time.monotonic() - started
+        self.moving_s += self.took[to]
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # CancelledError: the run is over and its connections are dropped (nothing to say).
@@ -417,14 +424,14 @@ def summary(rig: Rig, seconds: float) -> dict[str, Any]:
     return out
 
 
-async def run(names: list[str], seconds: float, boot_s: float, back_s: float) -> dict[str, Any]:
+async def run(names: list[str], seconds: float, boot_s: float, back_s: float, old: str) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="schedule-bench-", dir="/var/tmp"))
     old_code = root / "old"
     old_code.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "main", "gpuswapd"],  # noqa: ASYNC221 - setup
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", old, "gpuswapd"],  # noqa: ASYNC221 - setup
                              check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(old_code)], input=archive.stdout, check=True)  # noqa: ASYNC221
-    results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "workloads": {}}
+    results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "old": old, "workloads": {}}
     for name in names:
         rigs: list[Rig] = []
         try:
@@ -458,12 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boot", type=float, default=30.0, help="seconds a window's move to an engine costs (default 30)")
     p.add_argument("--back", type=float, default=5.0, help="seconds the resident's return costs (default 5)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="which, comma-separated (default all)")
+    p.add_argument("--old", default=OLD, help=f"the old policy's revision (default {OLD}: no schedule)")
     args = p.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {', '.join(WORKLOADS)})")
-    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back)) for _ in range(args.cycles)]
+    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back, args.old)) for _ in range(args.cycles)]
     path = write_results("schedule", {"cycles": cycles})
     print(f"results: {path}")
     return 0
