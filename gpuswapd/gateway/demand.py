@@ -50,7 +50,10 @@ REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again
 # The last waiter gone, the acquire is withdrawn after this: gpuswapd keeps the opening for its own
 # daemon.abandon_grace, and a retry's acquire rejoins it there (0: the gateway adds no grace of its own).
 WITHDRAW_GRACE_S = 0.0
-RESIDENCY_PER_SWAP = 4.0  # a tenant of the gateway's keeps the card this many times the price of a swap
+# A tenant of the gateway's keeps the card this many times the price of the swaps (at most
+# RESIDENCY_MAX_S): gpuswapd's daemon.residency_factor and residency_max, from its status, once read.
+RESIDENCY_PER_SWAP = 4.0
+RESIDENCY_MAX_S = 900.0
 RESIDENCY_MIN_S = 10.0
 # A tenant whose last request ended this recently still uses the card (a client's next comes), as
 # long as the two swaps its waiting saves cost as much: a move seen to take milliseconds waits no second.
@@ -165,6 +168,7 @@ class Demand:
         self.wanting: dict[str, int] = {}  # requests waiting for each profile's window
         self.waits: dict[str, list[float]] = {}  # tenant: when each of its waiting requests began to wait
         self.price: dict[str, float] = {}  # tenant: seconds the card took to move to it, last time
+        self.residency_factor, self.residency_max = RESIDENCY_PER_SWAP, RESIDENCY_MAX_S  # gpuswapd's, once read
         self.longest: dict[str, float] = {}  # profile: its longest request of late (for the boarding margin)
         self.lost: dict[str, float] = {}  # tenant: when it last gave the card up for another of the gateway's
         self.resident_flights: set[Flight] = set()
@@ -225,12 +229,14 @@ class Demand:
 
         The price is what the two swaps would cost (to ``waiter``, and back): gpuswapd's medians
         from ``status`` (``price``), else what the gateway saw its own acquires take (a tenant not
-        seen yet costs RESIDENCY_MIN_S). The bound is at least
-        RESIDENCY_MIN_S and at most a quarter of ``gateway.hold``: the waiter keeps the rest of
-        its own bound for the move itself (a drain of what is in flight, and a boot).
+        seen yet costs RESIDENCY_MIN_S). The factor and its cap are gpuswapd's
+        ``daemon.residency_factor`` and ``residency_max`` (its ``status``), so one rule orders
+        the card for gpuswapd's clients and the gateway's. The bound is at least RESIDENCY_MIN_S
+        and at most a quarter of ``gateway.hold``: the waiter keeps the rest of its own bound for
+        the move itself (a drain of what is in flight, which may be long, and a boot).
         """
         price = self.price.get(waiter, RESIDENCY_MIN_S) + self.price.get(tenant, RESIDENCY_MIN_S)
-        return min(self.config.hold / 4, max(RESIDENCY_MIN_S, RESIDENCY_PER_SWAP * price))
+        return min(self.config.hold / 4, max(RESIDENCY_MIN_S, min(self.residency_max, self.residency_factor * price)))
 
     async def start(self) -> None:
         """Learn the price of each swap; release the leases an earlier gateway left bound to this unit.
@@ -480,7 +486,17 @@ class Demand:
         return self._status[1]
 
     def take_price(self, status: dict[str, Any]) -> None:
-        """Take the price of each swap from gpuswapd's ``status`` (medians of its history), where it has one."""
+        """Take the price of each swap from gpuswapd's ``status`` (medians of its history), where it has one.
+
+        And the rule a residency follows (``schedule``: ``residency_factor``, ``residency_max_s``).
+        """
+        rule = status.get("schedule")
+        if isinstance(rule, dict):
+            factor, most = rule.get("residency_factor"), rule.get("residency_max_s")
+            if isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 <= factor < math.inf:
+                self.residency_factor = float(factor)
+            if isinstance(most, (int, float)) and not isinstance(most, bool) and 0 < most < math.inf:
+                self.residency_max = float(most)
         prices = status.get("price")
         if not isinstance(prices, dict):
             return

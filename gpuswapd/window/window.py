@@ -453,7 +453,9 @@ class Window:
                 "share_s": None if claim is None or tenant is None
                 else round(self.queue.share(tenant, claim[1].profile), 3),
                 "next": None if claim is None else claim[1].profile,
-                "swaps_avoided": self.swaps_avoided}
+                "swaps_avoided": self.swaps_avoided,
+                # The rule a residency follows (the gateway's batching takes it from here).
+                "residency_factor": self.queue.factor, "residency_max_s": self.queue.most}
 
     def resident_back(self, now: float) -> JsonObject | None:
         """Estimate when the resident serves again: the last lease's expiry, the linger, the measured close.

@@ -931,6 +931,20 @@ def test_the_residency_grows_with_gpuswapds_price_of_a_swap() -> None:
         assert r.demand.price == {"default": 45.0, "resident": 12.0}
         assert r.demand.residency("resident", "default") == demand_module.RESIDENCY_PER_SWAP * 57.0 > before
         assert r.demand.residency("resident", "eval") == demand_module.RESIDENCY_PER_SWAP * (12.0 + 10.0)
+        # gpuswapd's own rule (daemon.residency_factor, residency_max) is the gateway's too.
+        r.demand.take_price({"schedule": {"residency_factor": 2.0, "residency_max_s": 100.0}})
+        assert r.demand.residency("resident", "eval") == 2.0 * (12.0 + 10.0)
+        assert r.demand.residency("resident", "default") == 100.0  # 2 x 57 s, capped
+        r.demand.take_price({"schedule": {"residency_factor": "many", "residency_max_s": -1}})  # ignored
+        assert r.demand.residency("resident", "default") == 100.0
+    run(main())
+
+
+def test_the_residency_leaves_a_waiter_most_of_its_hold_for_the_move() -> None:
+    async def main() -> None:
+        r = rig(hold=120.0)
+        r.demand.take_price({"price": {"default": {"open_s": 180.0, "resident_restart_s": 60.0}}})
+        assert r.demand.residency("resident", "default") == 30.0  # 4 x 240 s, but hold / 4
     run(main())
 
 
