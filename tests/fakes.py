@@ -228,6 +228,7 @@ class FakeUnit:
     invocation: int = 1  # its InvocationID, new at each start
     active_enter: float | None = None  # when it last became active (CLOCK_MONOTONIC; None: before the test)
     unit_file_state: str = "enabled"
+    result: str = ""  # why it failed (Service.Result: "start-limit-hit" while in its start limit)
 
 
 class FakeSystemd:
@@ -373,7 +374,7 @@ class FakeSystemd:
                              "running" if u.active_state == "active" else "dead",
                              "masked" if u.masked else u.unit_file_state, u.names or (unit,),
                              f"{u.invocation:032x}" if u.active_state == "active" else "",
-                             active_enter=u.active_enter)
+                             active_enter=u.active_enter, result=u.result if u.active_state == "failed" else "")
 
     def _dependents(self, name: str) -> list[str]:
         return sorted(u.name for u in self.units.values() if name in u.requires)

@@ -165,9 +165,12 @@ class Systemd:
         """Read a unit's load, active and sub state."""
         p = self.properties(unit)
         entered = int(p.get("ActiveEnterTimestampMonotonic") or 0)  # microseconds; 0: never
+        result = ""
+        if p["ActiveState"] == "failed" and unit.endswith(".service"):  # why: its start limit, or a crash
+            result = str(self.properties(unit, _SERVICE_IFACE).get("Result", ""))
         return UnitState(unit, p["LoadState"], p["ActiveState"], p["SubState"], str(p.get("UnitFileState", "")),
                          tuple(str(n) for n in p.get("Names", ())), bytes(p.get("InvocationID") or b"").hex(),
-                         bool((p.get("Job") or (0, "/"))[0]), entered / 1e6 if entered > 0 else None)
+                         bool((p.get("Job") or (0, "/"))[0]), entered / 1e6 if entered > 0 else None, result)
 
     def _require_loaded(self, unit: str) -> dict[str, Any]:
         props = self.properties(unit)

@@ -25,6 +25,8 @@ class UnitState:
     job: bool = False  # a job for it is queued (a start at boot, its operator's): it is on its way
     # When it last became active, on CLOCK_MONOTONIC (ActiveEnterTimestampMonotonic; None: never, or unknown).
     active_enter: float | None = None
+    # Why a failed service failed (Service.Result: "start-limit-hit", "exit-code", ...; "": not read).
+    result: str = ""
 
     @property
     def active(self) -> bool:

@@ -81,7 +81,8 @@ class _Live(Collector):
             cached.add_metric([inst], now.resident_cached_ratio)
         yield cached
         down = GaugeMetricFamily("gpuswapd_resident_down", "1 for each resident unit found down while no window is "
-                                 "open, by cause (stopped, failed, masked): reported, never started by gpuswapd",
+                                 "open, by cause (stopped, failed, start_limit, masked): reported, never started by "
+                                 "gpuswapd",
                                  labels=["instance", "unit", "cause"])
         for unit, cause in now.resident_down:
             down.add_metric([inst, unit, cause], 1.0)

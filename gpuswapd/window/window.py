@@ -819,9 +819,10 @@ class Window:
             return
         for unit, cause in down.items():
             if self.resident_down.get(unit) != cause:
+                back = (f"systemctl reset-failed {unit}, then systemctl start, brings it back" if cause == "start_limit"
+                        else "systemd's Restart= restarts a crashed service; systemctl start brings it back")
                 log.warning("resident_down", unit=unit, cause=cause,
-                            consequence="left as it is: gpuswapd starts only what it stopped (systemd's Restart= "
-                                        "restarts a crashed service; systemctl start brings it back)")
+                            consequence=f"left as it is: gpuswapd starts only what it stopped ({back})")
         for unit in self.resident_down.keys() - down.keys():
             log.info("resident_up", unit=unit)
         self.resident_down = dict(down)
@@ -866,13 +867,15 @@ class Window:
 
 
 def down_cause(state: UnitState) -> str | None:
-    """Say why a resident unit is down (masked, failed, stopped), or None if it is up or on its way."""
+    """Say why a resident unit is down (masked, start_limit, failed, stopped), or None if it is up or on its way."""
     if state.load_state == "masked":
         return "masked"
     if state.job:
         return None  # a job is queued for it (a start at boot): it is on its way, or its operator's doing
     if state.active_state == "failed":
-        return "failed"
+        # In its start limit (StartLimitBurst= starts within StartLimitIntervalSec=): systemd refuses
+        # every start until `systemctl reset-failed`, so not even resident.restart_crashed tries one.
+        return "start_limit" if state.result == "start-limit-hit" else "failed"
     if state.active_state == "inactive":
         return "stopped"
     return None  # active, or activating/deactivating/reloading: someone is at it right now

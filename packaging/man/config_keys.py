@@ -114,7 +114,7 @@ MEANINGS: dict[str, str] = {
                          "Setting the key replaces the whole list: keep the defaults in it.",
     "daemon.reconcile": "How often an idle gpuswapd (no window, no queue) looks at the resident (0: never). "
                         "gpuswapd starts a unit or timer only to undo its own stop: a configured resident unit "
-                        "found down for another reason (stopped, failed, masked) is reported in status "
+                        "found down for another reason (stopped, failed, in its start limit, masked) is reported in status "
                         "(resident_down), the gpuswapd_resident_down gauge and a resident_down event, never "
                         "started (see resident.restart_crashed). A resident its operator restarted since "
                         "gpuswapd last saw it (a new InvocationID) is taken as the resident's new baseline.",
@@ -149,7 +149,8 @@ MEANINGS: dict[str, str] = {
                                 "for another reason (crashed, stopped, masked or disabled by its operator) is reported "
                                 "(status, the gpuswapd_resident_down gauge, a resident_down event), never started; "
                                 "restarting a crashed service is Restart='s job. Even on, a masked or disabled unit "
-                                "is never started, nor a dependent or a timer.",
+                                "is never started, nor one in its start limit (systemd refuses it until "
+                                "systemctl reset-failed), a dependent or a timer.",
     "resident.prefetch": "Whether a close that restores the resident reads its files into the page cache in the "
                          "background, from the start of the close, while the engine stops or sleeps and the VRAM "
                          "comes free. Nothing waits for it and it ends with the close; it is skipped (and logged) "

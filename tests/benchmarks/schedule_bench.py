@@ -1,7 +1,7 @@
 """Swap only when it pays: the gateway's schedule (this checkout) against the old one, side by side.
 
     .venv/bin/python -m tests.benchmarks.schedule_bench [--cycles 1] [--minutes 4] [--boot 30] [--back 5]
-                                                       [--workloads agent,alternate,burst] [--old REV]
+                                                       [--workloads agent,alternate,burst] [--old REV] [--factor 4]
 
 No test world is needed: each policy gets its own stand-in of gpuswapd that models one card
 with a price (a window's move to an engine costs ``--boot`` seconds, the resident's return
@@ -32,9 +32,10 @@ as n, p50, p99, max, and the requests that failed (any answer but 200).
 What bounds the result: the card's price is the stand-in's constants (``--boot``, ``--back``),
 not a real engine's; the model servers answer in a fixed time; gpuswapd's own queue is the
 stand-in's first-come order (the schedule of gpuswapd's queue is not measured here, only the
-gateway's side: its batching, its residency bound, its lease given back); ``gateway.hold`` is
-5 min, so no wait can exceed it; a run shorter than a few residencies (about 2-3 min each at
-this price) shows few moves of either policy.
+gateway's side: its batching, its residency bound, its lease given back); ``gateway.hold`` and
+``gateway.idle`` are the defaults (15 and 5 min), so no wait can exceed 15 min and the residency
+is ``--factor`` x the price of the two swaps (at 4: 140 s at this price, under its cap of
+hold / 4); a run shorter than a few residencies shows few moves of either policy.
 
 Results: tables on stdout and JSON in /var/tmp/gpuswapd-bench/.
 """
@@ -61,7 +62,7 @@ from tests.benchmarks.report import parser, write_results
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICE_S = 2.0
-HOLD_S = 300.0
+HOLD_S = 900.0  # gateway.hold, its default
 WORKLOADS = ("agent", "alternate", "burst", "soak")
 OLD = "bcfa671"  # the last gateway without a schedule (its merge is ff67a66's first parent)
 RECLAIM_S = 2.0  # after a restart the stand-in keeps an adopted window this long for its holders to come back
@@ -96,7 +97,7 @@ model = "qwen-eval"
 listen = "127.0.0.1:{gateway}"
 resident = "http://127.0.0.1:{resident}"
 idle = "5m"
-hold = "5m"
+hold = "15m"
 max_waiting = 1024
 """
 
@@ -117,6 +118,7 @@ class Card:
     boot_s: float
     back_s: float
     gateway_port: int
+    factor: float = 4.0  # daemon.residency_factor, as gpuswapd's status tells it
     tenant: str = "resident"
     phase: str = "IDLE"
     leases: dict[str, str] = field(default_factory=dict)  # lease id: profile
@@ -158,6 +160,7 @@ class Card:
         price = {p: {"open_s": s, "resident_restart_s": self.took.get("resident")}
                  for p, s in self.took.items() if p != "resident"}
         return {"ok": True, "phase": self.phase, "window": window, "price": price,
+                "schedule": {"residency_factor": self.factor, "residency_max_s": 900.0},
                 "resident_back": {"in_s": self.back_s, "close_s": self.back_s} if window else None}
 
     async def run(self) -> None:
@@ -294,7 +297,7 @@ class Rig:
     results: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back_s: float) -> Rig:
+async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back_s: float, factor: float) -> Rig:
     servers, ports = [], {}
     for tenant, model in MODELS.items():
         server, ports[tenant] = await model_server(model)
@@ -302,7 +305,7 @@ async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back
     with contextlib.closing(__import__("socket").socket()) as s:
         s.bind(("127.0.0.1", 0))
         ports["gateway"] = int(s.getsockname()[1])
-    card = Card(boot_s, back_s, ports["gateway"])
+    card = Card(boot_s, back_s, ports["gateway"], factor)
     sock = root / f"{policy}.sock"
     servers.append(await asyncio.start_unix_server(card.handle, str(sock)))
     config = root / f"{policy}.toml"
@@ -424,19 +427,21 @@ def summary(rig: Rig, seconds: float) -> dict[str, Any]:
     return out
 
 
-async def run(names: list[str], seconds: float, boot_s: float, back_s: float, old: str) -> dict[str, Any]:
+async def run(names: list[str], seconds: float, boot_s: float, back_s: float, old: str,
+              factor: float) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="schedule-bench-", dir="/var/tmp"))
     old_code = root / "old"
     old_code.mkdir()
     archive = subprocess.run(["git", "-C", str(REPO), "archive", old, "gpuswapd"],  # noqa: ASYNC221 - setup
                              check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(old_code)], input=archive.stdout, check=True)  # noqa: ASYNC221
-    results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "old": old, "workloads": {}}
+    results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "old": old,
+                               "residency_factor": factor, "workloads": {}}
     for name in names:
         rigs: list[Rig] = []
         try:
             for policy in ("old", "new"):
-                rigs.append(await start_rig(policy, root, old_code, boot_s, back_s))
+                rigs.append(await start_rig(policy, root, old_code, boot_s, back_s, factor))
             await asyncio.gather(*(workload(name, rig, seconds) for rig in rigs))
         finally:
             for rig in rigs:
@@ -465,13 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boot", type=float, default=30.0, help="seconds a window's move to an engine costs (default 30)")
     p.add_argument("--back", type=float, default=5.0, help="seconds the resident's return costs (default 5)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="which, comma-separated (default all)")
+    p.add_argument("--factor", type=float, default=4.0,
+                   help="gpuswapd's daemon.residency_factor, which the new gateway follows (default 4)")
     p.add_argument("--old", default=OLD, help=f"the old policy's revision (default {OLD}: no schedule)")
     args = p.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {', '.join(WORKLOADS)})")
-    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back, args.old)) for _ in range(args.cycles)]
+    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back, args.old, args.factor))
+              for _ in range(args.cycles)]
     path = write_results("schedule", {"cycles": cycles})
     print(f"results: {path}")
     return 0

@@ -124,6 +124,31 @@ def test_a_crash_under_restart_on_failure_is_systemds_to_undo(
     assert probe.active_state("strata.service") == "active"
 
 
+def test_a_resident_in_its_start_limit_is_reported_and_not_started_even_with_restart_crashed(
+        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    # One start per two minutes: its operator's second start within them hits the limit.
+    world.install_unit("strata.service", None, {"limit.conf": "[Unit]\nStartLimitIntervalSec=120\n"
+                                                "StartLimitBurst=1\n"})
+    world.manager("ResetFailedUnit", "s", "strata.service")  # the world's own starts of it no longer count
+    for _ in range(2):  # systemctl restart strata, twice: the second start is refused
+        world.manager("StopUnit", "ss", "strata.service", "replace")
+        wait_for(lambda: probe.active_state("strata.service") in ("inactive", "failed"), "strata to stop")
+        world.manager("StartUnit", "ss", "strata.service", "replace", check=False)
+    wait_for(lambda: probe.prop("strata.service", "Result", "org.freedesktop.systemd1.Service") == "start-limit-hit",
+             "strata to end in its start limit", timeout=30)
+    port = free_port()
+    daemon = gpuswapd(daemon=RECONCILE, resident={"restart_crashed": True},
+                      metrics={"listen": f"127.0.0.1:{port}"})
+    wait_for(lambda: "strata.service" in _down(daemon), "status to report it down", timeout=20)
+    time.sleep(TWO_PERIODS_S)
+    assert probe.active_state("strata.service") == "failed"
+    assert daemon.logged("resident_restarting_crashed") == [] and daemon.logged("units_started") == []
+    assert _down(daemon) == {"strata.service": "start_limit"}
+    assert _metric(port, "gpuswapd_resident_down", unit="strata.service", cause="start_limit") == 1
+    said = [e for e in daemon.logged("resident_down") if e.get("cause") == "start_limit"]
+    assert said and "systemctl reset-failed strata.service" in said[0]["consequence"], said
+
+
 def test_a_torn_state_after_a_bare_window_brings_back_exactly_what_gpuswapd_stopped(
         gpuswapd: Start, probe: Probe, world: Stack) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon=RECONCILE)

@@ -69,9 +69,11 @@ def test_the_reconcile_reports_a_resident_down_and_starts_nothing() -> None:
     assert world.snapshot()["timers"] == BASELINE["timers"]
 
 
-@pytest.mark.parametrize(("masked", "file_state", "started"), [(False, "enabled", True), (True, "enabled", False),
-                                                               (False, "disabled", False)])
-def test_restart_crashed_starts_a_failed_unit_only_if_it_may_run(masked: bool, file_state: str, started: bool) -> None:
+@pytest.mark.parametrize(("masked", "file_state", "result", "started"), [
+    (False, "enabled", "exit-code", True), (True, "enabled", "exit-code", False),
+    (False, "disabled", "exit-code", False), (False, "enabled", "start-limit-hit", False)])
+def test_restart_crashed_starts_a_failed_unit_only_if_it_may_run(masked: bool, file_state: str, result: str,
+                                                                 started: bool) -> None:
     config = dataclasses.replace(FAKE_CONFIG, resident=dataclasses.replace(FAKE_CONFIG.resident, restart_crashed=True))
     world = FakeWorld(config=config)
 
@@ -80,8 +82,10 @@ def test_restart_crashed_starts_a_failed_unit_only_if_it_may_run(masked: bool, f
             unit = world.systemd.units["strata.service"]
             world.systemd._stop("strata.service")
             w.held_down.clear()
-            unit.active_state, unit.masked, unit.unit_file_state = "failed", masked, file_state
+            unit.active_state, unit.masked, unit.unit_file_state, unit.result = "failed", masked, file_state, result
             await w.reconcile()
+            assert w.resident_down == {"strata.service": "masked" if masked else "start_limit"
+                                       if result == "start-limit-hit" else "failed"}
 
     run(main())
     assert (world.systemd.started == ["strata.service"]) is started
@@ -259,6 +263,10 @@ def test_a_resident_whose_start_job_is_queued_is_not_reported_down() -> None:
     assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead", job=True)) is None
     assert down_cause(UnitState("strata.service", "loaded", "inactive", "dead")) == "stopped"
     assert down_cause(UnitState("strata.service", "masked", "inactive", "dead", job=True)) == "masked"
+    assert down_cause(UnitState("strata.service", "loaded", "failed", "failed", result="exit-code")) == "failed"
+    # In its start limit: systemd refuses every start until reset-failed, so nothing tries one.
+    assert down_cause(UnitState("strata.service", "loaded", "failed", "failed", result="start-limit-hit")) \
+        == "start_limit"
 
 
 def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
