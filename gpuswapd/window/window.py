@@ -626,7 +626,13 @@ class Window:
                 for w in waiters]
 
     async def grant_adopted(self, rec: WindowRecord) -> None:
-        """Give the requests that queued for this profile while the window was being adopted their leases."""
+        """Give the requests that queued for this profile while the window was being adopted their leases.
+
+        Not while the window is being preempted (or closes, or switches): as for a join, a lease
+        granted on it would only be revoked; they wait for a later window.
+        """
+        if rec.closing or rec.pending_switch or preempting.under_way(rec):
+            return
         if not self.queue.take(rec.id, rec.profile, clock.now()):
             return
         granted = self.grant_waiters(rec)
