@@ -65,7 +65,7 @@ KNOWN_EVENTS = frozenset({
     "resident_file_skipped", "resident_footprint_larger", "resident_found_down",
     "resident_held_down",
     "resident_hold_lifted", "resident_identity_unread",
-    "resident_left_masked", "resident_names_unread", "resident_idle_probe_unanswered",
+    "resident_left_masked", "resident_left_stopped", "resident_names_unread", "resident_idle_probe_unanswered",
     "resident_prefetch_failed", "resident_prefetch_skipped", "resident_prefetched", "resident_restored_smaller",
     "resident_state_unreadable", "resident_still_smaller", "resident_verified", "restore_failed",
     "shutdown_bound_reached",

@@ -763,6 +763,7 @@ class FakeHttp:
         self.verify_slots: list[int | None] = []  # the id_slot each verify asked for
         self.save_s = 0.0  # how long a save takes (seconds)
         self.fail_restore = False  # restores answer HTTP 500
+        self.resident_500 = False  # the resident is up but answers every completion HTTP 500 (a broken model)
 
     def _engine(self, url: str | None = None) -> FakeContainer | None:
         host = urlsplit(url.split()[-1]).hostname if url else "engine.test"
@@ -833,6 +834,8 @@ class FakeHttp:
         up = self._engine_up(url) if engine else self._resident_up()
         if not up:
             raise EndpointUnreachable(f"POST {url}: connection refused")
+        if not engine and self.resident_500:
+            raise BadResponse(f"POST {url}: HTTP 500: failed to load the model")
         self.completions.append(url)
         self.completed_at.append((next(self.systemd.moments), url))
         text = CANARY if sampling is not None else "ready"

@@ -232,8 +232,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
     while True:
         attempt += 1
         try:
-            if attempt > 1 and await _masked_meanwhile(w, rec):
-                return  # its operator masked the resident: it is theirs now, and the card is not held for it
+            if attempt > 1 and (await _masked_meanwhile(w, rec) or await _stopped_meanwhile(w, rec)):
+                return  # its operator masked or stopped the resident: it is theirs now, and the card is not held for it
             if repair == "due":
                 await identity.make_room(w, rec, lambda s: _pause(w, s))
                 repair = "done"
@@ -293,6 +293,37 @@ async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
         return False
     log.warning("resident_left_masked", units=masked, left=rec.units,
                 consequence="not started: its operator masked it (systemctl unmask, then start it)")
+    await w.resident.unmark(rec.units)
+    rec.units, rec.degraded = [], None
+    await w.persist(required=False)
+    return True
+
+
+async def _stopped_meanwhile(w: Context, rec: WindowRecord) -> bool:
+    """Tell whether its operator stopped the resident this restore had started; if so, leave it to them.
+
+    The restore's start undid gpuswapd's own stop. A configured unit that came up since the
+    window stopped it (``ActiveEnterTimestampMonotonic`` after ``stopped_mono``) and is now
+    ``inactive`` with no job queued (a clean stop: a start that failed, or a crash, ends
+    ``failed``) was stopped by someone else: its operator, to mend it. gpuswapd does not start it
+    again and does not hold the card for it. A unit stopped while ``failed`` stays ``failed``, so
+    only a mask (``_masked_meanwhile``) takes that one from the restore.
+    """
+    configured = [u for u in w.config.resident.units if u in rec.units]
+    if not configured or rec.stopped_mono is None:
+        return False
+    try:
+        states = await w.resident.unit_states(configured)
+    except GpuswapError:
+        return False  # systemd cannot say: the restore goes on
+    down = [st for st in states.values() if not st.active]
+    stopped = [st.name for st in down if st.active_state == "inactive" and not st.job
+               and st.active_enter is not None and st.active_enter > rec.stopped_mono]
+    if not down or len(stopped) < len(down):
+        return False
+    log.warning("resident_left_stopped", units=stopped, left=rec.units,
+                consequence="not started again: its operator stopped it after this restore started it "
+                            "(systemctl start brings it back)")
     await w.resident.unmark(rec.units)
     rec.units, rec.degraded = [], None
     await w.persist(required=False)

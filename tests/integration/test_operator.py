@@ -149,6 +149,32 @@ def test_a_resident_in_its_start_limit_is_reported_and_not_started_even_with_res
     assert said and "systemctl reset-failed strata.service" in said[0]["consequence"], said
 
 
+def test_a_resident_its_operator_stops_while_its_restore_retries_in_degraded_is_left_to_them(
+        gpuswapd: Start, probe: Probe, world: Stack) -> None:
+    # The resident starts, but its verifying completion names a model nobody serves: every restore
+    # fails, and gpuswapd retries in DEGRADED with the resident up.
+    daemon = gpuswapd(daemon=RECONCILE, resident__verify={"model": "not-served"})
+    assert daemon.ctl("acquire", "--for", "5m", "--holder", "job").returncode == 0
+    assert daemon.ctl("release", "--holder", "job").returncode == 0
+    daemon.wait_phase("DEGRADED", timeout=90)
+    wait_for(lambda: probe.active_state("strata.service") == "active", "the restore to start strata")
+    world.manager("StopUnit", "ss", "strata.service", "replace")  # systemctl stop strata: to mend it
+    status = daemon.wait_phase("IDLE", timeout=60)
+    assert status["last"]["outcome"] == "closed" and status["last"]["units"] == [], status["last"]
+    assert daemon.logged("resident_left_stopped")
+    time.sleep(TWO_PERIODS_S)
+    assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
+    assert probe.states(list(AGENT_TIMERS)) == dict.fromkeys(AGENT_TIMERS, "active")  # its own pause, undone
+    assert _down(daemon) == {"strata.service": "stopped"} and _marks(daemon) == []
+    # Not held against the card: the next window opens and closes, and starts nothing of the resident.
+    started = len(daemon.logged("units_started"))
+    assert daemon.ctl("acquire", "--for", "5m", "--holder", "next").returncode == 0
+    assert daemon.ctl("release", "--holder", "next").returncode == 0
+    assert daemon.wait_phase("IDLE", timeout=90)["last"]["outcome"] == "closed"
+    assert len(daemon.logged("units_started")) == started
+    assert probe.active_state("strata.service") == "inactive"
+
+
 def test_a_torn_state_after_a_bare_window_brings_back_exactly_what_gpuswapd_stopped(
         gpuswapd: Start, probe: Probe, world: Stack) -> None:
     daemon = with_profiles(gpuswapd, probe, daemon=RECONCILE)

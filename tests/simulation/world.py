@@ -651,7 +651,8 @@ class Systemd:
         operator's stop, a crash) is not this rule's: the timer ran with it down before; nor is one
         that served since (and, if gpuswapd started it again, answered a completion since) and then
         crashed or was stopped by its operator: the timers run with it down as they would without
-        gpuswapd, and systemd's Restart= is its way back.
+        gpuswapd, and systemd's Restart= is its way back; nor one its operator stopped, answered or
+        not (a restore that never verifies leaves a resident they stop to them).
         """
         world = self.world
         if timer.stopped_at is None:
@@ -663,6 +664,8 @@ class Systemd:
             if (since < timer.stopped_at or answered) and \
                     all(self.stopped_by.get(u) in ("a crash", "its operator") for u in down):
                 return  # served (verified, if started since), then crashed or its operator stopped it: not gpuswapd's
+            if all(self.stopped_by.get(u) == "its operator" for u in down):
+                return  # its operator stopped it (one gpuswapd's restore started, unverified, say): theirs now
             states = {u: self.units[u].active_state for u in world.resident_units}
             world.timer_violations.append(
                 f"{timer.name} was started at {world.clock.now:.2f}s, but the resident, up when it was stopped "

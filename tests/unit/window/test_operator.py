@@ -237,6 +237,33 @@ def test_a_resident_its_operator_restarted_while_idle_is_the_new_baseline() -> N
     run(main())
 
 
+def test_a_resident_its_operator_stops_while_its_restore_retries_is_left_to_them_and_the_card_is_free() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            world.http.resident_500 = True  # it starts, and never answers its verify
+            await w.release(lease.id)
+            while w.phase is not Phase.DEGRADED:
+                await asyncio.sleep(0.001)
+            starts = world.systemd.started.count("strata.service")
+            assert world.systemd._stop("strata.service") == "done"  # systemctl stop strata: to mend it
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed" and w.last.units == []
+            assert world.systemd.started.count("strata.service") == starts  # not started again
+            assert memory_marks(world.store).read() == []
+            await w.reconcile()
+            assert w.resident_down == {"strata.service": "stopped"}  # reported, as after any stop of theirs
+            lease = await w.acquire("next", 60)  # not refused DEGRADED: the card is not held for it
+            await w.release(lease.id)
+            await settle(w)
+            assert world.systemd.started.count("strata.service") == starts
+
+    run(main())
+    assert world.snapshot()["timers"] == BASELINE["timers"]  # gpuswapd's own pause undone
+
+
 def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
     world = FakeWorld()
 
