@@ -301,6 +301,9 @@ class WindowRecord:
     # CLOCK_MONOTONIC just before it stopped them: one that became active after this (systemd's
     # ActiveEnterTimestampMonotonic) ran again since, and its stop was undone.
     stopped_mono: float | None = None
+    # Not kept on disk: a stale record (its resident found up again at a start) is being closed, and
+    # everything was up at that moment; one of its units down since is not gpuswapd's to start.
+    found_up: bool = field(default=False, compare=False)
     container: ContainerHandle | None = None
     leases: LeaseBook = field(default_factory=LeaseBook)
     restarts: int = 0

@@ -234,6 +234,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
         try:
             if attempt > 1 and (await _masked_meanwhile(w, rec) or await _stopped_meanwhile(w, rec)):
                 return  # its operator masked or stopped the resident: it is theirs now, and the card is not held for it
+            if attempt == 1 and rec.found_up and await _down_since_found_up(w, rec):
+                return  # a stale record's resident went down since it was found up: not gpuswapd's to start
             if repair == "due":
                 await identity.make_room(w, rec, lambda s: _pause(w, s))
                 repair = "done"
@@ -293,6 +295,29 @@ async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
         return False
     log.warning("resident_left_masked", units=masked, left=rec.units,
                 consequence="not started: its operator masked it (systemctl unmask, then start it)")
+    await w.resident.unmark(rec.units)
+    rec.units, rec.degraded = [], None
+    await w.persist(required=False)
+    return True
+
+
+async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
+    """Tell whether a stale record's units, all up when it was found, are not all up now; if so, leave them.
+
+    The record's close finished before a restart but was not recorded; its close now only verifies
+    the resident. A unit that went down since it was found up (a crash while this close waited on a
+    hung disk, its operator's stop) was brought down by someone else: gpuswapd does not start it.
+    """
+    try:
+        states = await w.resident.unit_states(list(rec.units))
+    except GpuswapError:
+        return False  # systemd cannot say: the close goes on
+    down = {u: st.active_state for u, st in states.items() if not st.active}
+    if not down:
+        return False
+    log.warning("resident_down_since_found_up", units=down, left=rec.units,
+                consequence="not started: it was up when this record was found stale, and went down since "
+                            "(a crash, its operator): systemd's Restart= or systemctl start brings it back")
     await w.resident.unmark(rec.units)
     rec.units, rec.degraded = [], None
     await w.persist(required=False)

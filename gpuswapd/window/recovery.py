@@ -149,15 +149,31 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
         return  # systemd cannot say: the record stands
     undone = [u for u, st in states.items() if st.active_enter is not None and st.active_enter > rec.stopped_mono
               and not st.active]
-    if rec.phase in (Phase.RESTORING, Phase.DEGRADED) and any(states[u].active_state == "failed" for u in undone):
+    if rec.phase in (Phase.RESTORING, Phase.DEGRADED) and any(states[u].active_state == "failed" for u in undone) \
+            and not await _timers_resumed_since(w, rec):
         # Left restoring, it may have started them itself before gpuswapd went: one that failed
         # since (and what it took down with it) is its own start that did not last: the restore goes on.
+        # Not when the timers it paused run again since the stop: gpuswapd resumes them only once the
+        # resident it restored has answered, so that restore ended (its last writes did not reach
+        # the disk) and the failure is a crash since, its operator's and systemd's.
         undone = []
     if undone:
         log.warning("resident_stop_undone_meanwhile", units=undone, window=rec.id,
                     consequence="left as they are: they ran again after this window stopped them")
         rec.units = [u for u in rec.units if u not in undone]
         await w.resident.unmark(undone)
+
+
+async def _timers_resumed_since(w: Context, rec: WindowRecord) -> bool:
+    """Tell whether every timer this window paused became active after its stop (False when it cannot be told)."""
+    if not rec.timers or rec.stopped_mono is None:
+        return False
+    try:
+        states = await w.resident.unit_states(list(rec.timers))
+    except (GpuswapError, asyncio.CancelledError):
+        return False
+    return all(st.active and st.active_enter is not None and st.active_enter > rec.stopped_mono
+               for st in states.values())
 
 
 async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
@@ -200,6 +216,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
         log.warning("window_stale", window=rec.id, units=rec.units,
                     reason="its resident is up again: its close finished but was not recorded")
+        rec.found_up = True
         await closing.close(w, rec, "recovered", switch=False)
         return
     # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
