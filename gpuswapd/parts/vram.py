@@ -129,12 +129,20 @@ class Fit:
                 f"{held}; stop them, or lower gpu.window_needs")
 
 
-async def predict_fit(vram: Vram, reading: VramReading, units: list[str], ours: frozenset[int] = frozenset()) -> Fit:
-    """Split the card's users into what comes free (the units the window stops, ``ours``) and everyone else."""
+async def predict_fit(vram: Vram, reading: VramReading, units: list[str], ours: frozenset[int] = frozenset(),
+                      stays: dict[int, str] | None = None) -> Fit:
+    """Split the card's users into what comes free (the units the window stops, ``ours``) and everyone else.
+
+    ``stays``: pids known to keep their memory (a parked engine the window would run beside), by
+    what they are: counted as held without asking systemd whose they are.
+    """
     freed, others, unknown = 0, [], []
     for proc in reading.processes:
         if proc.pid in ours:
             freed += proc.used_bytes
+            continue
+        if stays and proc.pid in stays:
+            others.append(Holder(proc.pid, proc.used_bytes, stays[proc.pid]))
             continue
         try:
             unit = await vram.unit_of_strictly(proc.pid)

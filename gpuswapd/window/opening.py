@@ -69,7 +69,9 @@ async def _check_and_drain(op: Opening) -> None:
         if parked is not None and op.parked is None and w.parked is None:
             reading, running = None, None  # the parked engine was removed: read the card again
         preflight = w.engine.preflight() if op.parked is None else _nothing()
-        await together(preflight, check_fit(w, op.needs, going, rec.freeing_unknown, reading, running))
+        # What the parked engine's removal just freed is coming free too.
+        await together(preflight, check_fit(w, op.needs, going | frozenset(rec.freeing), rec.freeing_unknown,
+                                            reading, running))
 
     # The drain's first look goes with the checks; a check that fails ends it at once.
     await together(checks(), w.resident.drain() if not rec.switched_from else _nothing())
@@ -105,7 +107,9 @@ async def _usable_parked(w: Context, rec: WindowRecord) -> Parked | None:
     why: str | None
     if parked.profile != rec.profile:
         try:
-            await check_fit(w, w.profile.needs, frozenset(rec.freeing), rec.freeing_unknown)
+            # Its memory stays: counted as held even when systemd cannot say whose its processes are.
+            stays = dict.fromkeys(parked.pids, f"the parked engine {parked.container.name}")
+            await check_fit(w, w.profile.needs, frozenset(rec.freeing), rec.freeing_unknown, stays=stays)
             return None
         except WontFit as err:
             why = f"the window of profile {rec.profile!r} does not fit beside it ({err.message})"
@@ -121,7 +125,8 @@ async def _usable_parked(w: Context, rec: WindowRecord) -> Parked | None:
 
 
 async def check_fit(w: Context, need: int | None = None, going: frozenset[int] = frozenset(),
-                    unsure: bool = False, reading: VramReading | None = None, running: list[str] | None = None) -> None:
+                    unsure: bool = False, reading: VramReading | None = None, running: list[str] | None = None,
+                    stays: dict[int, str] | None = None) -> None:
     """Refuse a window the card cannot hold: other processes keep more than it leaves free.
 
     The resident's units and ``going`` (the pids of gpuswapd's engines being taken down) come
@@ -138,7 +143,7 @@ async def check_fit(w: Context, need: int | None = None, going: frozenset[int] =
         return  # it fits already (or there is no probe to ask)
     # The resident's own processes are no stranger's, whatever state their unit is in (stopping, say).
     units = [*running, *(u for u in w.config.resident.units if u not in running)]
-    fit = await predict_fit(w.vram, reading, units, going)
+    fit = await predict_fit(w.vram, reading, units, going, stays)
     if fit.fits(need):
         return
     if unsure:
