@@ -335,8 +335,8 @@ async def _stopped_meanwhile(w: Context, rec: WindowRecord) -> bool:
     only a mask (``_masked_meanwhile``) takes that one from the restore.
     """
     configured = [u for u in w.config.resident.units if u in rec.units]
-    if not configured or rec.stopped_mono is None:
-        return False
+    if not configured or rec.stopped_mono is None or hung_mark(w)[2] != w.hung_mark[2]:
+        return False  # (a stop job of this window's own that hung may have landed late: the restore goes on)
     try:
         states = await w.resident.unit_states(configured)
     except GpuswapError:
