@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -253,7 +254,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             started = clock.monotonic()
             await w.resident.start(rec.units)
             await w.resident.verify(warm.verify_slot(rec))
-            rec.resident_s = round(clock.monotonic() - started, 3)
+            verified = clock.monotonic()
+            rec.resident_s = round(verified - started, 3)
             if not await identity.after_verify(w, rec, repair == "done", lambda s: _pause(w, s)):
                 repair = "due"
                 attempt -= 1  # not a failure: the next pass repairs it
@@ -263,7 +265,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             rec.degraded = None
             # Verified and as it was: its slots' caches go back before the timers reach it (warm.py).
             await warm.restore(w, rec)
-            if await _gone_since_verify(w, rec):
+            if await _gone_since_verify(w, rec, verified):
                 # Reading it and its caches took a while (a hung /props): it died meanwhile, and the
                 # timers would resume against it. Its start did not last: the restore goes on.
                 raise Degraded("the resident stopped after it was verified, before the timers resumed")
@@ -272,12 +274,16 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             await _degraded(w, rec, err, attempt)
 
 
-async def _gone_since_verify(w: Context, rec: WindowRecord) -> bool:
-    """Tell whether a unit the restore started is no longer up (False when systemd cannot say)."""
+async def _gone_since_verify(w: Context, rec: WindowRecord, verified: float) -> bool:
+    """Tell whether a unit the restore started is no longer up.
+
+    When systemd cannot say (a read that hung), the units' signals since the verify (``verified``,
+    CLOCK_MONOTONIC) tell: one that said it went down, a crash after the verify, is gone.
+    """
     try:
         return not set(rec.units) <= set(await w.resident.closure())
     except GpuswapError:
-        return False
+        return any(w.went_down.get(unit, -math.inf) >= verified for unit in rec.units)
 
 
 async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
@@ -322,6 +328,33 @@ async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
     rec.units, rec.degraded = [], None
     await w.persist(required=False)
     return True
+
+
+async def _crashed_since_restore(w: Context, rec: WindowRecord) -> None:
+    """Leave to systemd a resident that crashed after this close restored it, before the late calls' check.
+
+    A late stop job of the window's own leaves its unit ``inactive``, and the check starts it
+    again. A configured unit that came up since the window's stop and is ``failed`` now crashed
+    after the restore (a late start job, of the timers say, stops nothing): its operator's and
+    ``Restart=``'s, so the check does not start the resident.
+    """
+    configured = [u for u in w.config.resident.units if u in rec.units]
+    if not configured or rec.stopped_mono is None:
+        return
+    try:
+        states = await w.resident.unit_states(configured)
+    except GpuswapError:
+        return  # systemd cannot say: the check goes on
+    crashed = [u for u, st in states.items() if st.active_state == "failed"
+               and st.active_enter is not None and st.active_enter > rec.stopped_mono]
+    if not crashed:
+        return
+    log.warning("resident_crashed_since_restore", units=crashed, left=rec.units,
+                consequence="not started again: it failed after this close restored it (systemd's Restart= or "
+                            "systemctl start brings it back)")
+    await w.resident.unmark(rec.units)
+    rec.units = []
+    await w.persist(required=False)
 
 
 async def _stopped_meanwhile(w: Context, rec: WindowRecord) -> bool:
@@ -487,6 +520,7 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         if systemd_late:
+            await _crashed_since_restore(w, rec)
             await w.enter(rec, Phase.RESTORING, required=False)
             # A late stop job may have stopped the resident after its restore: what its old process
             # held is freed first, or the new one starts into it (as after the engine's stop).

@@ -173,6 +173,7 @@ class Context(Services, Protocol):
     parked: Parked | None
     known: Known
     held_down: dict[str, float]
+    went_down: dict[str, float]  # resident unit (or dependent): CLOCK_MONOTONIC of its last signal saying it went down
     park_watch: asyncio.Task[None] | None
     sweeper: asyncio.Task[None] | None
     hung_mark: tuple[int, int, int]

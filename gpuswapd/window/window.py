@@ -103,6 +103,7 @@ class Window:
         self.adopting: WindowRecord | None = None  # a window left by the last gpuswapd, not yet adopted or closed
         self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
+        self.went_down: dict[str, float] = {}  # unit: when a signal last said it went down (monotonic)
         self.resident_down: dict[str, str] = {}  # resident units the reconcile found down, and why (reported only)
         self.resident_names: dict[str, str] = {}  # another name of a resident unit (its Id, an alias) -> the configured
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
@@ -764,6 +765,8 @@ class Window:
         unit it did not stop, so the hold only says so in ``status`` (any other state lifts it).
         """
         unit = self.resident_names.get(unit, unit)  # a signal names its Id; the configuration may name an alias
+        if state in ("inactive", "failed"):
+            self.went_down[unit] = clock.monotonic()  # a restore that cannot read systemd still hears of it
         if unit not in self.config.resident.units:
             return  # a dependent (llama-swap) follows its resident: it is never held down by itself
         if state != "inactive" and unit in self.held_down:  # started again (or tried to): no longer held
