@@ -105,15 +105,15 @@ async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
 
     Leases still end at their expiry meanwhile (a restart may take a boot timeout and more).
     """
-    expiring = spawn(_expire_on_time(w, rec), "lease-expiry")
+    expiring = spawn(expire_on_time(w, rec), "lease-expiry")
     try:
         return await _restarted(w, rec, reason)
     finally:
         await reap(expiring)
 
 
-async def _expire_on_time(w: Context, rec: WindowRecord) -> None:
-    """End each lease at its expiry, telling its holder, while the holding loop waits on a restart."""
+async def expire_on_time(w: Context, rec: WindowRecord) -> None:
+    """End each lease at its expiry, telling its holder, while no holding loop runs (a restart, an adoption)."""
     while True:
         now = clock.now()
         await _expire_leases(w, rec, now)

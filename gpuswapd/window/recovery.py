@@ -17,7 +17,7 @@ from gpuswapd.phases import Phase
 from gpuswapd.record import BaselineRestore, ContainerHandle, Finished, Parked, PhaseTiming, WindowRecord
 from gpuswapd.retry import backoff, until_done
 from gpuswapd.state.store import Document, Loaded
-from gpuswapd.tasks import uncancel
+from gpuswapd.tasks import reap, spawn, uncancel
 from gpuswapd.window import closing, holding, opening, parking, preempting
 from gpuswapd.window.baseline import Known
 
@@ -211,7 +211,16 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # token is kept for its client to reclaim: see _take_in).
         rec.leases.release(lease.id)
         log.info("lease_released", lease=lease.id, holder=lease.holder, reason="its connection ended with gpuswapd")
-    if rec.phase is Phase.READY and rec.units and await w.resident.all_active(rec.units):
+    # Deciding may take a while (a systemd or health call that hangs): leases still end on time.
+    expiring = spawn(holding.expire_on_time(w, rec), "lease-expiry")
+    try:
+        stale = rec.phase is Phase.READY and bool(rec.units) and await w.resident.all_active(rec.units)
+        # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
+        adopted = not stale and rec.phase is Phase.READY and len(rec.leases) > 0 and (
+            rec.kind == ProfileKind.BARE or (rec.container is not None and await w.engine.adopt(rec.container)))
+    finally:
+        await reap(expiring)
+    if stale:
         # The resident it stopped is up again: the close finished but its end was never written
         # (a full disk at the last exit). The window holds nothing: close it, which changes nothing.
         log.warning("window_stale", window=rec.id, units=rec.units,
@@ -219,9 +228,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         rec.found_up = True
         await closing.close(w, rec, "recovered", switch=False)
         return
-    # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
-    if rec.phase is Phase.READY and len(rec.leases) and (
-            rec.kind == ProfileKind.BARE or (rec.container and await w.engine.adopt(rec.container))):
+    if adopted and len(rec.leases):
         log.info("window_adopted", leases=len(rec.leases))
         if rec.kind == ProfileKind.ENGINE:
             await opening.learn_pids(w, rec)  # a restart may have replaced them after the last write
