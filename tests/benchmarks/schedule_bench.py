@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.schedule_bench [--cycles 1] [--minutes 4] [--boot 30] [--back 5]
                                                        [--workloads agent,alternate,burst] [--old REV] [--factor 4]
+                                                       [--hold 900]
 
 No test world is needed: each policy gets its own stand-in of gpuswapd that models one card
 with a price (a window's move to an engine costs ``--boot`` seconds, the resident's return
@@ -33,7 +34,7 @@ What bounds the result: the card's price is the stand-in's constants (``--boot``
 not a real engine's; the model servers answer in a fixed time; gpuswapd's own queue is the
 stand-in's first-come order (the schedule of gpuswapd's queue is not measured here, only the
 gateway's side: its batching, its residency bound, its lease given back); ``gateway.hold`` and
-``gateway.idle`` are the defaults (15 and 5 min), so no wait can exceed 15 min and the residency
+``gateway.idle`` are the defaults (15 and 5 min; ``--hold``), so no wait can exceed 15 min and the residency
 is ``--factor`` x the price of the two swaps (at 4: 140 s at this price, under its cap of
 hold / 4); a run shorter than a few residencies shows few moves of either policy.
 
@@ -62,7 +63,7 @@ from tests.benchmarks.report import parser, write_results
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICE_S = 2.0
-HOLD_S = 900.0  # gateway.hold, its default
+HOLD_S = 900.0  # gateway.hold, its default (--hold)
 WORKLOADS = ("agent", "alternate", "burst", "soak")
 OLD = "bcfa671"  # the last gateway without a schedule (its merge is ff67a66's first parent)
 RECLAIM_S = 2.0  # after a restart the stand-in keeps an adopted window this long for its holders to come back
@@ -97,7 +98,7 @@ model = "qwen-eval"
 listen = "127.0.0.1:{gateway}"
 resident = "http://127.0.0.1:{resident}"
 idle = "5m"
-hold = "15m"
+hold = "{hold:g}s"
 max_waiting = 1024
 """
 
@@ -297,7 +298,8 @@ class Rig:
     results: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back_s: float, factor: float) -> Rig:
+async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back_s: float, factor: float,
+                    hold_s: float) -> Rig:
     servers, ports = [], {}
     for tenant, model in MODELS.items():
         server, ports[tenant] = await model_server(model)
@@ -309,7 +311,7 @@ async def start_rig(policy: str, root: Path, old_code: Path, boot_s: float, back
     sock = root / f"{policy}.sock"
     servers.append(await asyncio.start_unix_server(card.handle, str(sock)))
     config = root / f"{policy}.toml"
-    config.write_text(CONFIG.format(**ports))
+    config.write_text(CONFIG.format(hold=hold_s, **ports))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if policy == "old":
         env["PYTHONPATH"] = str(old_code)
@@ -372,9 +374,9 @@ async def closed_loop(until: float, make: Callable[[], Awaitable[None]]) -> None
         await make()
 
 
-async def workload(name: str, rig: Rig, seconds: float) -> None:
+async def workload(name: str, rig: Rig, seconds: float, hold_s: float) -> None:
     limits = httpx.Limits(max_connections=1000)
-    async with httpx.AsyncClient(trust_env=False, timeout=HOLD_S + 120, limits=limits) as http:
+    async with httpx.AsyncClient(trust_env=False, timeout=hold_s + 120, limits=limits) as http:
         until = time.monotonic() + seconds
         tasks: list[Any] = []
         if name == "agent":
@@ -428,7 +430,7 @@ def summary(rig: Rig, seconds: float) -> dict[str, Any]:
 
 
 async def run(names: list[str], seconds: float, boot_s: float, back_s: float, old: str,
-              factor: float) -> dict[str, Any]:
+              factor: float, hold_s: float = HOLD_S) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="schedule-bench-", dir="/var/tmp"))
     old_code = root / "old"
     old_code.mkdir()
@@ -436,13 +438,13 @@ async def run(names: list[str], seconds: float, boot_s: float, back_s: float, ol
                              check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(old_code)], input=archive.stdout, check=True)  # noqa: ASYNC221
     results: dict[str, Any] = {"seconds": seconds, "boot_s": boot_s, "back_s": back_s, "old": old,
-                               "residency_factor": factor, "workloads": {}}
+                               "residency_factor": factor, "hold_s": hold_s, "workloads": {}}
     for name in names:
         rigs: list[Rig] = []
         try:
             for policy in ("old", "new"):
-                rigs.append(await start_rig(policy, root, old_code, boot_s, back_s, factor))
-            await asyncio.gather(*(workload(name, rig, seconds) for rig in rigs))
+                rigs.append(await start_rig(policy, root, old_code, boot_s, back_s, factor, hold_s))
+            await asyncio.gather(*(workload(name, rig, seconds, hold_s) for rig in rigs))
         finally:
             for rig in rigs:
                 await stop_rig(rig)
@@ -472,13 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="which, comma-separated (default all)")
     p.add_argument("--factor", type=float, default=4.0,
                    help="gpuswapd's daemon.residency_factor, which the new gateway follows (default 4)")
+    p.add_argument("--hold", type=float, default=HOLD_S,
+                   help="gateway.hold in seconds for both gateways (default 900, its default)")
     p.add_argument("--old", default=OLD, help=f"the old policy's revision (default {OLD}: no schedule)")
     args = p.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads: {', '.join(sorted(unknown))} (known: {', '.join(WORKLOADS)})")
-    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back, args.old, args.factor))
+    cycles = [asyncio.run(run(names, args.minutes * 60, args.boot, args.back, args.old, args.factor, args.hold))
               for _ in range(args.cycles)]
     path = write_results("schedule", {"cycles": cycles})
     print(f"results: {path}")

@@ -46,7 +46,7 @@ WORLDLESS = {
                        "tokens/s, gateway / direct, per cycle", "just after the streams",
                        "concurrent streams, uvicorn: 10 of 10 complete", "hypercorn: added p50", "targets",
                        "a small multipart form", "one Anthropic Messages stream"]),
-    "schedule_bench": (["--minutes", "0.2", "--boot", "1", "--back", "0.5"],
+    "schedule_bench": (["--minutes", "0.2", "--boot", "1", "--back", "0.5", "--hold", "30"],
                        ["== agent ==", "== alternate ==", "== burst ==", "wait_p99"]),
     "gateway_flood_bench": (["--requests", "20", "--slowloris", "50", "--huge", "2", "--huge-mib", "1",
                              "--bodies", "8", "--body-mib", "1"],
