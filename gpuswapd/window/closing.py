@@ -230,10 +230,11 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
     # The resident came back smaller than its baseline: "due" until it is stopped and its room is
     # waited for (retried like any failed step), then "done" (a second smaller one is accepted).
     repair: str | None = None
+    first_start: float | None = None  # CLOCK_MONOTONIC of this restore's first start
     while True:
         attempt += 1
         try:
-            if attempt > 1 and (await _masked_meanwhile(w, rec) or await _stopped_meanwhile(w, rec)):
+            if attempt > 1 and (await _masked_meanwhile(w, rec) or await _stopped_meanwhile(w, rec, first_start)):
                 return  # its operator masked or stopped the resident: it is theirs now, and the card is not held for it
             if attempt == 1 and rec.found_up and await _down_since_found_up(w, rec):
                 return  # a stale record's resident went down since it was found up: not gpuswapd's to start
@@ -252,6 +253,8 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
                 await _room_for_resident(w, rec)
             started = clock.monotonic()
+            if first_start is None:
+                first_start = clock.kernel_monotonic()
             await w.resident.start(rec.units)
             await w.resident.verify(warm.verify_slot(rec))
             verified = clock.monotonic()
@@ -357,18 +360,19 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord) -> None:
     await w.persist(required=False)
 
 
-async def _stopped_meanwhile(w: Context, rec: WindowRecord) -> bool:
+async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float | None) -> bool:
     """Tell whether its operator stopped the resident this restore had started; if so, leave it to them.
 
-    The restore's start undid gpuswapd's own stop. A configured unit that came up since the
-    window stopped it (``ActiveEnterTimestampMonotonic`` after ``stopped_mono``) and is now
+    The restore's start undid gpuswapd's own stop. A configured unit that came up under this
+    restore's start (``ActiveEnterTimestampMonotonic`` after its first start, ``first_start``,
+    on CLOCK_MONOTONIC) and is now
     ``inactive`` with no job queued (a clean stop: a start that failed, or a crash, ends
     ``failed``) was stopped by someone else: its operator, to mend it. gpuswapd does not start it
     again and does not hold the card for it. A unit stopped while ``failed`` stays ``failed``, so
     only a mask (``_masked_meanwhile``) takes that one from the restore.
     """
     configured = [u for u in w.config.resident.units if u in rec.units]
-    if not configured or rec.stopped_mono is None or hung_mark(w)[2] != w.hung_mark[2]:
+    if not configured or first_start is None or hung_mark(w)[2] != w.hung_mark[2]:
         return False  # (a stop job of this window's own that hung may have landed late: the restore goes on)
     try:
         states = await w.resident.unit_states(configured)
@@ -376,7 +380,7 @@ async def _stopped_meanwhile(w: Context, rec: WindowRecord) -> bool:
         return False  # systemd cannot say: the restore goes on
     down = [st for st in states.values() if not st.active]
     stopped = [st.name for st in down if st.active_state == "inactive" and not st.job
-               and st.active_enter is not None and st.active_enter > rec.stopped_mono]
+               and st.active_enter is not None and st.active_enter > first_start]
     if not down or len(stopped) < len(down):
         return False
     log.warning("resident_left_stopped", units=stopped, left=rec.units,
