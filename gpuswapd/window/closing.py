@@ -289,6 +289,18 @@ async def _gone_since_verify(w: Context, rec: WindowRecord, verified: float) -> 
         return any(w.went_down.get(unit, -math.inf) >= verified for unit in rec.units)
 
 
+async def _leave_resident(w: Context, rec: WindowRecord, event: str, units: object, consequence: str) -> None:
+    """Leave the resident to its operator and to systemd: log why, forget the stop, and persist that.
+
+    gpuswapd unmarks the units it stopped and no longer restores them; the close goes on to the
+    timers. ``units`` says which units showed it (names, or names with their states).
+    """
+    log.warning(event, units=units, left=rec.units, consequence=consequence)
+    await w.resident.unmark(rec.units)
+    rec.units, rec.degraded = [], None
+    await w.persist(required=False)
+
+
 async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
     """Tell whether its operator masked a resident unit while the restore retried; if so, leave the resident to them.
 
@@ -302,11 +314,8 @@ async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
     masked = [u for u, st in states.items() if st.load_state == "masked"]
     if not masked:
         return False
-    log.warning("resident_left_masked", units=masked, left=rec.units,
-                consequence="not started: its operator masked it (systemctl unmask, then start it)")
-    await w.resident.unmark(rec.units)
-    rec.units, rec.degraded = [], None
-    await w.persist(required=False)
+    await _leave_resident(w, rec, "resident_left_masked", masked,
+                          "not started: its operator masked it (systemctl unmask, then start it)")
     return True
 
 
@@ -324,12 +333,9 @@ async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
     down = {u: st.active_state for u, st in states.items() if not st.active}
     if not down:
         return False
-    log.warning("resident_down_since_found_up", units=down, left=rec.units,
-                consequence="not started: it was up when this record was found stale, and went down since "
-                            "(a crash, its operator): systemd's Restart= or systemctl start brings it back")
-    await w.resident.unmark(rec.units)
-    rec.units, rec.degraded = [], None
-    await w.persist(required=False)
+    await _leave_resident(w, rec, "resident_down_since_found_up", down,
+                          "not started: it was up when this record was found stale, and went down since "
+                          "(a crash, its operator): systemd's Restart= or systemctl start brings it back")
     return True
 
 
@@ -352,12 +358,9 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord) -> None:
                and st.active_enter is not None and st.active_enter > rec.stopped_mono]
     if not crashed:
         return
-    log.warning("resident_crashed_since_restore", units=crashed, left=rec.units,
-                consequence="not started again: it failed after this close restored it (systemd's Restart= or "
-                            "systemctl start brings it back)")
-    await w.resident.unmark(rec.units)
-    rec.units = []
-    await w.persist(required=False)
+    await _leave_resident(w, rec, "resident_crashed_since_restore", crashed,
+                          "not started again: it failed after this close restored it (systemd's Restart= or "
+                          "systemctl start brings it back)")
 
 
 async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float | None) -> bool:
@@ -383,12 +386,9 @@ async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float |
                and st.active_enter is not None and st.active_enter > first_start]
     if not down or len(stopped) < len(down):
         return False
-    log.warning("resident_left_stopped", units=stopped, left=rec.units,
-                consequence="not started again: its operator stopped it after this restore started it "
-                            "(systemctl start brings it back)")
-    await w.resident.unmark(rec.units)
-    rec.units, rec.degraded = [], None
-    await w.persist(required=False)
+    await _leave_resident(w, rec, "resident_left_stopped", stopped,
+                          "not started again: its operator stopped it after this restore started it "
+                          "(systemctl start brings it back)")
     return True
 
 
