@@ -228,9 +228,22 @@ async def adopt(cell: Cell) -> None:
     cell.world.store.document = document
     w = _window(cell)
     await recover_at_start(w)
-    await asyncio.sleep(0.05)
+    await _watched(cell, w)
     for lease in list(w.leases()):
         await _release(w, lease)
+
+
+async def _watched(cell: Cell, w: Window, within: float = 2.0) -> None:
+    """Serve a watch interval, then until the engine's watch has probed READY (a loaded machine is slow to).
+
+    A fixed sleep of one ``watch_interval`` let a busy machine's first probe land after the
+    release, and a fault on that probe never fired.
+    """
+    await asyncio.sleep(0.05)
+    probe = {("docker", "top", "READY"), ("http", "health", "READY")}
+    deadline = time.monotonic() + within
+    while label(w) == "READY" and not probe <= cell.trace and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 async def baseline(cell: Cell) -> None:
