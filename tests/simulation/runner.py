@@ -982,6 +982,10 @@ class Run:
         daemon = self.host.daemon
         if (daemon is not None and daemon.window.record is not None) or self._disk_window() or \
                 self.world.card.free() < RESIDENT_NEEDS:
+            if daemon is not None and daemon.window.record is None and daemon.window.parked is not None:
+                # As its operator's start does: a parked engine that a gpu.resident_needs set too low
+                # let stay would keep the card from ever being the resident's.
+                self._do_park_remove({})
             self.world.scheduler.after(10.0, self._systemd_restarts)
             return
         self.crashes.append(self.clock.now)  # down until this start lands: systemd's, within its grace
