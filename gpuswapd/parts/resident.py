@@ -143,6 +143,13 @@ class Resident:
         if self.unmark_pending:
             await self.unmark(sorted(self.unmark_pending))
 
+    async def marked_at(self) -> dict[str, float | None]:
+        """Map each name gpuswapd marked stopped to the CLOCK_MONOTONIC second of its mark (None: not said)."""
+        try:
+            return await self.outside.state.call("read_marks", self.marks.read_times)
+        except OSError as err:
+            raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
+
     async def stopped(self) -> list[str]:
         """List the units and timers gpuswapd stopped and has not started again.
 
@@ -151,10 +158,7 @@ class Resident:
         what it is now is its operator's. Such a mark is removed, never acted on. When systemd
         cannot say, every mark counts.
         """
-        try:
-            marked = await self.outside.state.call("read_marks", self.marks.read_times)
-        except OSError as err:
-            raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
+        marked = await self.marked_at()
         dated = sorted(n for n, at in marked.items() if at is not None)
         stale: list[str] = []
         if dated:

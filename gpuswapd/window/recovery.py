@@ -22,6 +22,7 @@ from gpuswapd.window import closing, holding, opening, parking, preempting
 from gpuswapd.window.baseline import Known
 
 if TYPE_CHECKING:
+    from gpuswapd.adapters.unitstates import UnitState
     from gpuswapd.window.context import Context
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
@@ -158,10 +159,27 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
         # the disk) and the failure is a crash since, its operator's and systemd's.
         undone = []
     if undone:
+        undone = await _came_up_after_the_stop(w, undone, states)
+    if undone:
         log.warning("resident_stop_undone_meanwhile", units=undone, window=rec.id,
                     consequence="left as they are: they ran again after this window stopped them")
         rec.units = [u for u in rec.units if u not in undone]
         await w.resident.unmark(undone)
+
+
+async def _came_up_after_the_stop(w: Context, units: list[str], states: dict[str, UnitState]) -> list[str]:
+    """Keep the units that became active after gpuswapd's own mark of their stop, not merely after the record's time.
+
+    The record's stop time is taken as the timers are paused, before the slot save (up to its
+    deadline): a unit still starting then (its operator's start) came up before the stop itself.
+    Its mark, written just before the stop job, is later than that: the stop is gpuswapd's own.
+    When the marks cannot be read, the record's time stands.
+    """
+    try:
+        marked = await w.resident.marked_at()
+    except (GpuswapError, asyncio.CancelledError):
+        return units
+    return [u for u in units if marked.get(u) is None or (states[u].active_enter or 0.0) > (marked[u] or 0.0)]
 
 
 async def _timers_resumed_since(w: Context, rec: WindowRecord) -> bool:

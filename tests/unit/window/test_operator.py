@@ -13,9 +13,11 @@ import dataclasses
 import io
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.ctl.render import print_status
 from gpuswapd.errors import DockerUnavailable
@@ -262,6 +264,43 @@ def test_a_resident_its_operator_stops_while_its_restore_retries_is_left_to_them
 
     run(main())
     assert world.snapshot()["timers"] == BASELINE["timers"]  # gpuswapd's own pause undone
+
+
+def test_a_resident_that_came_up_while_its_slots_were_saved_is_restored_after_a_sigkill() -> None:
+    """Still starting when the window recorded its stop, it came up during the slot save; then gpuswapd stopped it.
+
+    A start after a SIGKILL takes that stop for gpuswapd's own and restores the resident: not for
+    a stop undone meanwhile by someone else (its operator's start landed before the stop, not after).
+    """
+    world = FakeWorld()
+    save = world.http.slot_file
+
+    async def came_up_meanwhile(url: str, slot: int, action: str, filename: str, timeout: float) -> Any:
+        if action == "save":
+            await asyncio.sleep(0.02)
+            for name in ("strata.service", "llama-swap.service"):  # their start jobs end now
+                world.systemd.units[name].active_enter = clock.kernel_monotonic()
+        return await save(url, slot, action, filename, timeout)
+
+    world.http.slot_file = came_up_meanwhile  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None and w.phase is Phase.READY
+            assert world.snapshot()["units"]["strata.service"] == "inactive"
+            await w.shutdown(restore=False)  # SIGKILL
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            for held in list(w.leases()):
+                await w.release(held.id)
+            await settle(w)
+            assert w.last is not None and w.last.units == ["strata.service", "llama-swap.service"]
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "active"
+    assert world.systemd.started.count("strata.service") == 1  # the restore's start: gpuswapd's stop undone
 
 
 def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
