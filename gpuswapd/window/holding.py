@@ -59,7 +59,7 @@ async def hold(w: Context, rec: WindowRecord) -> bool:
                 if now - linger_from >= linger or w.queue.wants_other(rec.profile):
                     rec.sealed = True  # from here on it takes no lease: the close has begun
                     return True  # a request for another profile waits: no lingering for nobody
-            await _sleep_until_due(w, rec, watch, now, linger_from and linger_from + linger)
+            await _sleep_until_due(w, rec, watch, linger_from and linger_from + linger)
         rec.sealed = True
         return True
     finally:
@@ -85,7 +85,7 @@ async def _expire_leases(w: Context, rec: WindowRecord, now: float) -> None:
         await w.persist(required=False)
 
 
-async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[str], now: float,
+async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[str],
                            linger_ends: float | None) -> None:
     """Sleep until a lease expires, the linger ends, a preemption is due, the window is woken or the engine fails."""
     wake_at = min(t for t in (rec.leases.next_expiry(), linger_ends, preempting.deadline(rec)) if t is not None)
@@ -94,7 +94,9 @@ async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[st
     retrieve(waker)
     try:
         # A nap at most (only leases for infinity: a nap): asyncio's timers stop in a suspend, the
-        # deadlines on clock.now() do not; the loop above looks again.
+        # deadlines on clock.now() do not; the loop above looks again. From the time now, not the
+        # loop's: its write of an expiry may have waited on a hung state directory for its deadline.
+        now = clock.now()
         await naps.nap(max(0.0, wake_at - now) if math.isfinite(wake_at) else math.inf, waker, watch)
     finally:
         waker.cancel()
@@ -115,9 +117,9 @@ async def _restart_engine(w: Context, rec: WindowRecord, reason: str) -> bool:
 async def expire_on_time(w: Context, rec: WindowRecord) -> None:
     """End each lease at its expiry, telling its holder, while no holding loop runs (a restart, an adoption)."""
     while True:
-        now = clock.now()
-        await _expire_leases(w, rec, now)
+        await _expire_leases(w, rec, clock.now())
         due = rec.leases.next_expiry()
+        now = clock.now()  # the write of an expiry may have waited on the state directory
         await naps.nap(max(0.0, due - now) if due is not None and math.isfinite(due) else naps.longest())
 
 

@@ -109,6 +109,8 @@ class Window:
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
+        # Per lease with renewals in flight: how many, and the expiry last on disk before them.
+        self._renewing: dict[str, tuple[int, float]] = {}
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
         self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
         self.refusing = False  # told to stop (SIGTERM): no new lease or request, whatever the shutdown then does
@@ -388,13 +390,25 @@ class Window:
             limit = max(lease.expires_at, claim[0])
             if until > limit:
                 until, capped_by = limit, claim[1]
-        was = lease.expires_at
+        n, recorded = self._renewing.get(lease_id, (0, lease.expires_at))
+        self._renewing[lease_id] = (n + 1, recorded)
         rec.leases.renew(lease_id, until - now, now)
+        ok = False
         try:
             await self._recorded(f"the renewal of lease {lease_id}")
-        except BaseException:
-            lease.expires_at = was  # it still ends when it did
-            raise
+            ok = True
+        finally:
+            n, recorded = self._renewing.pop(lease_id)
+            if ok:
+                recorded = lease.expires_at  # what the write that answered it carried, or later
+            if n > 1:
+                self._renewing[lease_id] = (n - 1, recorded)
+            elif not ok:
+                # None of the renewals since the last write that reached the disk did: it still
+                # ends when it did then (not when an earlier one of them, unrecorded too, said),
+                # which may be past: the holding loop looks again.
+                lease.expires_at = recorded
+                self.wake.set()
         log.info("lease_renewed", lease=lease.id, holder=lease.holder,
                  expires_at=round(clock.to_wall(lease.expires_at), 3) if math.isfinite(lease.expires_at) else None,
                  capped_by=None if capped_by is None else "fair_after",

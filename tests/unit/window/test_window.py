@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import threading
 from typing import Any
 
 import pytest
 
-from gpuswapd.errors import Degraded, GpuswapError, WontFit
+from gpuswapd.errors import Degraded, GpuswapError, StateError, WontFit
 from gpuswapd.phases import Phase
 from tests.fakes import BASELINE, FakeUnit, FakeWorld, GiB, running, settle
 
@@ -139,6 +141,45 @@ def test_a_client_that_hangs_up_while_its_grant_is_being_saved_leaves_no_lease()
             # Nothing is wedged: a release answers at once, and the vanished client holds nothing.
             await asyncio.wait_for(w.release(keeper.id), 1.0)
             assert [x.holder for x in w.leases()] == []
+            await settle(w)
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_renewals_that_overlap_on_a_failing_write_leave_the_lease_ending_when_the_disk_says() -> None:
+    """Neither of two renewals waiting on the same slow write that fails is granted, nor half-kept.
+
+    The second one began while the first one's new expiry was in memory only: undoing it must not
+    put that unrecorded expiry back.
+    """
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None
+            recorded = lease.expires_at
+            gate = threading.Event()
+            real_write = world.store.write
+
+            def failing_write(data: bytes) -> None:
+                gate.wait(5)
+                raise OSError(errno.EIO, "Input/output error")
+
+            world.store.write = failing_write  # type: ignore[method-assign]
+            first = asyncio.create_task(w.renew(lease.id, 600))
+            await asyncio.sleep(0.01)
+            second = asyncio.create_task(w.renew(lease.id, 900))
+            await asyncio.sleep(0.01)
+            assert lease.expires_at > recorded + 800  # in memory while the write is under way
+            gate.set()
+            for renewal in (first, second):
+                with pytest.raises(StateError, match="could not be recorded"):
+                    await renewal
+            assert lease.expires_at == recorded
+            world.store.write = real_write  # type: ignore[method-assign]
+            await w.release(lease.id)
             await settle(w)
 
     run(main())
