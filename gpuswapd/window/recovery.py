@@ -232,7 +232,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     # Deciding may take a while (a systemd or health call that hangs): leases still end on time.
     expiring = spawn(holding.expire_on_time(w, rec), "lease-expiry")
     try:
-        stale = rec.phase is Phase.READY and bool(rec.units) and await w.resident.all_active(rec.units)
+        stale = rec.phase is Phase.READY and bool(rec.units) and await _all_up(w, rec.units)
         # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
         adopted = not stale and rec.phase is Phase.READY and len(rec.leases) > 0 and (
             rec.kind == ProfileKind.BARE or (rec.container is not None and await w.engine.adopt(rec.container)))
@@ -257,6 +257,19 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         return
     w.adopting = None  # closing: what queued meanwhile waits for the next window
     await closing.close(w, rec, "recovered")
+
+
+async def _all_up(w: Context, units: list[str]) -> bool:
+    """Tell whether every one of these units is active now, not merely coming up (False when systemd cannot say).
+
+    One still activating may be the start of a restore the gpuswapd that stopped had begun: if
+    that start fails, the restore is gpuswapd's to go on with, not a crash of a resident found up.
+    """
+    try:
+        states = await w.resident.unit_states(units)
+    except GpuswapError:
+        return False
+    return all(st.active_state == "active" for st in states.values())
 
 
 async def _lost_window(w: Context) -> str | None:
