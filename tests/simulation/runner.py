@@ -1191,7 +1191,8 @@ class Run:
             self.unjudged[lease_id] = c
         for lease_id, c in list(self.unjudged.items()):
             why = self._why_ended(c, lease_id, now)
-            if why is None and str(c.window) not in self.finished and not final:
+            if why is None and (str(c.window) not in self.finished or self._window_in_memory(c.window) is not None) \
+                    and not final:
                 continue  # its window is still closing: its outcome says whether that was a failure
             del self.unjudged[lease_id]
             if why is None:
@@ -1221,7 +1222,9 @@ class Run:
                 daemon is not None and daemon.window.baseline_restore is not None
                 and self._daemon_to_world(daemon.window.baseline_restore.at or 0.0) >= c.granted_at):
             return "no state could be read: the baseline was restored"
-        record = self.finished.get(str(c.window)) or self._window_in_memory(c.window)
+        # The live record first: a window whose close finished unrecorded (a failing state directory)
+        # and that a restart adopted from the disk finishes twice, under one id.
+        record = self._window_in_memory(c.window) or self.finished.get(str(c.window))
         if record is None:
             return None
         preempted = record.get("preempted") or {}
