@@ -184,17 +184,20 @@ async def _parked_leaves_room(w: Context) -> None:
         log.warning("vram_not_free_restoring_anyway", error=err.message)
 
 
-async def _let_exited_go(w: Context) -> None:
+async def _let_exited_go(w: Context, unsure: bool = False) -> None:
     """Wait, up to the release timeout, until processes that have exited no longer hold memory.
 
     A resident that failed or crashed leaves its memory listed for a while: starting it again at
-    once would run it into its own dying process's memory.
+    once would run it into its own dying process's memory. ``unsure`` (a baseline restore: the
+    footprint gpuswapd learned went with its state, and a ``gpu.resident_needs`` set low passes
+    early) waits for them even when the need is free: engines it just took down are still freeing
+    theirs, and a resident started beside them comes up smaller and is taken for the baseline.
     """
     need = w.resident_needs
     deadline = clock.monotonic() + w.config.gpu.release_timeout
     while clock.monotonic() < deadline:
         reading = await w.vram.read(processes=True)
-        if reading is None or reading.free_bytes >= need:
+        if reading is None or (reading.free_bytes >= need and not unsure):
             return
         exited = [p for p in reading.processes if await w.vram.unit_of(p.pid) is None]
         if not exited:
@@ -247,7 +250,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 raise Degraded(f"the engine {_name(rec)} still holds the GPU and could "
                                f"not be taken down yet: {_said(rec)}")
             # A process that just exited (a holder's, a start that failed) is still freeing its memory.
-            await _let_exited_go(w)
+            await _let_exited_go(w, unsure=rec.baseline is not None)
             await _parked_leaves_room(w)
             if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:
                 # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).

@@ -14,7 +14,7 @@ from gpuswapd.config import parse_config
 from gpuswapd.errors import BadResponse, ConfigError
 from gpuswapd.observe.metrics import window_now
 from gpuswapd.parts.vram import Holder
-from gpuswapd.state.store import decode, encode
+from gpuswapd.state.store import Loaded, decode, encode
 from gpuswapd.window.baseline import Identity, Known
 from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.recovery import recover_at_start
@@ -221,6 +221,35 @@ def test_a_stray_process_across_the_close_ends_restored_smaller_and_the_next_clo
             again = await cycle(w)
             assert again.restored == "as_it_was" and n_ctx(world) == FULL
             assert not window_now(w).resident_degraded and w.known.changed is None
+
+    run(main())
+
+
+def test_a_baseline_restore_waits_for_memory_an_exited_process_still_frees_even_with_room_for_resident_needs() -> None:
+    """Its state lost, gpuswapd knows only the configured need; a process that just exited still holds memory.
+
+    Started beside it, the resident would come up smaller and be taken for the baseline, which
+    every later restore would then keep it to. It waits until the dying process's memory is gone.
+    """
+    world = fit_world(resident_needs="19GiB")
+    dying = 424242
+    unit_of = world.systemd.unit_of_pid
+    world.systemd.unit_of_pid = lambda pid: None if pid == dying else unit_of(pid)  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            assert await w.acquire("survivor", 60) is not None
+            await w.shutdown(restore=False)  # as a SIGKILL leaves it
+        world.store.load = lambda: Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])  # type: ignore
+        world.gpu.claim("engine:dying", dying, 3 * GiB)  # an engine's process, exited, still freeing
+        asyncio.get_running_loop().call_later(0.3, world.gpu.free, "engine:dying")
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "baseline_restored"
+            assert n_ctx(world) == FULL  # started once the memory was free, not beside it
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == FULL
 
     run(main())
 
