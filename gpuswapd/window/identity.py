@@ -232,8 +232,9 @@ def _size(nbytes: int | None) -> str:
 
 async def make_room(w: Context, rec: WindowRecord, pause: Pause) -> None:
     """Repair a smaller resident's room: remove a parked engine, stop the resident, wait for its memory."""
-    if w.parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
-        raise Degraded(f"the resident came back smaller beside the parked engine {w.parked.container.name}, "
+    parked = w.parked.container.name if w.parked is not None else None  # (a failed removal may forget it)
+    if parked is not None and not await parking.remove(w, "the resident came back smaller beside it"):
+        raise Degraded(f"the resident came back smaller beside the parked engine {parked}, "
                        "which could not be removed yet: see the log (journalctl -u gpuswapd); gpuswapd keeps trying")
     # A stop of gpuswapd's own again: recorded before it, so that a start after a SIGKILL meanwhile
     # does not take the units, down by this stop, for stopped by their operator (recovery).
