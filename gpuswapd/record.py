@@ -304,6 +304,8 @@ class WindowRecord:
     # Not kept on disk: a stale record (its resident found up again at a start) is being closed, and
     # everything was up at that moment; one of its units down since is not gpuswapd's to start.
     found_up: bool = field(default=False, compare=False)
+    # Not kept on disk: CLOCK_MONOTONIC when this close's restore verified the resident (None: not yet).
+    verified_at: float | None = field(default=None, compare=False)
     container: ContainerHandle | None = None
     leases: LeaseBook = field(default_factory=LeaseBook)
     restarts: int = 0

@@ -47,6 +47,7 @@ class Resident:
         self.slot_files: SlotFiles = slot_files if slot_files is not None else SlotDir()
         self.kv_per_token: int | None = None  # bytes a slot's file takes per token, as last saved
         self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
+        self.stops_hung = 0  # its own stops of units (own=True) whose job call outlived its deadline
         # Started again, but their marks could not be removed (the state directory hung): removed
         # once it answers, before a later start could read them as a stop of gpuswapd's.
         self.unmark_pending: set[str] = set()
@@ -221,7 +222,12 @@ class Resident:
         started = clock.monotonic()
         if own:
             await self.mark(units)
-        await self._jobs("StopUnit", units, self.config.resident.stop_timeout, "stop")
+        hung = self.outside.systemd.changes_hung
+        try:
+            await self._jobs("StopUnit", units, self.config.resident.stop_timeout, "stop")
+        finally:
+            if own and self.outside.systemd.changes_hung != hung:
+                self.stops_hung += 1  # systemd may still do it, late
         log.info("units_stopped", units=units, took_s=round(clock.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:

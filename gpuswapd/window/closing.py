@@ -262,6 +262,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             await w.resident.verify(warm.verify_slot(rec))
             verified = clock.monotonic()
             rec.resident_s = round(verified - started, 3)
+            rec.verified_at = verified
             if not await identity.after_verify(w, rec, repair == "done", lambda s: _pause(w, s)):
                 repair = "due"
                 attempt -= 1  # not a failure: the next pass repairs it
@@ -342,13 +343,16 @@ async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
     return True
 
 
-async def _crashed_since_restore(w: Context, rec: WindowRecord) -> None:
+async def _crashed_since_restore(w: Context, rec: WindowRecord, stops_late: bool = True) -> None:
     """Leave to systemd a resident that crashed after this close restored it, before the late calls' check.
 
     A late stop job of the window's own leaves its unit ``inactive``, and the check starts it
     again. A configured unit that came up since the window's stop and is ``failed`` now crashed
     after the restore (a late start job, of the timers say, stops nothing): its operator's and
-    ``Restart=``'s, so the check does not start the resident.
+    ``Restart=``'s, so the check does not start the resident. Without a late stop of gpuswapd's
+    own (``stops_late``), nothing of its can have taken the resident down since its restore
+    verified it: a unit that went down since then was someone else's stop or a crash, even if a
+    late start job of the restore's own is bringing it up again now.
     """
     configured = [u for u in w.config.resident.units if u in rec.units]
     if not configured or rec.stopped_mono is None:
@@ -359,6 +363,9 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord) -> None:
         return  # systemd cannot say: the check goes on
     crashed = [u for u, st in states.items() if st.active_state == "failed"
                and st.active_enter is not None and st.active_enter > rec.stopped_mono]
+    if not stops_late and rec.verified_at is not None:
+        crashed += [u for u, st in states.items() if u not in crashed and st.active_state != "active"
+                    and w.went_down.get(u, -math.inf) >= rec.verified_at]
     if not crashed:
         return
     await _leave_resident(w, rec, "resident_crashed_since_restore", crashed,
@@ -497,9 +504,10 @@ async def close(w: Context, rec: WindowRecord, outcome: str, switch: bool = True
     w.finish(rec, outcome)
 
 
-def hung_mark(w: Context) -> tuple[int, int, int]:
-    """Count the calls to systemd and Docker that ever outlived their deadline, and systemd's that change it."""
-    return w.outside.systemd.hung_total, w.outside.docker.hung_total, w.outside.systemd.changes_hung
+def hung_mark(w: Context) -> tuple[int, int, int, int]:
+    """Count calls to systemd and Docker that outlived their deadline, systemd's that change it, its own stops."""
+    return (w.outside.systemd.hung_total, w.outside.docker.hung_total, w.outside.systemd.changes_hung,
+            w.resident.stops_hung)
 
 
 async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
@@ -522,12 +530,13 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
         systemd_late = hung_mark(w)[2] != w.hung_mark[2]
+        stops_late = hung_mark(w)[3] != w.hung_mark[3]
         w.hung_mark = hung_mark(w)
         if rec.container is not None and not rec.container.parked:
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         if systemd_late:
-            await _crashed_since_restore(w, rec)
+            await _crashed_since_restore(w, rec, stops_late)
             await w.enter(rec, Phase.RESTORING, required=False)
             # A late stop job may have stopped the resident after its restore: what its old process
             # held is freed first, or the new one starts into it (as after the engine's stop).

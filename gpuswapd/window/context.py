@@ -176,7 +176,7 @@ class Context(Services, Protocol):
     went_down: dict[str, float]  # resident unit (or dependent): CLOCK_MONOTONIC of its last signal saying it went down
     park_watch: asyncio.Task[None] | None
     sweeper: asyncio.Task[None] | None
-    hung_mark: tuple[int, int, int]
+    hung_mark: tuple[int, int, int, int]
     unknown_baseline: WindowRecord | None
     adopting: WindowRecord | None  # a window left by the last gpuswapd, until it is adopted or closed
     baseline_restore: BaselineRestore | None

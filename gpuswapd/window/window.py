@@ -98,7 +98,7 @@ class Window:
         # Told of every finished window, as history keeps it (metrics).
         self.finished: list[Callable[[Finished], None]] = []
         self.sweeper: asyncio.Task[None] | None = None
-        self.hung_mark = (0, 0, 0)  # closing.hung_mark() when the current record began
+        self.hung_mark = (0, 0, 0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
         self.adopting: WindowRecord | None = None  # a window left by the last gpuswapd, not yet adopted or closed
         self.parked: Parked | None = None  # the engine asleep between windows

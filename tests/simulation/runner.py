@@ -977,7 +977,11 @@ class Run:
         Not into a card a window holds: such a restart would fail (out of memory) and be tried again,
         which this world keeps simple by waiting until the card is the resident's again.
         """
-        if self.world.systemd.units["strata.service"].active_state != "failed":
+        state = self.world.systemd.units["strata.service"].active_state
+        if state == "activating":  # a start under way (a late job, say): if it fails, Restart= follows it
+            self.world.scheduler.after(10.0, self._systemd_restarts)
+            return
+        if state != "failed":
             return  # started since (by a window's close, its operator), or stopped for good
         daemon = self.host.daemon
         if (daemon is not None and daemon.window.record is not None) or self._disk_window() or \
