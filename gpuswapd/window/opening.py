@@ -176,9 +176,15 @@ async def _pause_timers(op: Opening) -> None:
 
 async def _stop_resident(op: Opening) -> None:
     # The timers are paused and their jobs done: the slots' caches are kept for the restore (warm.py).
-    await warm.save(op.window, op.rec)
-    if op.rec.cache is not None:
-        await _drop_gone_meanwhile(op)
+    try:
+        await warm.save(op.window, op.rec)
+        if op.rec.cache is not None:
+            await _drop_gone_meanwhile(op)
+    except BaseException:
+        # Nothing of the resident was stopped yet: the close has none of its units to start again
+        # (one that crashes meanwhile is systemd's), nor their memory to wait for.
+        op.rec.units = []
+        raise
     await op.window.resident.stop(op.running)
     await warm.after_stop(op.window, op.rec)
 

@@ -20,7 +20,7 @@ import pytest
 from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.ctl.render import print_status
-from gpuswapd.errors import DockerUnavailable
+from gpuswapd.errors import BusUnavailable, DockerUnavailable
 from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
@@ -301,6 +301,36 @@ def test_a_resident_that_came_up_while_its_slots_were_saved_is_restored_after_a_
     run(main())
     assert world.snapshot()["units"]["strata.service"] == "active"
     assert world.systemd.started.count("strata.service") == 1  # the restore's start: gpuswapd's stop undone
+
+
+def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_systemd_in_its_rollback() -> None:
+    """systemd fails after the slot save, before any unit was stopped, and the resident crashes meanwhile.
+
+    The rollback has none of its units to start again: their crash is systemd's (Restart=) to undo.
+    """
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            closure = w.resident.closure
+
+            async def failing() -> list[str]:
+                if w.phase is Phase.STOPPING_RESIDENT:
+                    world.systemd.units["strata.service"].active_state = "failed"  # it crashed meanwhile
+                    world.gpu.free("strata.service")
+                    raise BusUnavailable("the system bus went away")
+                return await closure()
+
+            w.resident.closure = failing  # type: ignore[method-assign]
+            with pytest.raises(BusUnavailable):
+                await w.acquire("job", 60)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "rolled_back"
+
+    run(main())
+    assert "strata.service" not in world.systemd.started  # neither stopped nor started by gpuswapd
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.snapshot()["timers"] == BASELINE["timers"]  # its own pause undone
 
 
 def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
