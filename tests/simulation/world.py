@@ -460,6 +460,8 @@ class Systemd:
         down = (not timer.active) if timer is not None else (
             unit is not None and unit.active_state in ("inactive", "failed", "deactivating"))
         who = self.stopped_by.get(name, "nobody (it never ran)")
+        if unit is not None and unit.active_state == "deactivating" and name in self._stopping:
+            who = self._stopping[name]  # its stop is under way: whose that stop is, not the one before
         if down and LATE[0] and self._went_down_at(name) > LATE_ASKED[0]:
             return  # a start asked before the unit went down (a crash), done late by systemd: not gpuswapd's choice
         if down and who != "gpuswapd":
