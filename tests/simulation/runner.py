@@ -1254,8 +1254,10 @@ class Run:
                 not any(n == name and slept < t < at - 1e-3 for t, n in docker.removed):
             return True  # parked: it is woken, not created
         image = {"default": "hyperqwen:latest", "eval": "qwen-eval:latest"}.get(profile)
-        gone = any(img == image and start <= at < end for start, end, img in self.images_gone)
-        unreadable = profile == "default" and any(start <= at < end for start, end in self.env_unreadable)
+        # (A millisecond short of the end: the daemon's time, converted back, lands on the world's
+        # instant of healing give or take a rounding.)
+        gone = any(img == image and start <= at < end - 1e-3 for start, end, img in self.images_gone)
+        unreadable = profile == "default" and any(start <= at < end - 1e-3 for start, end in self.env_unreadable)
         return not gone and not unreadable
 
     def _check_as_it_was(self, daemon: Daemon) -> None:
