@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuswapd import clock, ids
@@ -30,6 +30,12 @@ class Lease:
     bound: bool = False  # bound to its acquire's connection: it ends when that connection does
     token: str | None = None  # the hash of its client's reclaim token (protocol.token_hash)
     reclaim_by: float | None = None  # bound, and its connection gone with a gpuswapd: it ends then, unless reclaimed
+    # Not kept on disk: while a renewal's write is under way, the expiry last recorded (it ends no sooner).
+    recorded_until: float | None = field(default=None, compare=False, repr=False)
+
+    def ends_at(self) -> float:
+        """Return when it ends: its expiry, but no sooner than the one on disk while a renewal is recorded."""
+        return self.expires_at if self.recorded_until is None else max(self.expires_at, self.recorded_until)
 
     def remaining(self, now: float) -> float:
         """Return the seconds left, never negative."""
@@ -121,7 +127,7 @@ class LeaseBook:
 
     def expire(self, now: float) -> list[Lease]:
         """Remove and return the leases that have run out, or were not reclaimed within their grace."""
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now
+        gone = [lease for lease in self._leases.values() if lease.ends_at() <= now
                 or (lease.reclaim_by is not None and lease.reclaim_by <= now)]
         for lease in gone:
             del self._leases[lease.id]
@@ -129,7 +135,7 @@ class LeaseBook:
 
     def next_expiry(self) -> float | None:
         """Return when the next lease runs out, if any."""
-        return min((min(lease.expires_at, lease.reclaim_by if lease.reclaim_by is not None else math.inf)
+        return min((min(lease.ends_at(), lease.reclaim_by if lease.reclaim_by is not None else math.inf)
                     for lease in self._leases.values()), default=None)
 
     def by_token(self, token: str) -> Lease | None:

@@ -109,8 +109,8 @@ class Window:
         self.known = Known()  # what the resident is: its baseline, its footprint, a change left
         self.park_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
-        # Per lease with renewals in flight: how many, and the expiry last on disk before them.
-        self._renewing: dict[str, tuple[int, float]] = {}
+        # Per lease with renewals in flight: how many (Lease.recorded_until keeps the expiry on disk).
+        self._renewing: dict[str, int] = {}
         self.stopping = asyncio.Event()  # no new windows, leases or waiters; a close under way goes on
         self.abort = asyncio.Event()  # give up now: a close under way stops at its next wait, its record stays
         self.refusing = False  # told to stop (SIGTERM): no new lease or request, whatever the shutdown then does
@@ -390,25 +390,30 @@ class Window:
             limit = max(lease.expires_at, claim[0])
             if until > limit:
                 until, capped_by = limit, claim[1]
-        n, recorded = self._renewing.get(lease_id, (0, lease.expires_at))
-        self._renewing[lease_id] = (n + 1, recorded)
+        # Until a renewal is on disk the lease ends no sooner than the disk says (a renewal that
+        # shortens it takes effect once recorded), and one that fails puts that expiry back.
+        n = self._renewing.get(lease_id, 0)
+        if n == 0:
+            lease.recorded_until = lease.expires_at
+        self._renewing[lease_id] = n + 1
         rec.leases.renew(lease_id, until - now, now)
         ok = False
         try:
             await self._recorded(f"the renewal of lease {lease_id}")
             ok = True
         finally:
-            n, recorded = self._renewing.pop(lease_id)
+            n = self._renewing.pop(lease_id) - 1
             if ok:
-                recorded = lease.expires_at  # what the write that answered it carried, or later
-            if n > 1:
-                self._renewing[lease_id] = (n - 1, recorded)
-            elif not ok:
-                # None of the renewals since the last write that reached the disk did: it still
-                # ends when it did then (not when an earlier one of them, unrecorded too, said),
-                # which may be past: the holding loop looks again.
-                lease.expires_at = recorded
-                self.wake.set()
+                lease.recorded_until = lease.expires_at  # what the write that answered it carried, or later
+            if n > 0:
+                self._renewing[lease_id] = n
+            else:
+                if not ok and lease.recorded_until is not None:
+                    # None of the renewals since the last write that reached the disk did: it still
+                    # ends when it did then (not when an earlier one of them, unrecorded too, said).
+                    lease.expires_at = lease.recorded_until
+                lease.recorded_until = None
+                self.wake.set()  # its end may be past now: the holding loop looks again
         log.info("lease_renewed", lease=lease.id, holder=lease.holder,
                  expires_at=round(clock.to_wall(lease.expires_at), 3) if math.isfinite(lease.expires_at) else None,
                  capped_by=None if capped_by is None else "fair_after",

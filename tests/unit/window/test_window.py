@@ -186,6 +186,41 @@ def test_renewals_that_overlap_on_a_failing_write_leave_the_lease_ending_when_th
     assert world.snapshot() == BASELINE
 
 
+def test_a_renewal_that_shortens_a_lease_takes_effect_only_once_recorded() -> None:
+    """A renewal for less than is left, whose write hangs and fails: the lease is not ended meanwhile, nor after."""
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None
+            recorded = lease.expires_at
+            gate = threading.Event()
+            real_write = world.store.write
+
+            def hung_write(data: bytes) -> None:
+                gate.wait(5)
+                raise OSError(errno.EIO, "Input/output error")
+
+            world.store.write = hung_write  # type: ignore[method-assign]
+            shorter = asyncio.create_task(w.renew(lease.id, 0.05))
+            await asyncio.sleep(0.2)
+            w.wake.set()  # past the shorter end, the holding loop looks (another request, say)
+            await asyncio.sleep(0.1)
+            assert [x.id for x in w.leases()] == [lease.id]
+            gate.set()
+            with pytest.raises(StateError, match="could not be recorded"):
+                await shorter
+            await asyncio.sleep(0.05)
+            assert [x.id for x in w.leases()] == [lease.id] and lease.expires_at == recorded
+            world.store.write = real_write  # type: ignore[method-assign]
+            await w.release(lease.id)
+            await settle(w)
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
 def test_a_bug_in_a_step_rolls_the_window_back() -> None:
     world = FakeWorld()
 
