@@ -242,6 +242,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             if attempt == 1 and rec.found_up and await _down_since_found_up(w, rec):
                 return  # a stale record's resident went down since it was found up: not gpuswapd's to start
             if repair == "due":
+                first_start = None  # the repair stops the units: gpuswapd's own stop again, not its operator's
                 await identity.make_room(w, rec, lambda s: _pause(w, s))
                 repair = "done"
             # An engine still holding its memory would only make the resident fail (out of memory):

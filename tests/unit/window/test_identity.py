@@ -11,7 +11,7 @@ import structlog
 
 from gpuswapd.adapters.props import parse_model_ids, parse_props
 from gpuswapd.config import parse_config
-from gpuswapd.errors import BadResponse, ConfigError
+from gpuswapd.errors import BadResponse, BusUnavailable, ConfigError
 from gpuswapd.observe.metrics import window_now
 from gpuswapd.parts.vram import Holder
 from gpuswapd.state.store import Loaded, decode, encode
@@ -191,6 +191,39 @@ def test_a_parked_residual_beside_a_low_resident_needs_is_repaired() -> None:
 
     run(main())
     assert not world.gpu.ooms
+
+
+def test_a_repair_whose_start_fails_is_retried_not_taken_for_its_operators_stop() -> None:
+    """The repair stops the smaller resident; its start again fails on systemd: that stop is gpuswapd's own.
+
+    DEGRADED retries the start, and the resident comes back as it was (not left to its operator
+    as one stopped after the restore's first start brought it up).
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+    queue = world.systemd.queue_jobs
+    starts = 0
+
+    def jobs(method: str, units: list[str]) -> Any:
+        nonlocal starts
+        if method == "StartUnit" and "strata.service" in units:
+            starts += 1
+            if starts == 2:  # the repair's start
+                raise BusUnavailable("the system bus went away")
+        return queue(method, units)
+
+    world.systemd.queue_jobs = jobs  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            with structlog.testing.capture_logs() as logs:
+                rec = await cycle(w)
+            assert not events(logs, "resident_left_stopped")
+            assert rec.restored == "as_it_was" and rec.units == ["strata.service", "llama-swap.service"]
+            assert n_ctx(world) == FULL
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "active"
 
 
 def test_a_stray_process_across_the_close_ends_restored_smaller_and_the_next_close_tries_again() -> None:
