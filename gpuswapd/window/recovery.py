@@ -232,9 +232,12 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     # Deciding may take a while (a systemd or health call that hangs): leases still end on time.
     expiring = spawn(holding.expire_on_time(w, rec), "lease-expiry")
     try:
-        stale = rec.phase is Phase.READY and bool(rec.units) and await _all_up(w, rec.units)
+        up = await _resident_now(w, rec.units) if rec.phase is Phase.READY and rec.units else None
+        stale = up == "up"
         # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
-        adopted = not stale and rec.phase is Phase.READY and len(rec.leases) > 0 and (
+        # Not one whose resident is coming up (the restore of the gpuswapd that stopped, its start under
+        # way): the card is the resident's again, and the close goes on with that restore.
+        adopted = up is None and rec.phase is Phase.READY and len(rec.leases) > 0 and (
             rec.kind == ProfileKind.BARE or (rec.container is not None and await w.engine.adopt(rec.container)))
     finally:
         await reap(expiring)
@@ -259,17 +262,20 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     await closing.close(w, rec, "recovered")
 
 
-async def _all_up(w: Context, units: list[str]) -> bool:
-    """Tell whether every one of these units is active now, not merely coming up (False when systemd cannot say).
+async def _resident_now(w: Context, units: list[str]) -> str | None:
+    """Say whether a record's units are all "up" (active), "coming" (any of them active or activating), or neither.
 
-    One still activating may be the start of a restore the gpuswapd that stopped had begun: if
-    that start fails, the restore is gpuswapd's to go on with, not a crash of a resident found up.
+    None also when systemd cannot say. One still activating may be the start of a restore the
+    gpuswapd that stopped had begun: if that start fails, the restore is gpuswapd's to go on with,
+    not a crash of a resident found up.
     """
     try:
         states = await w.resident.unit_states(units)
     except GpuswapError:
-        return False
-    return all(st.active_state == "active" for st in states.values())
+        return None
+    if all(st.active_state == "active" for st in states.values()):
+        return "up"
+    return "coming" if any(st.active for st in states.values()) else None
 
 
 async def _lost_window(w: Context) -> str | None:
