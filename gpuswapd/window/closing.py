@@ -294,13 +294,12 @@ async def _gone_since_verify(w: Context, rec: WindowRecord, verified: float) -> 
         return any(w.went_down.get(unit, -math.inf) >= verified for unit in rec.units)
 
 
-async def _leave_resident(w: Context, rec: WindowRecord, event: str, units: object, consequence: str) -> None:
-    """Leave the resident to its operator and to systemd: log why, forget the stop, and persist that.
+async def _leave_resident(w: Context, rec: WindowRecord) -> None:
+    """Leave the resident to its operator and to systemd (the caller has logged why): forget the stop, persist that.
 
     gpuswapd unmarks the units it stopped and no longer restores them; the close goes on to the
-    timers. ``units`` says which units showed it (names, or names with their states).
+    timers.
     """
-    log.warning(event, units=units, left=rec.units, consequence=consequence)
     await w.resident.unmark(rec.units)
     rec.units, rec.degraded = [], None
     await w.persist(required=False)
@@ -319,8 +318,9 @@ async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
     masked = [u for u, st in states.items() if st.load_state == "masked"]
     if not masked:
         return False
-    await _leave_resident(w, rec, "resident_left_masked", masked,
-                          "not started: its operator masked it (systemctl unmask, then start it)")
+    log.warning("resident_left_masked", units=masked, left=rec.units,
+                consequence="not started: its operator masked it (systemctl unmask, then start it)")
+    await _leave_resident(w, rec)
     return True
 
 
@@ -338,9 +338,10 @@ async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
     down = {u: st.active_state for u, st in states.items() if not st.active}
     if not down:
         return False
-    await _leave_resident(w, rec, "resident_down_since_found_up", down,
-                          "not started: it was up when this record was found stale, and went down since "
-                          "(a crash, its operator): systemd's Restart= or systemctl start brings it back")
+    log.warning("resident_down_since_found_up", units=down, left=rec.units,
+                consequence="not started: it was up when this record was found stale, and went down since "
+                            "(a crash, its operator): systemd's Restart= or systemctl start brings it back")
+    await _leave_resident(w, rec)
     return True
 
 
@@ -369,9 +370,10 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord, stops_late: bool
                     and w.went_down.get(u, -math.inf) >= rec.verified_at]
     if not crashed:
         return
-    await _leave_resident(w, rec, "resident_crashed_since_restore", crashed,
-                          "not started again: it failed after this close restored it (systemd's Restart= or "
-                          "systemctl start brings it back)")
+    log.warning("resident_crashed_since_restore", units=crashed, left=rec.units,
+                consequence="not started again: it failed after this close restored it (systemd's Restart= or "
+                            "systemctl start brings it back)")
+    await _leave_resident(w, rec)
 
 
 async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float | None) -> bool:
@@ -397,9 +399,10 @@ async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float |
                and st.active_enter is not None and st.active_enter > first_start]
     if not down or len(stopped) < len(down):
         return False
-    await _leave_resident(w, rec, "resident_left_stopped", stopped,
-                          "not started again: its operator stopped it after this restore started it "
-                          "(systemctl start brings it back)")
+    log.warning("resident_left_stopped", units=stopped, left=rec.units,
+                consequence="not started again: its operator stopped it after this restore started it "
+                            "(systemctl start brings it back)")
+    await _leave_resident(w, rec)
     return True
 
 
