@@ -63,6 +63,7 @@ KNOWN_EVENTS = frozenset({
     "resident_restart_failed",
     "resident_restarting_crashed",
     "resident_up", "stopped_record_not_cleared", "stopped_record_stale", "resident_stop_undone_meanwhile",
+    "resident_stop_never_issued",
     "resident_stop_unchecked", "stopped_record_unreadable",
     "resident_file_skipped", "resident_footprint_larger", "resident_found_down",
     "resident_held_down",

@@ -111,6 +111,7 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
     """Resume the window the document held, or restore the baseline over a lost one; then reconcile the engines."""
     if record is not None:
         await _undone_meanwhile(window, record)
+        await _never_stopped(window, record)
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
         # Its engine still runs, but no record of it was kept and history never saw it close:
@@ -165,6 +166,28 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
                     consequence="left as they are: they ran again after this window stopped them")
         rec.units = [u for u in rec.units if u not in undone]
         await w.resident.unmark(undone)
+
+
+async def _never_stopped(w: Context, rec: WindowRecord) -> None:
+    """Leave out of a record left in STOPPING_RESIDENT the units whose stop gpuswapd never issued.
+
+    The record names the units before any is stopped; each is marked (state/marks.py) just before
+    its stop job. One with no mark was never stopped by gpuswapd (it was killed during the slot
+    save, say): it is not gpuswapd's to start, and if it crashed meanwhile that is systemd's to undo.
+    When the marks cannot be read, the record stands.
+    """
+    if rec.phase is not Phase.STOPPING_RESIDENT or not rec.units:
+        return
+    try:
+        marked = await w.resident.marked_at()
+    except (GpuswapError, asyncio.CancelledError) as err:
+        log.info("resident_stop_unchecked", error=_why(err, w), consequence="the record stands")
+        return
+    never = [u for u in rec.units if u not in marked]
+    if never:
+        log.info("resident_stop_never_issued", units=never, window=rec.id,
+                 consequence="left as they are: gpuswapd stopped before it stopped them")
+        rec.units = [u for u in rec.units if u in marked]
 
 
 async def _came_up_after_the_stop(w: Context, units: list[str], states: dict[str, UnitState]) -> list[str]:

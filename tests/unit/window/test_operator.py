@@ -333,6 +333,48 @@ def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_sys
     assert world.snapshot()["timers"] == BASELINE["timers"]  # its own pause undone
 
 
+def test_a_resident_whose_stop_was_never_issued_is_not_started_after_a_sigkill() -> None:
+    """gpuswapd is killed during the slot save (STOPPING_RESIDENT, no unit stopped yet); the resident then crashes.
+
+    The next start finds no stop mark for the units the record names: they were never gpuswapd's
+    stop, and their crash is systemd's to undo.
+    """
+    world = FakeWorld()
+    save = world.http.slot_file
+    saving = asyncio.Event()
+
+    async def hangs(url: str, slot: int, action: str, filename: str, timeout: float) -> Any:
+        if action == "save":
+            saving.set()
+            await asyncio.sleep(3600)
+        return await save(url, slot, action, filename, timeout)
+
+    world.http.slot_file = hangs  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            acquire = asyncio.create_task(w.acquire("job", 60))
+            await saving.wait()
+            assert w.phase is Phase.STOPPING_RESIDENT
+            await w.writer.save()
+            await w.shutdown(restore=False)  # SIGKILL, in the slot save
+            acquire.cancel()
+            await asyncio.gather(acquire, return_exceptions=True)
+        world.http.slot_file = save  # type: ignore[method-assign]
+        world.systemd.units["strata.service"].active_state = "failed"  # it crashes meanwhile
+        world.gpu.free("strata.service")
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.units == []
+
+    run(main())
+    assert "strata.service" not in world.systemd.started
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.snapshot()["timers"] == BASELINE["timers"]  # its own pause undone
+
+
 def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
     world = FakeWorld()
 
