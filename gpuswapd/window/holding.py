@@ -43,6 +43,9 @@ async def hold(w: Context, rec: WindowRecord) -> bool:
     watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
     try:
         while not w.stopping.is_set():
+            # Cleared before the loop looks, not before it sleeps: a wake while it looks (a request
+            # withdrawn as a preemption is revoked, in the same instant) is not lost.
+            w.wake.clear()
             if watch.done():
                 if not await _serves_after(w, rec, watch):
                     rec.sealed = True
@@ -89,7 +92,6 @@ async def _sleep_until_due(w: Context, rec: WindowRecord, watch: asyncio.Task[st
                            linger_ends: float | None) -> None:
     """Sleep until a lease expires, the linger ends, a preemption is due, the window is woken or the engine fails."""
     wake_at = min(t for t in (rec.leases.next_expiry(), linger_ends, preempting.deadline(rec)) if t is not None)
-    w.wake.clear()
     waker = asyncio.create_task(w.wake.wait())
     retrieve(waker)
     try:

@@ -58,6 +58,14 @@ async def check(w: Context, rec: WindowRecord) -> None:
     now = clock.now()
     by = w.queue.preemptor(rec.profile, [lease.priority for lease in rec.leases.all()])
     pending = deadline(rec)
+    p = rec.preempted
+    if pending is None and p is not None and p.revoked_at is not None and p.abandoned_at is None and by is None \
+            and not w.queue.wants_other(rec.profile):
+        # The leases were revoked, and the request that preempted them went away (its own timeout, in
+        # the same instant, say): the window is its profile's again and takes joins, not lingering
+        # closed to them for nobody.
+        await _abandon(w, rec, "the request that preempted it is no longer waiting", now)
+        return
     if pending is None:
         if by is not None and (rec.preempted is None or rec.preempted.abandoned_at is not None) \
                 and await _can_open(w, rec, by):
