@@ -216,6 +216,8 @@ class Server:
                 reply = await self._dispatch(peer, request, reader, writer)
             except GpuswapError as err:
                 reply = error_reply(err)
+            except ConnectionError:
+                raise  # the client went away while gpuswapd wrote to it (an event, a reclaim's answer): no bug
             except Exception as err:  # a bug: answer, log, and keep serving everyone else
                 log.exception("request_crashed", request=line[:200].decode(errors="replace"))
                 reply = error_reply(GpuswapError(f"gpuswapd failed on this request ({type(err).__name__}); "
