@@ -76,7 +76,11 @@ def test_an_operators_stop_while_gpuswapd_is_down_stands_through_reconciles_and_
     assert probe.states(list(RESIDENT_UNITS)) == dict.fromkeys(RESIDENT_UNITS, "inactive")
     assert probe.states(list(AGENT_TIMERS)) == dict.fromkeys(AGENT_TIMERS, "active")  # its own pause, undone
     assert daemon.logged("units_started") == [] and _marks(daemon) == []
-    world.manager("StartUnit", "ss", "llama-swap.service", "replace")  # its operator starts it again
+    # Its operator starts it again once the card is free: with no resident to restore, the close
+    # does not wait out the engine's release lag, and llama-server started into the engine's
+    # memory still being freed fails (out of memory).
+    wait_for(lambda: world.ledger()["holders"] == [], "the engine's memory to come free", timeout=30)
+    world.manager("StartUnit", "ss", "llama-swap.service", "replace")
     wait_for(lambda: _down(daemon) == {}, "the report to clear", timeout=20)
 
 
