@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from gpuswapd.errors import Degraded, GpuswapError, StateError, WontFit
+from gpuswapd.leases import Lease
 from gpuswapd.phases import Phase
+from gpuswapd.window.window import Window
 from tests.fakes import BASELINE, FakeUnit, FakeWorld, GiB, running, settle
 
 
@@ -147,11 +150,11 @@ def test_a_client_that_hangs_up_while_its_grant_is_being_saved_leaves_no_lease()
     assert world.snapshot() == BASELINE
 
 
-def test_renewals_that_overlap_on_a_failing_write_leave_the_lease_ending_when_the_disk_says() -> None:
-    """Neither of two renewals waiting on the same slow write that fails is granted, nor half-kept.
+def _renewals_on_a_failing_write(during: Callable[[Window, Lease], Awaitable[list[asyncio.Task[Any]]]]) -> None:
+    """Hold a lease of 60 s, make the state writes hang until ``during`` returns and then fail, and check the end.
 
-    The second one began while the first one's new expiry was in memory only: undoing it must not
-    put that unrecorded expiry back.
+    ``during`` asks for renewals (none may be granted) and checks what it must meanwhile; after
+    it, the lease is still held and ends when the last write that reached the disk said.
     """
     world = FakeWorld()
 
@@ -168,49 +171,11 @@ def test_renewals_that_overlap_on_a_failing_write_leave_the_lease_ending_when_th
                 raise OSError(errno.EIO, "Input/output error")
 
             world.store.write = failing_write  # type: ignore[method-assign]
-            first = asyncio.create_task(w.renew(lease.id, 600))
-            await asyncio.sleep(0.01)
-            second = asyncio.create_task(w.renew(lease.id, 900))
-            await asyncio.sleep(0.01)
-            assert lease.expires_at > recorded + 800  # in memory while the write is under way
+            renewals = await during(w, lease)
             gate.set()
-            for renewal in (first, second):
+            for renewal in renewals:
                 with pytest.raises(StateError, match="could not be recorded"):
                     await renewal
-            assert lease.expires_at == recorded
-            world.store.write = real_write  # type: ignore[method-assign]
-            await w.release(lease.id)
-            await settle(w)
-
-    run(main())
-    assert world.snapshot() == BASELINE
-
-
-def test_a_renewal_that_shortens_a_lease_takes_effect_only_once_recorded() -> None:
-    """A renewal for less than is left, whose write hangs and fails: the lease is not ended meanwhile, nor after."""
-    world = FakeWorld()
-
-    async def main() -> None:
-        async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None
-            recorded = lease.expires_at
-            gate = threading.Event()
-            real_write = world.store.write
-
-            def hung_write(data: bytes) -> None:
-                gate.wait(5)
-                raise OSError(errno.EIO, "Input/output error")
-
-            world.store.write = hung_write  # type: ignore[method-assign]
-            shorter = asyncio.create_task(w.renew(lease.id, 0.05))
-            await asyncio.sleep(0.2)
-            w.wake.set()  # past the shorter end, the holding loop looks (another request, say)
-            await asyncio.sleep(0.1)
-            assert [x.id for x in w.leases()] == [lease.id]
-            gate.set()
-            with pytest.raises(StateError, match="could not be recorded"):
-                await shorter
             await asyncio.sleep(0.05)
             assert [x.id for x in w.leases()] == [lease.id] and lease.expires_at == recorded
             world.store.write = real_write  # type: ignore[method-assign]
@@ -219,6 +184,37 @@ def test_a_renewal_that_shortens_a_lease_takes_effect_only_once_recorded() -> No
 
     run(main())
     assert world.snapshot() == BASELINE
+
+
+def test_renewals_that_overlap_on_a_failing_write_leave_the_lease_ending_when_the_disk_says() -> None:
+    """Neither of two renewals waiting on the same slow write that fails is granted, nor half-kept.
+
+    The second one began while the first one's new expiry was in memory only: undoing it must not
+    put that unrecorded expiry back.
+    """
+    async def overlapping(w: Window, lease: Lease) -> list[asyncio.Task[Any]]:
+        was = lease.expires_at
+        first = asyncio.create_task(w.renew(lease.id, 600))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(w.renew(lease.id, 900))
+        await asyncio.sleep(0.01)
+        assert lease.expires_at > was + 800  # in memory while the write is under way
+        return [first, second]
+
+    _renewals_on_a_failing_write(overlapping)
+
+
+def test_a_renewal_that_shortens_a_lease_takes_effect_only_once_recorded() -> None:
+    """A renewal for less than is left, whose write hangs and fails: the lease is not ended meanwhile, nor after."""
+    async def shorter(w: Window, lease: Lease) -> list[asyncio.Task[Any]]:
+        renewal = asyncio.create_task(w.renew(lease.id, 0.05))
+        await asyncio.sleep(0.2)
+        w.wake.set()  # past the shorter end, the holding loop looks (another request, say)
+        await asyncio.sleep(0.1)
+        assert [x.id for x in w.leases()] == [lease.id]
+        return [renewal]
+
+    _renewals_on_a_failing_write(shorter)
 
 
 def test_a_bug_in_a_step_rolls_the_window_back() -> None:
