@@ -78,6 +78,7 @@ KNOWN_EVENTS = frozenset({
     "timers_resume_retry", "timers_resumed", "units_started", "units_stopped", "vram_free",
     "vram_held_after_bare_window", "vram_not_free_restoring_anyway", "vram_unknown_before_restore",
     "vram_unknown_restoring_anyway", "watcher_dropped", "window_abandoned", "window_adopted", "window_driver_failed",
+    "engine_verified_on_adoption", "engine_unverified_on_adoption",
     "window_driver_interrupted", "window_failed", "window_finished", "window_left_for_next_start",
     "window_open_crashed", "window_recovering", "window_stale", "window_switching",
     # Before an engine boots (gpuswapd.checks.bootchecks): its compile caches and the known-bad table.

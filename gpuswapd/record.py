@@ -62,6 +62,7 @@ class ContainerHandle:
     image: str | None = None
     window: str | None = None  # the window that brought it up (its Docker label)
     spec: str | None = None  # the hash of its configuration (a parked engine must match it)
+    started: str | None = None  # Docker's StartedAt of the start it is (a restart changes it)
     free_before_boot: int | None = None  # the card's free bytes before it booted
     pids: tuple[int, ...] | None = None  # the host pids of its processes, all it ever had
     sleep: bool | None = None  # it offers sleep mode
@@ -90,7 +91,7 @@ class ContainerHandle:
         before = _opt(data, "free_before_boot", (int, float))
         residual = _opt(data, "residual_bytes", (int, float))
         return cls(name=_opt(data, "name", str), created=_opt(data, "created", bool), image=_opt(data, "image", str),
-                   window=_opt(data, "window", str), spec=_opt(data, "spec", str),
+                   window=_opt(data, "window", str), spec=_opt(data, "spec", str), started=_opt(data, "started", str),
                    free_before_boot=None if before is None else int(before), pids=_pid_list(data.get("pids")),
                    sleep=_opt(data, "sleep", bool), canary=_opt(data, "canary", str),
                    residual_bytes=None if residual is None else int(residual),
@@ -113,8 +114,8 @@ def _ordered(out: dict[str, object], order: tuple[str, ...]) -> dict[str, object
     return {**{k: out[k] for k in order if k in out}, **out}
 
 
-_CONTAINER_FIELDS = ("name", "created", "image", "window", "spec", "free_before_boot", "pids", "sleep", "canary",
-                     "residual_bytes", "removed", "parked")
+_CONTAINER_FIELDS = ("name", "created", "image", "window", "spec", "started", "free_before_boot", "pids", "sleep",
+                     "canary", "residual_bytes", "removed", "parked")
 
 
 @dataclass(frozen=True)

@@ -604,6 +604,7 @@ class FakeContainer:
     sleeping: int | None = None  # the sleep level, while asleep
     garbled: bool = False  # answers differently since its last wake
     wakes: int = 0
+    started_at: str = ""  # Docker's StartedAt: a new one at each start
 
 
 class FakeDocker:
@@ -617,6 +618,7 @@ class FakeDocker:
         self.engine_pid = 4242
         self.residual = RESIDUAL_BYTES  # what a sleeping engine keeps
         self._changed = threading.Condition()
+        self._started = itertools.count(1)
 
     def ping(self) -> None:
         """Answer."""
@@ -638,7 +640,7 @@ class FakeDocker:
         c = self.containers.get(name)
         if c is None:
             return None
-        return ContainerState(name, name, c.status, c.exit_code, False, "", "", dict(c.labels))
+        return ContainerState(name, name, c.status, c.exit_code, False, c.started_at, "", dict(c.labels))
 
     def create(self, spec: Any, labels: dict[str, str]) -> str:
         """Create a container."""
@@ -647,19 +649,22 @@ class FakeDocker:
         self.containers[spec.name] = FakeContainer(spec.name, dict(labels))
         return spec.name
 
-    def start(self, name: str) -> None:
-        """Start a container: the engine claims its VRAM, or dies of out of memory."""
+    def start(self, name: str) -> str:
+        """Start a container: the engine claims its VRAM, or dies of out of memory; return its StartedAt."""
         c = self.containers.get(name)
         if c is None:
             raise ContainerNotFound(f"no container {name}")
         with self._changed:
             c.starts += 1
+            if c.status != "running":  # Docker's start of a running container changes nothing
+                c.started_at = f"2026-12-01T00:00:{next(self._started):09.6f}Z"
             c.sleeping, c.garbled = None, False
             if self.gpu.claim(f"engine:{name}", self.engine_pid, ENGINE_BYTES):
                 c.status, c.exit_code = "running", None
             else:
                 c.status, c.exit_code = "exited", 1
             self._changed.notify_all()
+            return c.started_at
 
     def stop(self, name: str, timeout: float) -> None:
         """Stop a container (no error if absent)."""

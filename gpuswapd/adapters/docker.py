@@ -410,9 +410,15 @@ class Docker:
         return str(created["Id"])
 
     @_docker_errors("start")
-    def start(self, name: str) -> None:
-        """Start a created or stopped container (no error if it runs already)."""
+    def start(self, name: str) -> str:
+        """Start a created or stopped container (no error if it runs already); return its StartedAt.
+
+        StartedAt names this start: a later restart of the container changes it ("" if Docker
+        does not say, or the container is gone already).
+        """
         self._api().start(name)
+        state = self._inspect(name)
+        return state.started_at if state is not None else ""
 
     @_docker_errors("stop")
     def stop(self, name: str, timeout: float) -> None:

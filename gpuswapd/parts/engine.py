@@ -162,10 +162,11 @@ class ContainerEngine:
                 await self._docker("remove", self.docker.remove, c.name)
             labels = {MANAGED_LABEL: "1", INSTANCE_LABEL: self.instance, WINDOW_LABEL: window_id}
             await self._docker("create", self.docker.create, c, labels)
-        await self._docker("start", self.docker.start, c.name)
+        started = await self._docker("start", self.docker.start, c.name)
         self._watch_exits()
         log.info("engine_started", container=c.name, image=c.image, created=c.create)
-        return ContainerHandle(name=c.name, created=c.create, image=c.image, window=window_id, spec=self.spec())
+        return ContainerHandle(name=c.name, created=c.create, image=c.image, window=window_id, spec=self.spec(),
+                               started=started or None)
 
     async def settings(self, ask_docker: bool = True) -> EngineView:
         """Say what the container runs with: as Docker has it where it answers, else as configured."""
@@ -326,20 +327,39 @@ class ContainerEngine:
         return self._exit
 
     async def adopt(self, record: ContainerHandle) -> bool:
-        """Watch a container an earlier gpuswapd started, if it runs and answers health.
+        """Watch a container an earlier gpuswapd started, if it runs and answers.
 
-        Docker may be unreachable or hung meanwhile: then health alone decides, and the exit
-        watcher keeps trying Docker.
+        The window's READY was written after a completion from the start ``record`` names. Where
+        Docker says the container runs that same start, health decides; where it was started again
+        since (a restart whose record was never written) or nobody can say (Docker unreachable or
+        hung: the exit watcher keeps trying it; an older document), the engine must answer the
+        verifying completion first.
         """
+        why: str | None = None
         try:
             state = await self._docker("state", self.docker.state, self.name)
         except GpuswapError as err:
             log.warning("adopt_without_docker", container=self.name, error=err.message)
+            why = f"Docker did not say which start runs: {err.message}"
         else:
             if state is None or not state.running:
                 return False
+            if not record.started or state.started_at != record.started:
+                why = ("the window recorded no start of it" if not record.started else
+                       f"it was started again ({state.started_at or 'at a time Docker does not say'}) "
+                       f"after the window verified the start of {record.started}")
         self._watch_exits()
-        return await self.healthy()
+        if not await self.healthy():
+            return False
+        if why is None:
+            return True
+        try:
+            await self._verify()
+        except EngineFailed as err:
+            log.warning("engine_unverified_on_adoption", container=self.name, why=why, error=err.message)
+            return False
+        log.info("engine_verified_on_adoption", container=self.name, why=why)
+        return True
 
     async def remove_orphans(self, keep: set[str]) -> list[str]:
         """Stop and remove this instance's containers that belong to no window in ``keep``."""
@@ -401,6 +421,14 @@ class ContainerEngine:
                                                               check.timeout), http.beyond(check.timeout))
                 log.info("engine_warmup", request=n + 1, of=w.requests,
                          completion_tokens=reply.completion_tokens, took_s=round(reply.total_s, 3))
+        except EndpointError as err:
+            raise EngineFailed(f"the engine did not answer a completion: {err.message}") from err
+        await self._verify()
+
+    async def _verify(self) -> None:
+        """Send the verifying completion, which must be answered."""
+        check, http = self.config.verify, self.outside.http
+        try:
             reply = await http.run("verify", self.http.verify(check), http.beyond(check.timeout))
         except EndpointError as err:
             raise EngineFailed(f"the engine did not answer a completion: {err.message}") from err

@@ -719,10 +719,12 @@ class Container:
     garbled: bool = False
     starts: int = 0
     since: float = 0.0  # its last start or wake: a lease needs a completion from it after this
+    started_at: str = ""  # Docker's StartedAt: a new one at each start
 
     def state(self) -> ContainerState:
         """Inspect it."""
-        return ContainerState(self.name, self.name, self.status, self.exit_code, False, "", "", dict(self.labels))
+        return ContainerState(self.name, self.name, self.status, self.exit_code, False, self.started_at, "",
+                              dict(self.labels))
 
 
 @dataclass
@@ -780,13 +782,14 @@ class Docker:
         self.containers[spec.name] = Container(spec.name, spec.image, dict(labels), how.vram, how.boot_s)
         return spec.name
 
-    def start(self, name: str) -> None:
-        """Start a container: the engine claims its VRAM, or dies of out of memory."""
+    def start(self, name: str) -> str:
+        """Start a container: the engine claims its VRAM, or dies of out of memory; return its StartedAt."""
         c = self._get(name)
         if c.status == "running":
-            return
+            return c.started_at
         c.starts += 1
         c.pid = next(self._pids)
+        c.started_at = f"{self.world.clock.now:.6f}s#{c.pid}"
         c.key = f"engine:{name}#{c.starts}"
         c.since = self.world.clock.now
         c.sleeping, c.garbled, c.dead = None, False, False
@@ -797,6 +800,7 @@ class Docker:
         else:
             c.status, c.exit_code = "exited", 1
             self._exited(c)
+        return c.started_at
 
     def stop(self, name: str, timeout: float) -> None:
         """Stop a container (no error if absent)."""

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from gpuswapd.errors import Degraded, GpuswapError, StateError, WontFit
+from gpuswapd.errors import BadResponse, Degraded, GpuswapError, StateError, WontFit
 from gpuswapd.leases import Lease
 from gpuswapd.phases import Phase
 from gpuswapd.window.window import Window
-from tests.fakes import BASELINE, FakeUnit, FakeWorld, GiB, running, settle
+from tests.fakes import BASELINE, ENGINE_URL, FakeUnit, FakeWorld, GiB, running, settle
 
 
 def run(coro: Any) -> Any:
@@ -277,7 +277,68 @@ def test_adopting_with_docker_failing_does_not_kill_the_driver() -> None:
         async with running(world.window(), world.store.document.seq) as w2:
             w2.recover(left)
             await asyncio.sleep(0.05)
-            assert w2.phase is Phase.READY  # adopted on health alone
+            assert w2.phase is Phase.READY  # adopted on health and a verifying completion
+            for lease in w2.leases():
+                await w2.release(lease.id)
+            await settle(w2)
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_an_engine_started_again_since_the_recorded_ready_must_answer_a_completion_to_be_adopted(answers: bool) -> None:
+    """The document says READY, but the engine runs a later start (a watchdog restart whose write never
+    landed): health is not enough, the engine must answer the verifying completion, else the window closes."""
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.acquire("job", 60)
+            w.stopping.set()  # as on SIGKILL: the record stays
+        assert world.store.document and world.store.document.window
+        left = world.store.document.window
+        world.docker.stop("hyperqwen", 0)
+        world.docker.start("hyperqwen")  # started again behind the record
+        asked: list[str] = []
+        verify = world.http.verify
+
+        async def engine_verify(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
+            asked.append(check.url)
+            if not answers and check.url == ENGINE_URL:
+                raise BadResponse(f"POST {check.url}: HTTP 500: CUDA error")
+            return await verify(check, retry_until, fields)
+
+        world.http.verify = engine_verify  # type: ignore[method-assign]
+        async with running(world.window(), world.store.document.seq) as w2:
+            w2.recover(left)
+            await asyncio.sleep(0.05)
+            assert asked[:1] == [ENGINE_URL]
+            if answers:
+                assert w2.phase is Phase.READY and [x.holder for x in w2.leases()] == ["job"]
+                for lease in w2.leases():
+                    await w2.release(lease.id)
+            await settle(w2)
+            assert w2.last is not None and w2.last.outcome == ("closed" if answers else "recovered")
+
+    run(main())
+    assert world.snapshot() == BASELINE
+
+
+def test_an_engine_running_the_start_its_ready_recorded_is_adopted_on_health() -> None:
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await w.acquire("job", 60)
+            w.stopping.set()
+        assert world.store.document and world.store.document.window
+        left = world.store.document.window
+        before = len(world.http.completions)
+        async with running(world.window(), world.store.document.seq) as w2:
+            w2.recover(left)
+            await asyncio.sleep(0.05)
+            assert w2.phase is Phase.READY and len(world.http.completions) == before
             for lease in w2.leases():
                 await w2.release(lease.id)
             await settle(w2)
