@@ -98,12 +98,14 @@ class Daemon:
         # it); a world of fakes keeps it in memory with its state directory, across restarts.
         marks = systems.marks or (Marks(marks_dir(Path(d.socket).parent, instance)) if real
                                   else memory_marks(systems.store))
+        starting = (Marks(marks_dir(Path(d.socket).parent, instance, "starting")) if real and systems.marks is None
+                    else memory_marks(systems.store, "starting"))
         self.systemd = systems.systemd
         self.docker = systems.docker
         self.http = systems.http
         self.store = systems.store
         self.vram = Vram(systems.probe, self.systemd, self.outside)
-        self.resident = Resident(config, self.systemd, self.http, self.outside, systems.slot_files, marks)
+        self.resident = Resident(config, self.systemd, self.http, self.outside, systems.slot_files, marks, starting)
         self.engine = ContainerEngine(config.window, self.docker, self.http, self.outside, instance)
         # One engine per engine profile, each with its own container; a bare profile has none.
         engines: dict[str, Engine] = {p.name: ContainerEngine(p.engine, self.docker, self.http, self.outside,

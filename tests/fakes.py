@@ -997,7 +997,7 @@ class FakeWorld:
         outside = outside or Outside(DEADLINES)
         vram = Vram(self.gpu, self.systemd, outside)  # type: ignore[arg-type]
         resident = Resident(self.config, self.systemd, self.http, outside,  # type: ignore[arg-type]
-                            self.http.slot_files, memory_marks(self.store))
+                            self.http.slot_files, memory_marks(self.store), memory_marks(self.store, "starting"))
         engine = ContainerEngine(self.config.window, self.docker, self.http, outside)  # type: ignore[arg-type]
         engines = {p.name: ContainerEngine(p.engine, self.docker, self.http, outside)  # type: ignore[arg-type]
                    for p in self.config.engine_profiles() if p.name != "default"}

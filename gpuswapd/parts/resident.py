@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -37,13 +38,17 @@ class Resident:
     """Stops and restores the resident units and pauses and resumes the agent timers."""
 
     def __init__(self, config: Config, systemd: Systemd, http: ModelHttp, outside: Outside,
-                 slot_files: SlotFiles | None = None, marks: Marks | None = None) -> None:
+                 slot_files: SlotFiles | None = None, marks: Marks | None = None,
+                 starting: Marks | None = None) -> None:
         self.config = config
         self.systemd = systemd
         self.http = http
         self.outside = outside
         # What gpuswapd stopped, kept apart from the state document (state/marks.py); None: in memory.
         self.marks = marks if marks is not None else Marks(None)
+        # The starts of its restores under way, until each ends (state/marks.py): a unit that failed
+        # after it came up under one of them is a restore's start that did not last, not its operator's.
+        self.starting = starting if starting is not None else Marks(None)
         self.slot_files: SlotFiles = slot_files if slot_files is not None else SlotDir()
         self.kv_per_token: int | None = None  # bytes a slot's file takes per token, as last saved
         self.jobs_running = 0  # start and stop jobs gpuswapd has queued and not yet seen end
@@ -139,6 +144,21 @@ class Resident:
             return
         self.unmark_pending -= set(names)
 
+    async def start_ended(self, units: list[str]) -> None:
+        """Forget the starts of a restore that ended (verified, or left to the resident's operator).
+
+        A record that stays (the state directory failed) is harmless: it predates any later stop.
+        """
+        with contextlib.suppress(GpuswapError, OSError):
+            await self.outside.state.call("unmark", self.starting.remove, list(units))
+
+    async def started_at(self) -> dict[str, float | None]:
+        """Map each unit whose restore's start is under way to the CLOCK_MONOTONIC second it was issued."""
+        try:
+            return await self.outside.state.call("read_marks", self.starting.read_times)
+        except OSError as err:
+            raise StateError(f"cannot read the starts gpuswapd issued: {err.strerror or err}") from err
+
     async def retry_unmark(self) -> None:
         """Remove the marks a hung state directory kept (no window open: none of them is current)."""
         if self.unmark_pending:
@@ -231,8 +251,16 @@ class Resident:
         log.info("units_stopped", units=units, took_s=round(clock.monotonic() - started, 3))
 
     async def start(self, units: list[str]) -> None:
-        """Start exactly these units together (systemd orders them by After=); then forget gpuswapd stopped them."""
+        """Start exactly these units together (systemd orders them by After=); then forget gpuswapd stopped them.
+
+        The start is recorded first, apart from the stop marks it removes (``starting``, kept until
+        the restore ends: ``start_ended``). A failure to record it starts them all the same: the
+        resident must come back.
+        """
         started = clock.monotonic()
+        # Not recorded: a restart before the verify then reads a crash of this start as its operator's.
+        with contextlib.suppress(GpuswapError, OSError):
+            await self.outside.state.call("mark", self.starting.add, list(units))
         await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
         log.info("units_started", units=units, took_s=round(clock.monotonic() - started, 3))
         await self.unmark(units)

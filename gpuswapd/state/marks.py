@@ -112,18 +112,23 @@ def _stamp(path: Path) -> float | None:
     return value if 0 <= value < float("inf") else None
 
 
-def marks_dir(runtime: str | os.PathLike[str], instance: str) -> Path:
-    """Return where instance ``instance`` records what it stopped (``/run/gpuswapd/NAME.stopped``)."""
-    return Path(runtime) / f"{instance}.stopped"
+def marks_dir(runtime: str | os.PathLike[str], instance: str, kind: str = "stopped") -> Path:
+    """Return where instance ``instance`` records what it stopped (``/run/gpuswapd/NAME.stopped``).
+
+    ``kind`` "starting": where it records the starts of its restores under way, until each ends
+    (``/run/gpuswapd/NAME.starting``, same layout): a unit found failed after one came up under
+    gpuswapd's own start, not its operator's.
+    """
+    return Path(runtime) / f"{instance}.{kind}"
 
 
-def memory_marks(store: Any) -> Marks:
+def memory_marks(store: Any, kind: str = "stopped") -> Marks:
     """Return the in-memory record kept with a state directory that is not on disk (a simulation's, a test's).
 
     It lives as long as that object, across restarts of the daemon over it, as /run outlives a process.
     """
-    marks = getattr(store, "stopped_marks", None)
+    marks = getattr(store, f"{kind}_marks", None)
     if not isinstance(marks, Marks):
         marks = Marks(None)
-        store.stopped_marks = marks
+        setattr(store, f"{kind}_marks", marks)
     return marks

@@ -277,6 +277,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 # Reading it and its caches took a while (a hung /props): it died meanwhile, and the
                 # timers would resume against it. Its start did not last: the restore goes on.
                 raise Degraded("the resident stopped after it was verified, before the timers resumed")
+            await w.resident.start_ended(rec.units)
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)
@@ -301,6 +302,7 @@ async def _leave_resident(w: Context, rec: WindowRecord) -> None:
     timers.
     """
     await w.resident.unmark(rec.units)
+    await w.resident.start_ended(rec.units)
     rec.units, rec.degraded = [], None
     await w.persist(required=False)
 

@@ -151,10 +151,12 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
         return  # systemd cannot say: the record stands
     undone = [u for u, st in states.items() if st.active_enter is not None and st.active_enter > rec.stopped_mono
               and not st.active]
-    if rec.phase in (Phase.RESTORING, Phase.DEGRADED) and any(states[u].active_state == "failed" for u in undone) \
-            and not await _timers_resumed_since(w, rec):
-        # Left restoring, it may have started them itself before gpuswapd went: one that failed
-        # since (and what it took down with it) is its own start that did not last: the restore goes on.
+    failed = [u for u in undone if states[u].active_state == "failed"]
+    restoring = rec.phase in (Phase.RESTORING, Phase.DEGRADED)
+    if failed and (restoring or await _own_start_issued(w, rec, failed)) and not await _timers_resumed_since(w, rec):
+        # Left restoring (or its restore's start recorded, the phase's write lost), it may have
+        # started them itself before gpuswapd went: one that failed since (and what it took down
+        # with it) is its own start that did not last: the restore goes on.
         # Not when the timers it paused run again since the stop: gpuswapd resumes them only once the
         # resident it restored has answered, so that restore ended (its last writes did not reach
         # the disk) and the failure is a crash since, its operator's and systemd's.
@@ -166,6 +168,22 @@ async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
                     consequence="left as they are: they ran again after this window stopped them")
         rec.units = [u for u in rec.units if u not in undone]
         await w.resident.unmark(undone)
+        await w.resident.start_ended(undone)
+
+
+async def _own_start_issued(w: Context, rec: WindowRecord, units: list[str]) -> bool:
+    """Tell whether gpuswapd issued a restore's start of one of these units after this window's stop.
+
+    Each restore's start is recorded just before its job (state/marks.py, ``starting``) and
+    forgotten when the restore ends. When that record cannot be read, it says no.
+    """
+    try:
+        issued = await w.resident.started_at()
+    except (GpuswapError, asyncio.CancelledError):
+        return False
+    # The record keeps its restore's latest start (a retry's): the unit may have come up under an earlier one.
+    return any((at := issued.get(u)) is not None and rec.stopped_mono is not None and at > rec.stopped_mono
+               for u in units)
 
 
 async def _never_stopped(w: Context, rec: WindowRecord) -> None:

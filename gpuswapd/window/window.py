@@ -867,6 +867,8 @@ class Window:
             await self.resident.start(wanted)
         except GpuswapError as err:
             log.error("resident_restart_failed", units=wanted, error=err.message)
+        finally:
+            await self.resident.start_ended(wanted)  # no restore of gpuswapd's: nothing goes on after
 
 
     # -- shutdown --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.plan import make_plan
 from gpuswapd.window.recovery import recover_at_start
 from gpuswapd.window.window import down_cause
-from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, FakeWorld, running, settle
+from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, RESIDENT_URL, FakeWorld, running, settle
 from tests.unit.conftest import run
 
 TORN = Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])
@@ -301,6 +301,66 @@ def test_a_resident_that_came_up_while_its_slots_were_saved_is_restored_after_a_
     run(main())
     assert world.snapshot()["units"]["strata.service"] == "active"
     assert world.systemd.started.count("strata.service") == 1  # the restore's start: gpuswapd's stop undone
+
+
+def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sigkill_whatever_the_disk_says() -> None:
+    """The close's writes fail, so the disk still says READY; its restore starts the resident, which fails
+    before its verify, and gpuswapd is killed.
+
+    The next start finds the restore's start recorded (state/marks.py, ``starting``): the resident
+    came up under gpuswapd's own start, not its operator's, so the restore goes on, and the timers
+    run again only once it is verified.
+    """
+    world = FakeWorld()
+    verify = world.http.verify
+    verifying = asyncio.Event()
+
+    async def fails_before_its_verify(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
+        if check.url == RESIDENT_URL:
+            world.systemd.units["strata.service"].active_state = "failed"  # out of memory, say
+            world.systemd.units["llama-swap.service"].active_state = "inactive"  # Requires=strata
+            world.gpu.free("strata.service")
+            verifying.set()
+            await asyncio.sleep(3600)
+        return await verify(check, retry_until, fields)
+
+    def refused(cleared: bool, data: bytes) -> None:
+        raise OSError(13, "Permission denied")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.phase is Phase.READY
+            world.store.on_write = refused
+            world.http.verify = fails_before_its_verify  # type: ignore[method-assign]
+            await w.release(lease.id)
+            await verifying.wait()
+            await w.shutdown(restore=False)  # SIGKILL, before the verify
+        assert world.store.document and world.store.document.window
+        assert world.store.document.window.phase is Phase.READY
+        assert world.snapshot()["timers"] != BASELINE["timers"]
+        world.store.on_write = None
+        world.http.verify = verify  # type: ignore[method-assign]
+        resumed = []
+        resume = None
+
+        w = world.window()
+        resume = w.resident.resume
+
+        async def resumes(timers: list[str]) -> None:
+            resumed.append(world.systemd.units["strata.service"].active_state)
+            await resume(timers)
+
+        w.resident.resume = resumes  # type: ignore[method-assign]
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.units == ["strata.service", "llama-swap.service"]
+        assert resumed == ["active"]
+
+    run(main())
+    assert world.snapshot() == BASELINE
+    assert world.systemd.started.count("strata.service") == 2  # the window's restore, and its restore again
 
 
 def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_systemd_in_its_rollback() -> None:
