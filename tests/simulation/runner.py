@@ -19,7 +19,9 @@ lease, queue or waiter, and quiet for longer than ``daemon.reconcile``):
  4. A lease ends only for a reason: its release, its expiry, its unit stopping, its bound
     connection ending, a preemption (whose preemptor could open when it was noticed), a failed
     window (the engine gave up, the opening or the recovery rolled it back), a shutdown, or a
-    baseline restore (no state readable).
+    baseline restore (no state readable). And it ends at its expiry, not much later: the one its
+    client was told, or, once gpuswapd started again, a renewal's that was refused or never
+    answered (its write may have landed late, and a start trusts the disk).
  5. A READY window of profile P grants a request for P at once, unless a preemption is under
     way, the window is closing or has a switch pending, fairness blocks joins, or the window is
     DEGRADED (or the state directory, which a grant waits for, is failing).
@@ -315,6 +317,7 @@ class Host:
             return
         self.state = "starting"
         self.boots += 1
+        self.run.boot_times.append(self.run.clock.now)
         tasks.spawn(self._boot(), "sim-boot")
 
     async def _boot(self) -> None:
@@ -418,6 +421,10 @@ class Run:
         self.quiet_since: float | None = None
         self.idle_since: float | None = None
         self.lease_expiry: dict[str, float] = {}
+        # Renewals refused (their state write failed) or never answered, as (asked at, the expiry
+        # asked for): a write that hung may still land, and the next start trusts what the disk got.
+        self.unconfirmed_renewals: dict[str, list[tuple[float, float]]] = {}
+        self.boot_times: list[float] = []
         self.finished: dict[str, dict[str, Any]] = {}
         self.shutdowns: list[float] = []
         self.held: list[list[float]] = []  # [stopped, started]: the operator held the resident down
@@ -712,13 +719,22 @@ class Run:
         c.renewer = None
         if not c.running or c.hung_up or c.lease is None:
             return
-        self.request(c, {"op": "renew", "lease": c.lease, "for": f"{duration:g}s"}, self._renewed)
+        self._renew(c, duration)
         c.renewer = self.world.scheduler.after(max(1.0, duration / 2), lambda: self._renew_run(c, duration))
 
-    def _renewed(self, c: Client, reply: dict[str, Any]) -> None:
+    def _renew(self, c: Client, duration: float) -> None:
+        lease, entry = c.lease, (self.clock.now, self.clock.now + duration)
+        if lease is not None:
+            self.unconfirmed_renewals.setdefault(lease, []).append(entry)
+        self.request(c, {"op": "renew", "lease": lease, "for": f"{duration:g}s"},
+                     lambda c, reply: self._renewed(c, reply, lease, entry))
+
+    def _renewed(self, c: Client, reply: dict[str, Any], lease: str | None, entry: tuple[float, float]) -> None:
         if reply.get("ok") and c.lease is not None:
             expires = reply["lease"].get("expires_at")
             self.lease_expiry[c.lease] = math.inf if expires is None else self._on_virtual(float(expires))
+            if lease is not None and entry in self.unconfirmed_renewals.get(lease, []):
+                self.unconfirmed_renewals[lease].remove(entry)
 
     def _command_ends(self, c: Client) -> None:
         if not c.running:
@@ -788,7 +804,7 @@ class Run:
     def _do_renew(self, e: dict[str, Any]) -> None:
         c = self._client(e)
         if c is not None and c.lease is not None and not c.released:
-            self.request(c, {"op": "renew", "lease": c.lease, "for": f"{e['for']:g}s"}, self._renewed)
+            self._renew(c, float(e["for"]))
 
     def _do_hangup(self, e: dict[str, Any]) -> None:
         c = self._client(e)
@@ -1183,7 +1199,7 @@ class Run:
         current = {x.id: x for x in rec.leases.all()} if rec is not None else {}
         # A lease also ends at its expiry, not much later, whatever the wall clock did.
         for lease_id in current:
-            late = now - self.lease_expiry.get(lease_id, math.inf)
+            late = now - self._expiry_allowed(lease_id)
             if late > LATE_EXPIRY_S:
                 self.violate("4", f"lease {lease_id} is still held {late:.0f}s after it expired "
                                   f"(at {self.lease_expiry[lease_id]:.1f}s); the wall clock was stepped by "
@@ -1207,6 +1223,18 @@ class Run:
                                   f"{rec.id if rec is not None else None}")
             else:
                 self.note(f"  lease {lease_id} of {c.id} ended: {why}")
+
+    def _expiry_allowed(self, lease_id: str) -> float:
+        """The lease's expiry as its client was told, or, after a start of gpuswapd, an unconfirmed renewal's.
+
+        A renewal whose state write hung is refused, yet the write may land later (one never
+        answered may have been written too): a gpuswapd started after it trusts the disk (a lease
+        bound to a connection then ends within the reclaim grace all the same).
+        """
+        told = self.lease_expiry.get(lease_id, math.inf)
+        landed = [until for asked, until in self.unconfirmed_renewals.get(lease_id, ())
+                  if any(boot > asked for boot in self.boot_times)]
+        return max([told, *landed])
 
     def _why_ended(self, c: Client, lease_id: str, now: float) -> str | None:
         if c.released or c.release_sent:
