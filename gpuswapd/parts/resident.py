@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -56,6 +57,7 @@ class Resident:
         # Started again, but their marks could not be removed (the state directory hung): removed
         # once it answers, before a later start could read them as a stop of gpuswapd's.
         self.unmark_pending: set[str] = set()
+        self.start_ended_pending: set[str] = set()  # restores ended whose start records could not be removed
 
     async def drain(self) -> None:
         """Wait up to ``resident.idle.wait`` for in-flight requests to end; fail or proceed."""
@@ -117,6 +119,8 @@ class Resident:
             log.error("timers_resume_failed", error=err.message)
             raise RestoreFailed(f"could not start timers again: {err.message}") from err
         log.info("timers_resumed", timers=timers)
+        if self.start_ended_pending:
+            await self.start_ended(sorted(self.start_ended_pending))
         await self.unmark(timers)
 
     # -- what gpuswapd stopped (state/marks.py): the only units and timers it ever starts ------------
@@ -147,10 +151,16 @@ class Resident:
     async def start_ended(self, units: list[str]) -> None:
         """Forget the starts of a restore that ended (verified, or left to the resident's operator).
 
-        A record that stays (the state directory failed) is harmless: it predates any later stop.
+        A record that stays (the state directory failed) is tried again before the paused
+        timers' marks are removed, and while idle: a later start reads a record left with no
+        paused timer running since as a restore that never ended.
         """
-        with contextlib.suppress(GpuswapError, OSError):
+        try:
             await self.outside.state.call("unmark", self.starting.remove, list(units))
+        except (GpuswapError, OSError):
+            self.start_ended_pending |= set(units)  # tried again before the timers' marks go, and when idle
+            return
+        self.start_ended_pending -= set(units)
 
     async def started_at(self) -> dict[str, float | None]:
         """Map each unit whose restore's start is under way to the CLOCK_MONOTONIC second it was issued."""
@@ -163,6 +173,8 @@ class Resident:
         """Remove the marks a hung state directory kept (no window open: none of them is current)."""
         if self.unmark_pending:
             await self.unmark(sorted(self.unmark_pending))
+        if self.start_ended_pending:
+            await self.start_ended(sorted(self.start_ended_pending))
 
     async def marked_at(self) -> dict[str, float | None]:
         """Map each name gpuswapd marked stopped to the CLOCK_MONOTONIC second of its mark (None: not said)."""
@@ -172,30 +184,45 @@ class Resident:
             raise StateError(f"cannot read what gpuswapd stopped: {err.strerror or err}") from err
 
     async def stopped(self) -> list[str]:
-        """List the units and timers gpuswapd stopped and has not started again.
+        """List the units and timers gpuswapd stopped and has not brought back yet.
 
         A mark whose unit became active after it was written is stale (its removal failed, and
         gpuswapd was killed before it could retry): it ran again since, whoever started it, and
-        what it is now is its operator's. Such a mark is removed, never acted on. When systemd
-        cannot say, every mark counts.
+        what it is now is its operator's. Such a mark is removed, never acted on.
+
+        Except under a restore of gpuswapd's own that never ended: a unit whose restore's start is
+        recorded (``starting``; issued after its stop mark, if one is left) while no timer it
+        paused runs again since that start (timers resume only after the resident's verify) was
+        started by that restore, and gpuswapd was killed before its verify. It is still
+        gpuswapd's to bring back and verify, with or without its stop mark (the start removes it).
+        A start record of a restore that ended is removed. When systemd cannot say, every mark counts.
         """
         marked = await self.marked_at()
+        try:
+            issued = {n: at for n, at in (await self.started_at()).items() if at is not None}
+        except GpuswapError:
+            issued = {}
         dated = sorted(n for n, at in marked.items() if at is not None)
-        stale: list[str] = []
-        if dated:
-            try:
-                states = await self.unit_states(dated)
-            except GpuswapError:
-                states = {}
-            for name in dated:
-                entered, at = (states[name].active_enter if name in states else None), marked[name]
-                if entered is not None and at is not None and entered > at:
-                    stale.append(name)
+        try:
+            states = await self.unit_states(dated) if dated else {}
+        except GpuswapError:
+            states = {}
+
+        def resumed_since(moment: float) -> bool:  # a timer it paused runs again: that restore had ended
+            return any(t.endswith(".timer") and t in states and states[t].active
+                       and (states[t].active_enter or 0.0) > moment for t in dated)
+
+        owed = {n for n, at in issued.items()
+                if (marked.get(n) is None or at > (marked[n] or 0.0)) and not resumed_since(at)}
+        stale = [n for n in dated if n not in owed and n in states
+                 and (states[n].active_enter or -math.inf) > (marked[n] or math.inf)]
         if stale:
             log.warning("stopped_record_stale", names=stale,
                         reason="each became active again after gpuswapd stopped it: left as it is now")
             await self.unmark(stale)
-        return sorted(n for n in marked if n not in stale)
+        if ended := sorted(issued.keys() - owed):
+            await self.start_ended(ended)
+        return sorted((marked.keys() - set(stale)) | owed)
 
     async def closure(self) -> list[str]:
         """List the active resident units and everything that Requires/BindsTo/PartOf them."""

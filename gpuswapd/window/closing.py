@@ -121,8 +121,14 @@ async def _resident_fits(w: Context) -> bool:
 
 
 async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
+    """Wait until the resident would fit: the engine's memory released, up to ``gpu.release_timeout``.
+
+    Also with no resident to restore (its operator's, or down before the window): IDLE says the
+    card is free, and its operator's start of the resident right after must not find the engine's
+    memory still being released.
+    """
     gpu = w.config.gpu
-    if await w.resident.all_active(rec.units):
+    if rec.units and await w.resident.all_active(rec.units):
         return  # it is back already (a close carried on after a restart): its own memory is no wait
     with contextlib.suppress(Degraded):  # the restore retries it, in DEGRADED
         await _parked_leaves_room(w)
@@ -136,6 +142,10 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
             if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED
                 log.error("vram_held_after_bare_window", error=err.message)
                 return
+            if not rec.units:
+                log.warning("vram_not_free_at_close", error=err.message,
+                            consequence="the window closes all the same; a resident started now may not fit yet")
+                return
             # Starting the resident is still the best move: llama.cpp fits itself to what is
             # free, and if the memory is really gone it fails, and the restore retries with backoff.
             log.warning("vram_not_free_restoring_anyway", error=err.message)
@@ -145,7 +155,11 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
             # engine's memory still being freed. Ask again, up to the release timeout.
             attempt += 1
             if clock.monotonic() >= deadline:
-                log.warning("vram_unknown_restoring_anyway", error=err.message)
+                if rec.units:
+                    log.warning("vram_unknown_restoring_anyway", error=err.message)
+                else:
+                    log.warning("vram_not_free_at_close", error=err.message,
+                                consequence="the window closes all the same; a resident started now may not fit yet")
                 return
             log.warning("vram_unknown_before_restore", error=err.message, attempt=attempt)
             await _pause(w, min(backoff(w.backoffs.restore, attempt), max(0.0, deadline - clock.monotonic())))
@@ -472,7 +486,7 @@ async def close(w: Context, rec: WindowRecord, outcome: str, switch: bool = True
     fetch = w.files.start(w, rec) if not switch or switch_target(w, rec) is None else None
     try:
         for index, (phase, step) in enumerate(STEPS):
-            if index < first or (phase is Phase.WAITING_VRAM and not rec.units):
+            if index < first:
                 continue
             if index > 0 and engine_left(rec) and remover is None:
                 # An engine CLOSING could not take down, or one a restart found left (the close

@@ -804,7 +804,8 @@ class Window:
         async def retry() -> None:
             if self.record is None:  # checked again as it runs: a window that opened meanwhile marks its own
                 await self.resident.retry_unmark()
-        if self.record is None and self.resident.unmark_pending and not self.stopping.is_set():
+        if self.record is None and (self.resident.unmark_pending or self.resident.start_ended_pending) \
+                and not self.stopping.is_set():
             spawn(retry(), "retry-unmark")
 
     async def reconcile(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,37 @@ def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sig
     assert world.systemd.started.count("strata.service") == 2  # the window's restore, and its restore again
 
 
+def test_a_close_with_no_resident_to_restore_ends_once_the_engines_memory_is_released() -> None:
+    """Its operator stopped the resident before the window, so the close restores nothing; yet IDLE
+    comes only once the engine's memory is released: their `systemctl start` right after must fit."""
+    world = FakeWorld()
+    for name in ("strata.service", "llama-swap.service"):
+        world.systemd.units[name].active_state = "inactive"
+    world.gpu.free("strata.service")
+    stop = world.docker.stop
+
+    def lags(name: str, timeout: float) -> None:  # the driver frees an exited process's memory a little later
+        held = world.gpu.holders.get(f"engine:{name}")
+        stop(name, timeout)
+        if held is not None:
+            world.gpu.holders[f"engine:{name}"] = held
+            threading.Timer(0.1, world.gpu.free, [f"engine:{name}"]).start()
+
+    world.docker.stop = lags  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.record is not None and w.record.units == []
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+            assert world.gpu.holders == {}
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "inactive"
+
+
 def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_systemd_in_its_rollback() -> None:
     """systemd fails after the slot save, before any unit was stopped, and the resident crashes meanwhile.
 
@@ -542,6 +574,86 @@ def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None
 
     run(main())
     assert world.snapshot()["units"]["strata.service"] == "inactive"  # the operator's word stands
+
+
+def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_baseline_restore() -> None:
+    """Killed between its restore's start and the verify, then every copy of the state torn.
+
+    The units came up after their stop marks, but under gpuswapd's own start (recorded apart):
+    not stale marks. The baseline restore takes them in and verifies the resident before the
+    timers run again.
+    """
+    world = FakeWorld()
+    verify = world.http.verify
+    verifying = asyncio.Event()
+
+    async def hangs(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
+        if check.url == RESIDENT_URL:
+            verifying.set()
+            await asyncio.sleep(3600)
+        return await verify(check, retry_until, fields)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None
+            world.http.verify = hangs  # type: ignore[method-assign]
+            await w.release(lease.id)
+            await verifying.wait()
+            await w.shutdown(restore=False)  # SIGKILL, before the verify
+        assert world.snapshot()["units"]["strata.service"] == "active"
+        world.http.verify = verify  # type: ignore[method-assign]
+        world.store.load = lambda: TORN  # type: ignore[method-assign]
+        w = world.window()
+        verified_first = []
+        resume = w.resident.resume
+
+        async def resumes(timers: list[str]) -> None:
+            verified_first.append(RESIDENT_URL in world.http.completions[answered:])
+            await resume(timers)
+
+        w.resident.resume = resumes  # type: ignore[method-assign]
+        answered = len(world.http.completions)
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "baseline_restored"
+            assert sorted(w.last.units) == ["llama-swap.service", "strata.service"]
+        assert verified_first == [True]
+
+    run(main())
+    assert world.snapshot() == BASELINE
+    assert memory_marks(world.store).read() == [] and memory_marks(world.store, "starting").read() == []
+
+
+def test_a_restore_that_ended_leaves_its_marks_stale_even_when_its_start_record_stayed() -> None:
+    """The restore verified the resident and resumed the timers, but no mark, nor its start's record, could be
+    removed; the resident then crashed while gpuswapd was down. The timers ran again after the start: that
+    restore ended, and the crash is systemd's (Restart=), not gpuswapd's to undo."""
+    world = FakeWorld()
+    marks = _marks_failing_removal(world)
+    starting = memory_marks(world.store, "starting")
+    starting.remove = lambda names: (_ for _ in ()).throw(OSError(5, "Input/output error"))  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None
+            await w.release(lease.id)
+            await settle(w)
+            assert w.phase is Phase.IDLE and marks.read() != [] and starting.read() != []
+            await w.shutdown(restore=False)
+        world.systemd.units["strata.service"].active_state = "failed"  # it crashes while gpuswapd is down
+        world.gpu.free("strata.service")
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is None  # every mark was stale
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.systemd.started.count("strata.service") == 1  # the window's own restore only
 
 
 def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp_path: Path) -> None:
