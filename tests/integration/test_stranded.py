@@ -212,8 +212,9 @@ def test_a_restart_while_docker_is_away_still_ends_the_window_when_its_lease_doe
     try:
         daemon.start()
         if docker == "frozen":
-            # The engine still answers: the window is adopted on its health alone, and it ends
-            # when its lease does, although Docker cannot be asked anything.
+            # The engine still answers: the window is adopted on its health and, since Docker
+            # cannot say which start of the container runs, a verifying completion; it ends when
+            # its lease does, although Docker cannot be asked anything.
             status = daemon.wait_phase("READY", timeout=30)
             assert [x["id"] for x in status["window"]["leases"]] == [lease["id"]]
             _wait_for("the window to start closing", lambda: daemon.status()["phase"] != "READY",
