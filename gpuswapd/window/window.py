@@ -396,9 +396,9 @@ class Window:
         if n == 0:
             lease.recorded_until = lease.expires_at
         self._renewing[lease_id] = n + 1
-        rec.leases.renew(lease_id, until - now, now)
         ok = False
         try:
+            rec.leases.renew(lease_id, until - now, now)
             await self._recorded(f"the renewal of lease {lease_id}")
             ok = True
         finally:
