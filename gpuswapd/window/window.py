@@ -11,6 +11,7 @@ a step; the steps live in ``opening``, ``holding``, ``closing`` and the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -660,7 +661,8 @@ class Window:
             await self._recorded(self._whose(granted))
         except StateError as err:
             for waiter, lease in granted:
-                rec.leases.release(lease.id)
+                with contextlib.suppress(LeaseNotFound):  # ended meanwhile (its unit stopped while the write hung)
+                    rec.leases.release(lease.id)
                 if not waiter.future.done():
                     waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
             return
@@ -698,7 +700,8 @@ class Window:
                                      "(gpuswapctl status)") from err
         except StateError as err:
             for waiter, lease in granted:
-                rec.leases.release(lease.id)
+                with contextlib.suppress(LeaseNotFound):  # ended meanwhile (its unit stopped while the write hung)
+                    rec.leases.release(lease.id)
                 if not waiter.future.done():
                     waiter.future.set_exception(GpuswapError.from_dict(err.to_dict()))
             if not rec.restarts:

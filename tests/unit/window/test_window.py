@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,9 +14,10 @@ import pytest
 
 from gpuswapd.errors import BadResponse, Degraded, GpuswapError, StateError, WontFit
 from gpuswapd.leases import Lease
+from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
 from gpuswapd.window.window import Window
-from tests.fakes import BASELINE, ENGINE_URL, FakeUnit, FakeWorld, GiB, running, settle
+from tests.fakes import BASELINE, DEADLINES, ENGINE_URL, FakeUnit, FakeWorld, GiB, running, settle
 
 
 def run(coro: Any) -> Any:
@@ -215,6 +218,35 @@ def test_a_renewal_that_shortens_a_lease_takes_effect_only_once_recorded() -> No
         return [renewal]
 
     _renewals_on_a_failing_write(shorter)
+
+
+def test_a_lease_that_ended_while_its_grant_was_being_recorded_does_not_break_the_window() -> None:
+    """The write that grants READY's leases hangs; meanwhile a holder's unit stops, ending its lease; then the
+    write fails. The grant is refused, the window closes as any failed opening does, and the driver lives."""
+    world = FakeWorld()
+    hanging = threading.Event()
+
+    def hangs(cleared: bool, data: bytes) -> None:
+        if not cleared and b'"READY"' in data and not hanging.is_set():
+            hanging.set()
+            time.sleep(0.5)  # past the lane's deadline: the write fails (and lands late)
+
+    world.store.on_write = hangs
+
+    async def main() -> None:
+        async with running(world.window(Outside(dataclasses.replace(DEADLINES, state=0.2)))) as w:
+            acquire = asyncio.create_task(w.acquire("job", 60, unit="job.service"))
+            while not hanging.is_set():
+                await asyncio.sleep(0.005)
+            assert w.record is not None and [x.unit for x in w.record.leases.all()] == ["job.service"]
+            await w.unit_gone("job.service")
+            with pytest.raises(StateError, match="could not be recorded"):
+                await acquire
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "rolled_back"
+            assert await w.acquire("again", 60) is not None  # the driver still serves
+
+    run(main())
 
 
 def test_a_bug_in_a_step_rolls_the_window_back() -> None:
