@@ -121,6 +121,11 @@ class Resident:
         log.info("timers_resumed", timers=timers)
         if self.start_ended_pending:
             await self.start_ended(sorted(self.start_ended_pending))
+        if self.start_ended_pending:
+            # The restore's start records stay (the state directory fails): so do the timers'
+            # marks, which tell a later start that this restore ended. Both go once it answers.
+            self.unmark_pending |= set(timers)
+            return
         await self.unmark(timers)
 
     # -- what gpuswapd stopped (state/marks.py): the only units and timers it ever starts ------------
@@ -171,10 +176,11 @@ class Resident:
 
     async def retry_unmark(self) -> None:
         """Remove the marks a hung state directory kept (no window open: none of them is current)."""
-        if self.unmark_pending:
-            await self.unmark(sorted(self.unmark_pending))
+        # The start records first: a paused timer's mark, gone, would no longer tell of a restore that ended.
         if self.start_ended_pending:
             await self.start_ended(sorted(self.start_ended_pending))
+        if self.unmark_pending and not self.start_ended_pending:
+            await self.unmark(sorted(self.unmark_pending))
 
     async def marked_at(self) -> dict[str, float | None]:
         """Map each name gpuswapd marked stopped to the CLOCK_MONOTONIC second of its mark (None: not said)."""

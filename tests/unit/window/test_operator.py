@@ -656,6 +656,39 @@ def test_a_restore_that_ended_leaves_its_marks_stale_even_when_its_start_record_
     assert world.systemd.started.count("strata.service") == 1  # the window's own restore only
 
 
+def test_the_timers_marks_stay_while_the_restores_start_record_cannot_be_removed() -> None:
+    """The restore's start record could not be removed (twice: after the verify, and before the timers'
+    marks go): the timers' marks stay too, since they tell a later start that this restore ended; once the
+    state directory answers, both go."""
+    world = FakeWorld()
+    starting = memory_marks(world.store, "starting")
+    remove = starting.remove
+    failing = {"left": 2}
+
+    def flaky(names: list[str]) -> None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise OSError(5, "Input/output error")
+        remove(names)
+
+    starting.remove = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None
+            await w.release(lease.id)
+            await settle(w)
+            assert w.phase is Phase.IDLE and world.snapshot() == BASELINE
+            assert starting.read() == ["llama-swap.service", "strata.service"]
+            assert memory_marks(world.store).read() == ["agent-digest.timer", "agent-review.timer",
+                                                        "agent-triage.timer"]
+            await w.resident.retry_unmark()  # the state directory answers again
+            assert starting.read() == [] and memory_marks(world.store).read() == []
+
+    run(main())
+
+
 def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp_path: Path) -> None:
     marks = Marks(tmp_path / "default.stopped")
     marks.add(["strata.service"])
