@@ -178,8 +178,9 @@ async def _stop_resident(op: Opening) -> None:
     # The timers are paused and their jobs done: the slots' caches are kept for the restore (warm.py).
     try:
         await warm.save(op.window, op.rec)
-        if op.rec.cache is not None:
-            await _drop_gone_meanwhile(op)
+        # Also when nothing was saved: a save that timed out (a hung read of how the resident runs)
+        # took its deadline, and the resident may have crashed meanwhile.
+        await _drop_gone_meanwhile(op)
     except BaseException:
         # Nothing of the resident was stopped yet: the close has none of its units to start again
         # (one that crashes meanwhile is systemd's), nor their memory to wait for.

@@ -20,6 +20,7 @@ import pytest
 
 from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
+from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_status
 from gpuswapd.errors import BusUnavailable, DockerUnavailable
 from gpuswapd.phases import Phase
@@ -29,7 +30,7 @@ from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.plan import make_plan
 from gpuswapd.window.recovery import recover_at_start
 from gpuswapd.window.window import down_cause
-from tests.fakes import BASELINE, FAKE_CONFIG, PROFILE_CONFIG, RESIDENT_URL, FakeWorld, running, settle
+from tests.fakes import BASELINE, CONFIG, FAKE_CONFIG, PROFILE_CONFIG, RESIDENT_URL, FakeWorld, running, settle
 from tests.unit.conftest import run
 
 TORN = Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])
@@ -393,6 +394,35 @@ def test_a_close_with_no_resident_to_restore_ends_once_the_engines_memory_is_rel
 
     run(main())
     assert world.snapshot()["units"]["strata.service"] == "inactive"
+
+
+def test_a_resident_that_crashes_while_its_slot_save_times_out_is_not_started_by_the_close() -> None:
+    """Reading how the resident runs hangs, so the slot save times out with nothing saved; the resident crashes
+    meanwhile. Its units are left out of the window before the stop: the crash is systemd's to undo."""
+    world = FakeWorld(config=parse_config(CONFIG + '[resident.cache]\nsave_timeout = "100ms"\n', "<short save>"))
+    commands = world.systemd.commands
+
+    def hangs(unit: str) -> Any:
+        world.systemd.units["strata.service"].active_state = "failed"  # it crashes meanwhile
+        world.systemd.units["llama-swap.service"].active_state = "inactive"
+        world.gpu.free("strata.service")
+        time.sleep(0.3)
+        return commands(unit)
+
+    world.systemd.commands = hangs  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.record is not None and w.record.units == []
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+
+    run(main())
+    assert "strata.service" not in world.systemd.started
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.snapshot()["timers"] == BASELINE["timers"]
 
 
 def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_systemd_in_its_rollback() -> None:
