@@ -128,8 +128,10 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
     memory still being released.
     """
     gpu = w.config.gpu
-    if rec.units and await w.resident.all_active(rec.units):
-        return  # it is back already (a close carried on after a restart): its own memory is no wait
+    if await w.resident.all_active(rec.units or w.config.resident.units):
+        # It is back already (a close carried on after a restart), or up without gpuswapd (its
+        # operator's): its own memory is no wait.
+        return
     with contextlib.suppress(Degraded):  # the restore retries it, in DEGRADED
         await _parked_leaves_room(w)
     deadline = clock.monotonic() + gpu.release_timeout

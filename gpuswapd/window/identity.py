@@ -288,7 +288,8 @@ async def record_at_start(w: Context) -> None:
                 now = await read(w, running)
                 if w.record is None:
                     _at_start(w, now)
-                return
+                    return
+                continue  # a window opened meanwhile: its restore records it, or this loop once it is over
         except GpuswapError as err:
             if attempt + 1 == WARN_AFTER:
                 log.warning("resident_identity_unread", error=err.message,

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_status
-from gpuswapd.errors import BusUnavailable, DockerUnavailable
+from gpuswapd.errors import BusUnavailable, DockerUnavailable, GpuswapError
 from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
@@ -201,6 +202,50 @@ def _reconfigure(world: FakeWorld, ctx: str, n_ctx: int) -> None:
     world.systemd._stop("strata.service")
     world.systemd.units["strata.service"].n_ctx = n_ctx
     assert world.systemd._start("llama-swap.service") == "done"
+
+
+def test_a_window_that_opens_while_the_baseline_is_read_at_start_does_not_lose_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuswapd reads the resident at start; a window opens meanwhile and fails before it stops anything (its
+    state cannot be written), so no restore records the baseline: it is recorded once that window is over."""
+    import gpuswapd.window.identity as identity
+
+    monkeypatch.setattr(identity, "WINDOW_LOOK_S", 0.01)
+    world = FakeWorld()
+    props = world.http.props
+
+    def refused(cleared: bool, data: bytes) -> None:
+        if not cleared:
+            raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            acquires: list[asyncio.Task[Any]] = []
+
+            async def window_opens_meanwhile(url: str, timeout: float) -> Any:
+                result = await props(url, timeout)
+                if not acquires:
+                    world.http.props = props  # type: ignore[method-assign]
+                    world.store.on_write = refused
+                    acquires.append(asyncio.create_task(w.acquire("job", 60)))
+                    while w.record is None:  # the window has opened
+                        await asyncio.sleep(0)
+                return result
+
+            world.http.props = window_opens_meanwhile  # type: ignore[method-assign]
+            baseline = asyncio.create_task(record_at_start(w))
+            while not acquires:
+                await asyncio.sleep(0.01)
+            with pytest.raises(GpuswapError):
+                await acquires[0]
+            world.store.on_write = None
+            await settle(w)
+            await asyncio.wait_for(baseline, 5)
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 4096
+            assert w.last is not None and w.last.units == []
+
+    run(main())
+    assert world.snapshot() == BASELINE
 
 
 def test_a_resident_its_operator_reconfigured_becomes_the_baseline_and_is_never_repaired() -> None:
@@ -423,6 +468,29 @@ def test_a_resident_that_crashes_while_its_slot_save_times_out_is_not_started_by
     assert "strata.service" not in world.systemd.started
     assert world.snapshot()["units"]["strata.service"] == "failed"
     assert world.snapshot()["timers"] == BASELINE["timers"]
+
+
+def test_a_close_with_nothing_to_restore_does_not_wait_on_a_resident_that_is_up() -> None:
+    """A window fails before it stops anything: the resident up holds its own memory, which is no wait."""
+    world = FakeWorld()
+
+    def refused(cleared: bool, data: bytes) -> None:
+        if not cleared:
+            raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            world.store.on_write = refused
+            with structlog.testing.capture_logs() as logs:
+                with pytest.raises(GpuswapError):
+                    await w.acquire("job", 60)
+                world.store.on_write = None
+                await settle(w)
+            assert w.last is not None and w.last.units == [] and w.last.outcome == "rolled_back"
+        assert [x for x in logs if x["event"] in ("vram_not_free_at_close", "vram_free")] == []
+
+    run(main())
+    assert world.snapshot() == BASELINE
 
 
 def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_systemd_in_its_rollback() -> None:
