@@ -201,11 +201,16 @@ async def _never_stopped(w: Context, rec: WindowRecord) -> None:
     except (GpuswapError, asyncio.CancelledError) as err:
         log.info("resident_stop_unchecked", error=_why(err, w), consequence="the record stands")
         return
-    never = [u for u in rec.units if u not in marked]
+    # A mark older than this window's stop time is an earlier window's that its close could not
+    # remove (a failing state directory): it says nothing of this window's stop.
+    never = [u for u in rec.units if u not in marked
+             or (rec.stopped_mono is not None and (marked[u] or math.inf) < rec.stopped_mono)]
     if never:
         log.info("resident_stop_never_issued", units=never, window=rec.id,
                  consequence="left as they are: gpuswapd stopped before it stopped them")
-        rec.units = [u for u in rec.units if u in marked]
+        rec.units = [u for u in rec.units if u not in never]
+        if left := [u for u in never if u in marked]:
+            await w.resident.unmark(left)  # an earlier window's, restored since
 
 
 async def _came_up_after_the_stop(w: Context, units: list[str], states: dict[str, UnitState]) -> list[str]:

@@ -523,13 +523,17 @@ def test_a_window_that_fails_before_its_resident_stop_leaves_the_resident_to_sys
     assert world.snapshot()["timers"] == BASELINE["timers"]  # its own pause undone
 
 
-def test_a_resident_whose_stop_was_never_issued_is_not_started_after_a_sigkill() -> None:
+@pytest.mark.parametrize("left_marks", [False, True])
+def test_a_resident_whose_stop_was_never_issued_is_not_started_after_a_sigkill(left_marks: bool) -> None:
     """gpuswapd is killed during the slot save (STOPPING_RESIDENT, no unit stopped yet); the resident then crashes.
 
     The next start finds no stop mark for the units the record names: they were never gpuswapd's
-    stop, and their crash is systemd's to undo.
+    stop, and their crash is systemd's to undo. ``left_marks``: an earlier window's close could not
+    remove its marks of them (older than this window's stop): they say nothing of this window.
     """
     world = FakeWorld()
+    if left_marks:
+        memory_marks(world.store).add(["strata.service", "llama-swap.service"])
     save = world.http.slot_file
     saving = asyncio.Event()
 
@@ -563,6 +567,7 @@ def test_a_resident_whose_stop_was_never_issued_is_not_started_after_a_sigkill()
     assert "strata.service" not in world.systemd.started
     assert world.snapshot()["units"]["strata.service"] == "failed"
     assert world.snapshot()["timers"] == BASELINE["timers"]  # its own pause undone
+    assert memory_marks(world.store).read() == []
 
 
 def test_a_resident_masked_while_its_restore_retries_is_left_to_its_operator_and_the_card_is_free() -> None:
