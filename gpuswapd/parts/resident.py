@@ -197,9 +197,9 @@ class Resident:
         what it is now is its operator's. Such a mark is removed, never acted on.
 
         Except under a restore of gpuswapd's own that never ended: a unit whose restore's start is
-        recorded (``starting``; issued after its stop mark, if one is left) while no timer it
-        paused runs again since that start (timers resume only after the resident's verify) was
-        started by that restore, and gpuswapd was killed before its verify. It is still
+        recorded (``starting``; issued after its stop mark, if one is left), that came up under
+        that start, while no timer it paused runs again since (timers resume only after the
+        resident's verify) was started by that restore, and gpuswapd was killed before its verify. It is still
         gpuswapd's to bring back and verify, with or without its stop mark (the start removes it).
         A start record of a restore that ended is removed. When systemd cannot say, every mark counts.
         """
@@ -210,7 +210,7 @@ class Resident:
             issued = {}
         dated = sorted(n for n, at in marked.items() if at is not None)
         try:
-            states = await self.unit_states(dated) if dated else {}
+            states = await self.unit_states(sorted(set(dated) | issued.keys())) if dated or issued else {}
         except GpuswapError:
             states = {}
 
@@ -218,8 +218,10 @@ class Resident:
             return any(t.endswith(".timer") and t in states and states[t].active
                        and (states[t].active_enter or 0.0) > moment for t in dated)
 
+        # Came up under that start (a start of a unit already up changes nothing, and says nothing).
         owed = {n for n, at in issued.items()
-                if (marked.get(n) is None or at > (marked[n] or 0.0)) and not resumed_since(at)}
+                if (marked.get(n) is None or at > (marked[n] or 0.0)) and n in states
+                and (states[n].active_enter or -math.inf) >= at and not resumed_since(at)}
         stale = [n for n in dated if n not in owed and n in states
                  and (states[n].active_enter or -math.inf) > (marked[n] or math.inf)]
         if stale:

@@ -792,6 +792,28 @@ def test_the_timers_marks_stay_while_the_restores_start_record_cannot_be_removed
     run(main())
 
 
+def test_a_start_record_of_a_unit_that_was_up_already_starts_nothing_after_a_crash() -> None:
+    """A restore started the resident again while it was up (a restart of gpuswapd carried a finished close on),
+    and could not remove that start's record; its paused timers had run again before it. The resident then
+    crashed. The record says nothing: the unit did not come up under that start, and it is left to systemd."""
+    world = FakeWorld()
+    memory_marks(world.store, "starting").add(["strata.service", "llama-swap.service"])
+    world.systemd.units["strata.service"].active_state = "failed"
+    world.systemd.units["llama-swap.service"].active_state = "inactive"
+    world.gpu.free("strata.service")
+
+    async def main() -> None:
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is None
+
+    run(main())
+    assert "strata.service" not in world.systemd.started
+    assert memory_marks(world.store, "starting").read() == []
+
+
 def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp_path: Path) -> None:
     marks = Marks(tmp_path / "default.stopped")
     marks.add(["strata.service"])
