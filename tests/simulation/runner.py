@@ -1372,6 +1372,9 @@ class Run:
                 return  # written to a client that does not read
             if c.hung_up or c.dropped is not None or self.host.daemon is not daemon:
                 return
+            if any(asked <= t <= self.clock.now for t, _ in self.suspends) \
+                    and daemon.window.queue.blocked(rec.profile, clock.now()) is not None:
+                return  # the machine slept as it was asked: the waits it counts grew, and fairness blocks joins now
             now_rec = daemon.window.record
             if now_rec is not rec or now_rec.phase is not Phase.READY or now_rec.closing:
                 return  # the window failed or began closing in that instant: the request went with it
