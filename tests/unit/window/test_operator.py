@@ -13,6 +13,7 @@ import dataclasses
 import io
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,27 @@ from tests.fakes import BASELINE, CONFIG, FAKE_CONFIG, PROFILE_CONFIG, RESIDENT_
 from tests.unit.conftest import run
 
 TORN = Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])
+
+
+def _crash(world: FakeWorld) -> None:
+    """The resident crashes: strata fails, llama-swap (Requires=strata) goes with it, strata's memory is free."""
+    world.systemd.units["strata.service"].active_state = "failed"
+    world.systemd.units["llama-swap.service"].active_state = "inactive"
+    world.gpu.free("strata.service")
+
+
+def _a_window_that_stops_nothing(world: FakeWorld, at_idle: Callable[[], None] = lambda: None) -> None:
+    """Open a window whose record has no unit of the resident, release it, see it close, then check ``at_idle``."""
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.record is not None and w.record.units == []
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+            at_idle()
+
+    run(main())
 
 
 def _operator_stops(world: FakeWorld, unit: str = "strata.service") -> None:
@@ -364,9 +386,7 @@ def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sig
 
     async def fails_before_its_verify(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
         if check.url == RESIDENT_URL:
-            world.systemd.units["strata.service"].active_state = "failed"  # out of memory, say
-            world.systemd.units["llama-swap.service"].active_state = "inactive"  # Requires=strata
-            world.gpu.free("strata.service")
+            _crash(world)  # out of memory, say
             verifying.set()
             await asyncio.sleep(3600)
         return await verify(check, retry_until, fields)
@@ -428,16 +448,10 @@ def test_a_close_with_no_resident_to_restore_ends_once_the_engines_memory_is_rel
 
     world.docker.stop = lags  # type: ignore[method-assign]
 
-    async def main() -> None:
-        async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None and w.record is not None and w.record.units == []
-            await w.release(lease.id)
-            await settle(w)
-            assert w.last is not None and w.last.outcome == "closed"
-            assert world.gpu.holders == {}
+    def freed() -> None:
+        assert world.gpu.holders == {}  # at IDLE already: the engine's memory was waited for
 
-    run(main())
+    _a_window_that_stops_nothing(world, freed)
     assert world.snapshot()["units"]["strata.service"] == "inactive"
 
 
@@ -448,23 +462,13 @@ def test_a_resident_that_crashes_while_its_slot_save_times_out_is_not_started_by
     commands = world.systemd.commands
 
     def hangs(unit: str) -> Any:
-        world.systemd.units["strata.service"].active_state = "failed"  # it crashes meanwhile
-        world.systemd.units["llama-swap.service"].active_state = "inactive"
-        world.gpu.free("strata.service")
+        _crash(world)  # meanwhile
         time.sleep(0.3)
         return commands(unit)
 
     world.systemd.commands = hangs  # type: ignore[method-assign]
 
-    async def main() -> None:
-        async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None and w.record is not None and w.record.units == []
-            await w.release(lease.id)
-            await settle(w)
-            assert w.last is not None and w.last.outcome == "closed"
-
-    run(main())
+    _a_window_that_stops_nothing(world)
     assert "strata.service" not in world.systemd.started
     assert world.snapshot()["units"]["strata.service"] == "failed"
     assert world.snapshot()["timers"] == BASELINE["timers"]
@@ -798,9 +802,7 @@ def test_a_start_record_of_a_unit_that_was_up_already_starts_nothing_after_a_cra
     crashed. The record says nothing: the unit did not come up under that start, and it is left to systemd."""
     world = FakeWorld()
     memory_marks(world.store, "starting").add(["strata.service", "llama-swap.service"])
-    world.systemd.units["strata.service"].active_state = "failed"
-    world.systemd.units["llama-swap.service"].active_state = "inactive"
-    world.gpu.free("strata.service")
+    _crash(world)
 
     async def main() -> None:
         w = world.window()
