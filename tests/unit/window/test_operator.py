@@ -623,9 +623,10 @@ def test_status_and_plan_say_the_resident_is_down_and_left_so() -> None:
     run(main())
 
 
-def _marks_failing_removal(world: FakeWorld, times: int = 2) -> Marks:
-    """The world's stop marks, whose next ``times`` removals fail with EIO (the units' unmark, then the timers')."""
-    marks = memory_marks(world.store)
+def _marks_failing_removal(world: FakeWorld, times: int = 2, kind: str = "stopped") -> Marks:
+    """The world's stop marks (``kind`` "starting": its restores' start records), whose next ``times``
+    removals fail with EIO (the units' unmark, then the timers')."""
+    marks = memory_marks(world.store, kind)
     remove = marks.remove
     failing = {"left": times}
 
@@ -768,17 +769,7 @@ def test_the_timers_marks_stay_while_the_restores_start_record_cannot_be_removed
     marks go): the timers' marks stay too, since they tell a later start that this restore ended; once the
     state directory answers, both go."""
     world = FakeWorld()
-    starting = memory_marks(world.store, "starting")
-    remove = starting.remove
-    failing = {"left": 2}
-
-    def flaky(names: list[str]) -> None:
-        if failing["left"]:
-            failing["left"] -= 1
-            raise OSError(5, "Input/output error")
-        remove(names)
-
-    starting.remove = flaky  # type: ignore[method-assign]
+    starting = _marks_failing_removal(world, kind="starting")
 
     async def main() -> None:
         async with running(world.window()) as w:
