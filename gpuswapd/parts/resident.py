@@ -209,10 +209,11 @@ class Resident:
         except GpuswapError:
             issued = {}
         dated = sorted(n for n, at in marked.items() if at is not None)
+        said = True  # systemd said what the units are (else no record is judged ended)
         try:
             states = await self.unit_states(sorted(set(dated) | issued.keys())) if dated or issued else {}
         except GpuswapError:
-            states = {}
+            states, said = {}, False
 
         def resumed_since(moment: float) -> bool:  # a timer it paused runs again: that restore had ended
             return any(t.endswith(".timer") and t in states and states[t].active
@@ -228,7 +229,7 @@ class Resident:
             log.warning("stopped_record_stale", names=stale,
                         reason="each became active again after gpuswapd stopped it: left as it is now")
             await self.unmark(stale)
-        if ended := sorted(issued.keys() - owed):
+        if said and (ended := sorted(issued.keys() - owed)):
             await self.start_ended(ended)
         return sorted((marked.keys() - set(stale)) | owed)
 
