@@ -3,7 +3,8 @@
 An engine model with no window open: the gateway takes a lease for its profile at
 ``gateway.priority``, bound to its connection (it ends if the gateway dies), and the request waits
 until the window is READY, at most ``gateway.hold``. Every request for that profile waits on the
-same acquire; when the last of them goes away, the acquire is withdrawn: gpuswapd keeps the
+same acquire (if its engine fails while the window opens, they ask once more before their 503:
+one retry, as a client's own); when the last of them goes away, the acquire is withdrawn: gpuswapd keeps the
 opening for ``daemon.abandon_grace`` so that a client's retry rejoins the boot, then rolls it
 back. The lease is renewed while requests flow, and released ``gateway.idle`` after the last one
 ended; a renewal capped by gpuswapd is taken as it comes (the lease ends at its
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 
 from gpuswapd import clock, naps
 from gpuswapd.config import GatewayConfig
-from gpuswapd.errors import GpuswapError, LeaseNotFound
+from gpuswapd.errors import EngineFailed, GpuswapError, LeaseNotFound
 from gpuswapd.gateway.errors import TooManyWaiting, Unavailable
 from gpuswapd.gateway.follow import Follow
 from gpuswapd.gateway.link import LinkDown
@@ -148,6 +149,7 @@ class Opening:
     since: float = field(default_factory=clock.monotonic)
     withdraw: asyncio.TimerHandle | None = None  # nobody waits: the acquire is withdrawn then
     withdrawn: bool = False  # it was: a request that comes now makes a new acquire (it rejoins gpuswapd's opening)
+    retried: bool = False  # its engine failed, and the requests waiting on it asked once more
 
 
 class Demand:
@@ -376,6 +378,7 @@ class Demand:
         opening = self.openings.get(profile)
         joined = opening is not None  # this request waited for the card to move
         told = clock.monotonic()
+        retried = False
         while True:
             changed = self.follow.changed()
             lease = self.leases.get(profile)
@@ -390,9 +393,19 @@ class Demand:
                 if opening is not None and opening.withdrawn:
                     opening = None  # withdrawn while this request came: acquire again (it rejoins gpuswapd's)
                 if opening is not None and opening.task.done():
-                    if opening.task.cancelled() or opening.task.exception() is not None:
+                    failed = None if opening.task.cancelled() else opening.task.exception()
+                    if isinstance(failed, EngineFailed) and not retried:
+                        # The engine died or did not come up while its window opened (killed from
+                        # outside, say): a waiting request asks once more, as a client's retry would.
+                        retried = True
+                        if not opening.retried:
+                            opening.retried = True
+                            log.warning("gateway_open_failed_retrying", profile=profile, error=failed.message)
+                        opening = None
+                    elif opening.task.cancelled() or failed is not None:
                         raise _unavailable(profile, opening.task)
-                    opening = None  # granted, and ended since: acquire again
+                    else:
+                        opening = None  # granted, and ended since: acquire again
                 if opening is None and self._turn(profile):
                     opening = self._opening(profile)
                 joined = joined or opening is not None

@@ -19,7 +19,7 @@ import pytest
 
 from gpuswapd import clock
 from gpuswapd.config import parse_config
-from gpuswapd.errors import LeaseNotFound, ResidentBusy
+from gpuswapd.errors import EngineFailed, LeaseNotFound, ResidentBusy
 from gpuswapd.gateway import demand as demand_module
 from gpuswapd.gateway import routes
 from gpuswapd.gateway.app import Gateway
@@ -99,6 +99,7 @@ class FakeDaemon:
         self.acquires: list[str] = []
         self.withdrawn = 0
         self.fail: Exception | None = None
+        self.fails: list[Exception] = []  # the next acquires fail with these, one each
         self.leases: dict[str, dict[str, Any]] = {}
         self.others: list[dict[str, Any]] = []  # leases of other holders
         self.renew_cap: float | None = None
@@ -129,6 +130,8 @@ class FakeDaemon:
             raise
         if self.fail is not None:
             raise self.fail
+        if self.fails:
+            raise self.fails.pop(0)
         lease = {"id": f"lease-{len(self.acquires)}", "holder": holder, "expires_at": time.time() + duration}
         self.leases[lease["id"]] = lease
         self.phase = "READY"
@@ -350,6 +353,34 @@ def test_a_failed_window_is_503_or_an_error_event_once_the_stream_started() -> N
         event = next(line for line in streamed.text.splitlines() if line.startswith("data: "))
         assert "is busy" in json.loads(event.removeprefix("data: "))["error"]["message"]
         assert "[DONE]" not in streamed.text
+    run(main())
+
+
+def test_requests_waiting_on_an_engine_that_died_while_its_window_opened_ask_once_more_together() -> None:
+    died = "container hyperqwen exited with code 137 while BOOTING"
+    async def main() -> None:
+        r = rig()
+        r.daemon.fails = [EngineFailed(died)]
+        r.daemon.gate.clear()
+        asks = [asyncio.create_task(r.client.post("/v1/chat/completions", json=chat("hyperqwen", stream=s)))
+                for s in (False, True, False)]
+        await asyncio.sleep(0.2)
+        r.daemon.gate.set()
+        replies = await asyncio.gather(*asks)
+        assert [x.status_code for x in replies] == [200, 200, 200], [x.text for x in replies]
+        assert "[DONE]" in replies[1].text and '"error"' not in replies[1].text
+        assert r.daemon.acquires == ["default", "default"]  # one more acquire, shared by all three
+        await r.demand.close()
+
+        r = rig()
+        r.daemon.fails = [EngineFailed(died), EngineFailed(died)]  # once more only: then the 503
+        reply = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+        assert reply.status_code == 503 and "exited with code 137" in reply.json()["error"]["message"]
+        assert r.daemon.acquires == ["default", "default"]
+        r.daemon.fail = ResidentBusy("resident strata.service is busy")  # not the engine's: no retry
+        reply = await r.client.post("/v1/chat/completions", json=chat("hyperqwen"))
+        assert reply.status_code == 503 and r.daemon.acquires == ["default", "default", "default"]
+        await r.demand.close()
     run(main())
 
 
