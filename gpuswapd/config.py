@@ -275,7 +275,7 @@ class DaemonConfig:
     fair_after: float = _key(_span(0.0), 300.0)
     # The share a request of another profile waits at most before the card moves to it: at least
     # fair_after, residency_factor times the price of the swaps it costs, at most residency_max.
-    residency_factor: float = _key(_number(0.0, 1000.0), 4.0)
+    residency_factor: float = _key(_number(0.0, 1000.0), 6.0)
     residency_max: float = _key(_span(0.0), 900.0)
     reclaim_grace: float = _key(_span(0.0), 60.0)  # after a restart, a token reclaims its lease or place this long
     abandon_grace: float = _key(_span(0.0), 30.0)  # an opening whose last client hung up goes on this long

@@ -53,7 +53,7 @@ REACQUIRE_S = (0.2, 2.0)  # gpuswapd away (a restart): the acquire is made again
 WITHDRAW_GRACE_S = 0.0
 # A tenant of the gateway's keeps the card this many times the price of the swaps (at most
 # RESIDENCY_MAX_S): gpuswapd's daemon.residency_factor and residency_max, from its status, once read.
-RESIDENCY_PER_SWAP = 4.0
+RESIDENCY_PER_SWAP = 6.0
 RESIDENCY_MAX_S = 900.0
 RESIDENCY_MIN_S = 10.0
 # A tenant whose last request ended this recently still uses the card (a client's next comes), as

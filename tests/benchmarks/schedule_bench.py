@@ -35,7 +35,7 @@ not a real engine's; the model servers answer in a fixed time; gpuswapd's own qu
 stand-in's first-come order (the schedule of gpuswapd's queue is not measured here, only the
 gateway's side: its batching, its residency bound, its lease given back); ``gateway.hold`` and
 ``gateway.idle`` are the defaults (15 and 5 min; ``--hold``), so no wait can exceed 15 min and the residency
-is ``--factor`` x the price of the two swaps (at 4: 140 s at this price, under its cap of
+is ``--factor`` x the price of the two swaps (at 6: 210 s at this price, under its cap of
 hold / 4); a run shorter than a few residencies shows few moves of either policy.
 
 Results: tables on stdout and JSON in /var/tmp/gpuswapd-bench/.
@@ -119,7 +119,7 @@ class Card:
     boot_s: float
     back_s: float
     gateway_port: int
-    factor: float = 4.0  # daemon.residency_factor, as gpuswapd's status tells it
+    factor: float = 6.0  # daemon.residency_factor, as gpuswapd's status tells it
     tenant: str = "resident"
     phase: str = "IDLE"
     leases: dict[str, str] = field(default_factory=dict)  # lease id: profile
@@ -472,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boot", type=float, default=30.0, help="seconds a window's move to an engine costs (default 30)")
     p.add_argument("--back", type=float, default=5.0, help="seconds the resident's return costs (default 5)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="which, comma-separated (default all)")
-    p.add_argument("--factor", type=float, default=4.0,
-                   help="gpuswapd's daemon.residency_factor, which the new gateway follows (default 4)")
+    p.add_argument("--factor", type=float, default=6.0,
+                   help="gpuswapd's daemon.residency_factor, which the new gateway follows (default 6, its default)")
     p.add_argument("--hold", type=float, default=HOLD_S,
                    help="gateway.hold in seconds for both gateways (default 900, its default)")
     p.add_argument("--old", default=OLD, help=f"the old policy's revision (default {OLD}: no schedule)")

@@ -174,7 +174,7 @@ def test_requests_for_the_tenant_join_while_another_waits_within_its_share() -> 
             assert w.schedule(clock.wall())["swaps_avoided"] == 1
             assert w.schedule(clock.wall())["queue"] == {"eval": 1}
             rule = w.schedule(clock.wall())  # the rule the gateway's batching takes from status
-            assert (rule["residency_factor"], rule["residency_max_s"]) == (4.0, 900.0)
+            assert (rule["residency_factor"], rule["residency_max_s"]) == (6.0, 900.0)
             await asyncio.sleep(0.35)  # the eval request has waited its share
             third = asyncio.create_task(w.acquire("agent-3", 60))
             await until(lambda: len(w.queue.queued()) == 2)  # it queues behind eval now
