@@ -147,13 +147,16 @@ async def _revoke(w: Context, rec: WindowRecord, now: float) -> None:
     rec.preempted = p = replace(rec.preempted, revoked_at=now, stopped_units=tuple(units), stops_pending=tuple(units))
     for lease in leases:
         log.info("lease_ended", lease=lease.id, holder=lease.holder, reason="preempted")
-    await w.persist(required=False)
-    log.warning("preempted", window=rec.id, by=p.by, profile=p.profile,
-                priority=p.priority, holders=[x.holder for x in leases], stopped_units=units)
+    # The holders are told as their leases end, not once the state directory answers: a hung write
+    # would leave them running on a card they no longer hold, told only "not found" by a renewal.
+    # A gpuswapd that dies before the write revokes again from the record (its deadline passed).
     w.tell_holders({"event": "preempted", "window": rec.id, "by": p.by,
                     "profile": p.profile, "priority": p.priority,
                     "leases": [_described(x) for x in leases]}, leases)
     w.end_watchers("preempted")
+    await w.persist(required=False)
+    log.warning("preempted", window=rec.id, by=p.by, profile=p.profile,
+                priority=p.priority, holders=[x.holder for x in leases], stopped_units=units)
     for unit in units:  # the window goes on at once: the next one waits for the VRAM anyway
         spawn(_stop_unit(w, rec, unit), "preempt-stop")
     w.wake.set()

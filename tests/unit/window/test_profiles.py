@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
+import time
 from typing import Any
 
 import pytest
 
 from gpuswapd.config import parse_config
-from gpuswapd.errors import ConfigError, NotReady, QueueFull, UnknownProfile
+from gpuswapd.errors import ConfigError, NotReady, QueueFull, StateError, UnknownProfile
+from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
 from gpuswapd.state.store import Document
 from gpuswapd.window.recovery import recover_at_start
-from tests.fakes import CONFIG, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
+from tests.fakes import CONFIG, DEADLINES, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
 from tests.unit.conftest import resident_back, run, until, world
 
 HOLDER_PID = 7777  # a process of the bare window's holder, outside every unit
@@ -324,6 +327,33 @@ def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directl
 
     run(main())
     assert not fw.gpu.ooms
+
+
+def test_the_holders_are_told_preempted_as_their_leases_end_even_while_the_state_directory_hangs() -> None:
+    fw = world(preempt_grace="100ms")
+    told: list[dict[str, Any]] = []
+    at_write: list[list[str]] = []
+
+    def hangs(cleared: bool, data: bytes) -> None:
+        if not at_write and re.search(rb'"revoked_at":\d', data):
+            at_write.append([e["event"] for e in told])
+            time.sleep(0.5)  # past the lane's deadline: the write fails, and gpuswapd carries on
+
+    fw.store.on_write = hangs
+
+    async def main() -> None:
+        async with running(fw.window(Outside(dataclasses.replace(DEADLINES, state=0.2)))) as w:
+            held = await w.acquire("chat", 60)
+            w.lease_watchers[held.id] = told.append
+            urgent = asyncio.create_task(w.acquire("urgent", 60, profile="eval", priority=10))
+            await until(lambda: bool(at_write), timeout=5)
+            assert at_write == [["preempting", "preempted", "lease_ended"]]  # told before the write, not after
+            with contextlib.suppress(StateError):  # the switch's own write may meet the directory still hung
+                await w.release((await urgent).id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
 
 
 def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
