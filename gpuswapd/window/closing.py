@@ -34,6 +34,10 @@ from gpuswapd.window import identity, parking, warm
 if TYPE_CHECKING:
     from gpuswapd.window.context import Context
 
+# A step of the restore that took longer than this (a hung state directory) is followed by another
+# look at the resident before the timers resume: it may have died meanwhile.
+SLOW_STEP_S = 1.0
+
 
 class Interrupted(Exception):
     """Closing stopped part-way because gpuswapd gives up (its shutdown bound ran out); the record stays."""
@@ -293,7 +297,12 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 # Reading it and its caches took a while (a hung /props): it died meanwhile, and the
                 # timers would resume against it. Its start did not last: the restore goes on.
                 raise Degraded("the resident stopped after it was verified, before the timers resumed")
+            ending = clock.monotonic()
             await w.resident.start_ended(rec.units)
+            if clock.monotonic() - ending > SLOW_STEP_S and await _gone_since_verify(w, rec, verified):
+                # Ending its start record took a while too (a hung state directory): it died
+                # meanwhile. The next pass starts it again, and records that start first.
+                raise Degraded("the resident stopped after it was verified, before the timers resumed")
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)

@@ -28,6 +28,7 @@ from gpuswapd.errors import BusUnavailable, DockerUnavailable, GpuswapError
 from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
+from gpuswapd.window import closing
 from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.plan import make_plan
 from gpuswapd.window.recovery import recover_at_start
@@ -783,6 +784,37 @@ def test_the_timers_marks_stay_while_the_restores_start_record_cannot_be_removed
                                                         "agent-triage.timer"]
             await w.resident.retry_unmark()  # the state directory answers again
             assert starting.read() == [] and memory_marks(world.store).read() == []
+
+    run(main())
+
+
+def test_a_resident_that_dies_while_its_start_record_is_ended_is_started_again_before_the_timers_resume(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ending the restore's start record is slow (a hung state directory), and the resident crashes
+    meanwhile: the restore goes on (started again, verified) before the timers resume against it."""
+    world = FakeWorld()
+    monkeypatch.setattr(closing, "SLOW_STEP_S", 0.05)
+    starting = memory_marks(world.store, "starting")
+    remove = starting.remove
+    crashed: list[int] = []
+
+    def slow(names: list[str]) -> None:
+        if not crashed:
+            crashed.append(len(world.systemd.started))
+            _crash(world)
+            time.sleep(0.1)
+        remove(names)
+
+    starting.remove = slow  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None
+            await w.release(lease.id)
+            await settle(w)
+            assert w.phase is Phase.IDLE and world.snapshot() == BASELINE
+            assert world.systemd.started[crashed[0]:] == ["strata.service", "llama-swap.service"]  # started again
 
     run(main())
 
