@@ -35,6 +35,8 @@ SMOKE = {
     "restore_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--stop-delay", "0.5"],
                       ["RESTORING with and without the prefetch, 1 cycles", "no prefetch / prefetch, per cycle",
                        "cold read of the model", "cached after the prefetch"]),
+    "soak_bench": (["--policies", "new", "--minutes", "0.3", "--every", "5-8", "--lag", "0.1", "--boot-delay", "0.2"],
+                   ["soak, new:", "cut by a gateway kill", "after both daemons stopped: resident and timers back"]),
     "warm_bench": (["--lag", "0.1", "--boot-delay", "0.2", "--words", "600"],
                    ["An agent's turn after a window, slots kept and not, 1 cycles", "kept after / before, per cycle",
                     "llama-server's save (MiB/s)", "the seed's agent: 29000 tokens"]),
@@ -57,7 +59,7 @@ WORLDLESS = {
 FAST = {"simulation_bench": Path(__file__).parents[1] / "unit" / "test_simulation_bench.py"}
 RESULTS = {"swap_bench": "swap", "park_bench": "park", "switch_bench": "switch_bench", "lease_bench": "lease",
            "metrics_bench": "metrics", "gateway_bench": "gateway", "restore_bench": "restore",
-           "schedule_bench": "schedule",
+           "schedule_bench": "schedule", "soak_bench": "soak",
            "warm_bench": "warm", "gateway_flood_bench": "gateway_flood"}
 EVERY = sorted({*SMOKE, *WORLDLESS, *FAST})
 
