@@ -1,19 +1,23 @@
-"""The model servers behind the gateway, over httpx: one request each, the answer passed through as it arrives.
+"""The model servers behind the gateway: one request each, the answer passed through as it arrives.
 
-Nothing is buffered: each piece of the upstream's body is handed on as httpx reads it, raw (the
-same bytes, so the same SSE framing and the same final ``usage`` chunk). httpx's errors leave
-this module as ``UpstreamFailed``, the most specific message first.
+Nothing is buffered: each piece of the upstream's body is handed on as it is read, raw (the same
+bytes, so the same SSE framing and the same final ``usage`` chunk). The hop is gpuswapd's own lean
+HTTP/1.1 client (http1.py), or httpx where a test hands in an httpx transport (its MockTransport
+stands in for the model servers). Either one's errors leave this module as ``UpstreamFailed``
+(``UpstreamUnreached`` when nothing accepted the connection), the most specific message first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import httpx
 
+from gpuswapd.gateway import http1
 from gpuswapd.gateway.errors import UpstreamFailed, UpstreamUnreached
 
 CONNECT_S = 5.0
@@ -31,7 +35,8 @@ class Answer:
 
     status: int
     headers: list[tuple[bytes, bytes]]
-    response: httpx.Response
+    response: http1.Response | httpx.Response
+    url: str
 
     @property
     def event_stream(self) -> bool:
@@ -40,9 +45,10 @@ class Answer:
 
     async def pieces(self, idle: float | None = None) -> AsyncIterator[bytes]:
         """Yield the body as it arrives; an upstream that breaks off or sends nothing for ``idle`` s: UpstreamFailed."""
-        url = str(self.response.request.url)
+        url = self.url
         with _mapped(url):
-            stream = self.response.aiter_raw()
+            stream = (self.response.pieces() if isinstance(self.response, http1.Response)
+                      else self.response.aiter_raw())
             while True:
                 try:
                     async with asyncio.timeout(idle):
@@ -62,13 +68,14 @@ class Upstream:
     """One connection pool for every tenant."""
 
     def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        # trust_env=False: the tenants are local; an http_proxy from the environment would route
-        # them through a proxy that cannot reach them. ``transport``: a test double (MockTransport).
-        # max_keepalive_connections is kept small: httpcore's pool does work on every request that
-        # grows with the square of the connections it holds (encode/httpcore#1035), so 512 idle
-        # ones kept after a burst of streams added ~4.4 ms to each request for the next 30 s. A new
-        # local connection costs ~0.1 ms; a burst past 8 opens the rest and lets them go after.
-        self.client = httpx.AsyncClient(
+        # No proxy from the environment either way: the tenants are local, and an http_proxy
+        # would route them through a proxy that cannot reach them. KEEP_IDLE idle connections in
+        # all: a new local connection costs ~0.1 ms, and a burst past 8 opens the rest and lets
+        # them go after (httpcore's pool, used before, also slowed with every idle one it held:
+        # encode/httpcore#1035).
+        self.lean = http1.Client(KEEP_IDLE, 30.0, CONNECT_S, READ_S, WRITE_S) if transport is None else None
+        # ``transport``: a test double (httpx's MockTransport) standing in for the model servers.
+        self.client = None if transport is None else httpx.AsyncClient(
             trust_env=False, follow_redirects=False, transport=transport,
             timeout=httpx.Timeout(connect=CONNECT_S, read=READ_S, write=WRITE_S, pool=CONNECT_S),
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=KEEP_IDLE, keepalive_expiry=30.0))
@@ -78,37 +85,67 @@ class Upstream:
         sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         # A GET, HEAD or OPTIONS without a body goes on without one (not with "content-length: 0").
         content = body if body or method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None
-        request = self.client.build_request(method, url, headers=sent, content=content)
-        with _mapped(url):
-            response = await self.client.send(request, stream=True)
-        kept = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-        length = response.headers.get("content-length")
+        response: http1.Response | httpx.Response
+        if self.client is None:
+            assert self.lean is not None
+            with _mapped(url):
+                response = await self.lean.request(method, url, sent, content)
+            raw, status = response.headers, response.status
+        else:
+            request = self.client.build_request(method, url, headers=sent, content=content)
+            with _mapped(url):
+                response = await self.client.send(request, stream=True)
+            raw, status = [(k.lower(), v) for k, v in response.headers.raw], response.status_code
+        kept = [(k, v) for k, v in raw if k not in HOP_BY_HOP]
+        length = next((v for k, v in raw if k == b"content-length"), None)
         if length is not None:
-            kept.append((b"content-length", length.encode()))
-        return Answer(response.status_code, kept, response)
+            kept.append((b"content-length", length))
+        return Answer(status, kept, response, url)
 
     async def get_json(self, url: str, timeout: float, authorization: bytes = b"") -> object:
         """GET a JSON document (the resident's model list), with a client's ``Authorization`` if given."""
+        headers = [(b"authorization", authorization)] if authorization else []
         with _mapped(url):
-            response = await self.client.get(url, timeout=timeout,
-                                             headers={b"authorization": authorization} if authorization else None)
-        if response.status_code != 200:
-            raise UpstreamFailed(f"GET {url}: HTTP {response.status_code}")
+            if self.client is None:
+                assert self.lean is not None
+                try:
+                    async with asyncio.timeout(timeout):
+                        answer = await self.lean.request("GET", url, headers, None)
+                        try:
+                            status, body = answer.status, b"".join([p async for p in answer.pieces()])
+                        finally:
+                            await answer.aclose()
+                except TimeoutError:
+                    raise http1.Timeout(f"no answer within {timeout:g}s") from None
+            else:
+                response = await self.client.get(url, timeout=timeout, headers=dict(headers) or None)
+                status, body = response.status_code, response.content
+        if status != 200:
+            raise UpstreamFailed(f"GET {url}: HTTP {status}")
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError:
             raise UpstreamFailed(f"GET {url}: the answer is not JSON") from None
 
     async def aclose(self) -> None:
         """Close every connection."""
-        await self.client.aclose()
+        if self.lean is not None:
+            await self.lean.aclose()
+        if self.client is not None:
+            await self.client.aclose()
 
 
 @contextlib.contextmanager
 def _mapped(url: str) -> Iterator[None]:
-    """Turn httpx's errors into UpstreamFailed, naming the upstream and what happened."""
+    """Turn the client's errors into UpstreamFailed, naming the upstream and what happened."""
     try:
         yield
+    except http1.Unreached as err:
+        raise UpstreamUnreached(f"{url}: nothing answers ({err})") from err
+    except http1.Timeout as err:
+        raise UpstreamFailed(f"{url}: no answer in time ({err})") from err
+    except http1.HttpError as err:
+        raise UpstreamFailed(f"{url}: {err}") from err
     except httpx.ConnectError as err:
         raise UpstreamUnreached(f"{url}: nothing answers ({err or 'connection refused'})") from err
     except httpx.TimeoutException as err:
