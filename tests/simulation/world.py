@@ -299,7 +299,7 @@ class Systemd:
         self.start_violations: list[str] = []
         # Whether gpuswapd is restoring the resident now (its start and verify, retried): a unit of its
         # start that dies meanwhile is its restore failing, still gpuswapd's stop to undo.
-        self.in_restore: Callable[[], bool] = lambda: False
+        self.in_restore: Callable[[str], bool] = lambda unit: False  # gpuswapd's restore of this unit is under way
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -582,7 +582,7 @@ class Systemd:
             self.world.card.release(self._key(unit))
         outer = self._cause
         cause = self._stopping.pop(unit.name, None) or outer or "a crash"
-        if cause == "a crash" and unit.started_by == "gpuswapd" and self.in_restore():
+        if cause == "a crash" and unit.started_by == "gpuswapd" and self.in_restore(unit.name):
             cause = "gpuswapd"  # its restore's start did not last: the restore goes on undoing its own stop
         self.stopped_by[unit.name] = cause
         self._cause = cause  # what it takes down goes for the same reason
