@@ -562,8 +562,14 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
         await _until(w, w.outside.docker.drained())
         systemd_late = hung_mark(w)[2] != w.hung_mark[2]
         stops_late = hung_mark(w)[3] != w.hung_mark[3]
+        docker_late = hung_mark(w)[1] != w.hung_mark[1]
         w.hung_mark = hung_mark(w)
         if rec.container is not None and not rec.container.parked:
+            if docker_late and rec.container.removed:
+                # A create that landed late may have brought the engine back: recorded before the
+                # take-down, so that a start after a crash meanwhile takes it down too.
+                rec.container = replace(rec.container, removed=False)
+                await w.persist(required=False)
             await _retry_take_down(w, rec, None)
         await _until(w, _sweep(w))
         if systemd_late:

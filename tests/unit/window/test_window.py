@@ -249,6 +249,38 @@ def test_a_lease_that_ended_while_its_grant_was_being_recorded_does_not_break_th
     run(main())
 
 
+def test_a_create_that_lands_late_is_recorded_as_an_engine_to_take_down_before_its_take_down() -> None:
+    """Docker's create outlives its deadline: the window fails and closes with no engine, then the create
+    lands. Before the late take-down, the record says the engine is not removed, so that a start after a
+    crash meanwhile takes it down too (it was left running by a kill at that moment)."""
+    world = FakeWorld()
+    create, remove = world.docker.create, world.docker.remove
+    seen: list[bool | None] = []
+
+    def late_create(spec: Any, labels: dict[str, str]) -> str:
+        time.sleep(0.4)  # past the docker lane's deadline
+        return create(spec, labels)
+
+    def removing(name: str) -> None:
+        doc = world.store.document
+        rec = doc.window if doc is not None else None
+        seen.append(None if rec is None or rec.container is None else rec.container.removed)
+        remove(name)
+
+    world.docker.create = late_create  # type: ignore[method-assign]
+    world.docker.remove = removing  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(world.window(Outside(dataclasses.replace(DEADLINES, docker=0.2)))) as w:
+            with pytest.raises(GpuswapError):
+                await w.acquire("job", 60)
+            await settle(w)
+            assert w.phase is Phase.IDLE and "hyperqwen" not in world.docker.containers
+            assert False in seen, seen  # the late one's take-down, with the record saying it is there
+
+    run(main())
+
+
 def test_a_bug_in_a_step_rolls_the_window_back() -> None:
     world = FakeWorld()
 
