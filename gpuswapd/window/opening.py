@@ -121,6 +121,7 @@ async def _usable_parked(w: Context, rec: WindowRecord) -> Parked | None:
         raise DockerError(f"the parked engine {parked.container.name} cannot be woken ({why}) and could not "
                           "be removed: see the log (journalctl -u gpuswapd)")
     rec.freeing = sorted({*rec.freeing, *parked.pids})  # its memory is coming free now, like any engine's
+    rec.freeing_unknown = rec.freeing_unknown or not parked.pids  # Docker could not list them when it parked
     return None
 
 

@@ -95,6 +95,8 @@ async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
     need = needs_less_residual(w.config.profile(by.profile).needs, by.profile, parked)
     if parked is not None and parked.profile != by.profile:
         going |= set(parked.pids)  # removed if the window does not fit beside it
+        # Docker could not list its processes when it was parked: its memory is not a stranger's either.
+        unsure = unsure or not parked.pids
     try:
         await opening.preflight(w, by.profile)
         await opening.check_fit(w, need, frozenset(going), unsure)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpuswapd.config import parse_config
-from gpuswapd.errors import ConfigError, NotReady, QueueFull, StateError, UnknownProfile
+from gpuswapd.errors import ConfigError, DockerUnavailable, NotReady, QueueFull, StateError, UnknownProfile
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
 from gpuswapd.state.store import Document
@@ -354,6 +354,36 @@ def test_the_holders_are_told_preempted_as_their_leases_end_even_while_the_state
             assert resident_back(fw)
 
     run(main())
+
+
+def test_a_preemption_beside_a_parked_engine_whose_processes_docker_could_not_list_is_not_refused() -> None:
+    """`docker top` failed while the default engine ran, so gpuswapd parked it without knowing its pids. A bare
+    window opens beside it; a higher priority request for eval must not be refused "won't fit" for memory
+    that is gpuswapd's own parked engine's (it is removed to make room, and the window waits for its memory)."""
+    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
+        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "23.5GiB"\n')  # not beside it
+    fw = FakeWorld(config=parse_config(text + '[window.park]\nmode = "sleep"\nsettle = "100ms"\n', "<park>"))
+
+    def no_top(name: str) -> list[int]:
+        raise DockerUnavailable("Docker did not answer (top)")
+
+    fw.docker.top = no_top  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            first = await w.acquire("chat", 60)
+            await w.release(first.id)
+            await settle(w)
+            assert w.parked is not None and w.parked.pids == []  # parked, its processes unknown
+            bare = await w.acquire("batch", 60, profile="bare")
+            urgent = await w.acquire("urgent", 60, profile="eval", priority=10)  # not refused: wont_fit
+            assert w.record is not None and w.record.profile == "eval" and bare.id != urgent.id
+            await w.release(urgent.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
 
 
 def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
