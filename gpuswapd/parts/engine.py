@@ -49,6 +49,7 @@ WINDOW_LABEL = "io.gpuswapd.window"
 WATCH_WAIT_S = 300.0
 WATCH_RETRY_S = (1.0, 30.0)
 HEALTH_S = 2.0  # one health probe; a slower answer counts as a miss
+PIDS_S = 10.0  # `docker top` of the engine (best effort: its pids unknown, the fit checks are unsure)
 # The canary: short and greedy. A long greedy output may drift on a GPU (vLLM's kernels are not
 # batch-invariant by default); a garbled wake is garbage from the first tokens.
 CANARY_PROMPT = "List the first five prime numbers, separated by commas."
@@ -447,7 +448,10 @@ class ContainerEngine:
     async def pids(self) -> list[int]:
         """List the host pids of the container's processes (``docker top``): the card lists them."""
         try:
-            return await self._docker("top", self.docker.top, self.name)
+            # Best effort, within PIDS_S: unknown pids only make the fit checks unsure, while a wait of
+            # Docker's full deadline would hold the window (its leases' expiry among it) that long.
+            return await self._docker("top", self.docker.top, self.name,
+                                      deadline=min(PIDS_S, self.outside.docker.deadline))
         except GpuswapError as err:
             log.warning("engine_pids_unknown", container=self.name, error=err.message,
                         consequence="its memory on the card counts as another process's until it is free")

@@ -281,6 +281,32 @@ def test_a_create_that_lands_late_is_recorded_as_an_engine_to_take_down_before_i
     run(main())
 
 
+def test_a_hung_docker_top_holds_the_window_no_longer_than_the_pids_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's pids are best effort: a `docker top` that hangs gives up after PIDS_S, not Docker's full
+    deadline, so it cannot hold the window's driver (and its leases' expiry) that long."""
+    from gpuswapd.parts import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PIDS_S", 0.1)
+    world = FakeWorld()
+    top = world.docker.top
+
+    def slow_top(name: str) -> list[int]:
+        time.sleep(0.6)  # under the fakes' 2 s Docker deadline, past the pids bound
+        return top(name)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            world.docker.top = slow_top  # type: ignore[method-assign]
+            started = time.monotonic()
+            assert await w.engine.pids() == []  # unknown: given up on
+            assert time.monotonic() - started < 0.5
+            await w.release(lease.id)
+            await settle(w)
+
+    run(main())
+
+
 def test_a_bug_in_a_step_rolls_the_window_back() -> None:
     world = FakeWorld()
 
