@@ -278,7 +278,11 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     # Deciding may take a while (a systemd or health call that hangs): leases still end on time.
     expiring = spawn(holding.expire_on_time(w, rec), "lease-expiry")
     try:
-        up = await _resident_now(w, rec.units) if rec.phase is Phase.READY and rec.units else None
+        # Left anywhere past the resident's stop on the way to READY (or in it), a record whose resident
+        # is up again is stale: the close of the gpuswapd that stopped finished, its writes did not land.
+        opened = rec.phase in (Phase.BOOTING, Phase.WARMING, Phase.WAKING, Phase.READY, Phase.RECOVERING) or (
+            rec.phase is Phase.WAITING_VRAM and not rec.closing)
+        up = await _resident_now(w, rec.units) if opened and rec.units else None
         stale = up == "up"
         # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
         # Not one whose resident is coming up (the restore of the gpuswapd that stopped, its start under

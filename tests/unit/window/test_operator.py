@@ -34,7 +34,7 @@ from gpuswapd.window.plan import make_plan
 from gpuswapd.window.recovery import recover_at_start
 from gpuswapd.window.window import down_cause
 from tests.fakes import BASELINE, CONFIG, FAKE_CONFIG, PROFILE_CONFIG, RESIDENT_URL, FakeWorld, running, settle
-from tests.unit.conftest import run
+from tests.unit.conftest import run, until
 
 TORN = Loaded(None, ["state.json: checksum mismatch: torn or corrupted"])
 
@@ -371,6 +371,47 @@ def test_a_resident_that_came_up_while_its_slots_were_saved_is_restored_after_a_
     run(main())
     assert world.snapshot()["units"]["strata.service"] == "active"
     assert world.systemd.started.count("strata.service") == 1  # the restore's start: gpuswapd's stop undone
+
+
+def test_a_record_left_booting_whose_resident_is_up_again_is_stale_and_a_crash_since_is_left_to_systemd() -> None:
+    """From WARMING on the state directory refuses every write: the window rolls back, restores the resident and
+    resumes the timers in memory, while the disk still says BOOTING; then gpuswapd is killed. The next start
+    finds the resident up: the record is stale. The resident crashes while that close waits: it is not started."""
+    world = FakeWorld()
+    refusing = {"on": False}
+
+    def refuse(cleared: bool, data: bytes) -> None:
+        if b'"WARMING"' in data:
+            refusing["on"] = True
+        if refusing["on"]:
+            raise OSError(13, "Permission denied")
+
+    world.store.on_write = refuse
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            with pytest.raises(GpuswapError):
+                await w.acquire("job", 60)
+            await until(lambda: w.record is None and world.snapshot() == BASELINE)  # closed, in memory only
+            await w.shutdown(restore=False)  # SIGKILL
+        assert world.store.document is not None and world.store.document.window is not None
+        assert world.store.document.window.phase is Phase.BOOTING
+        crashed: list[int] = []
+
+        def crash_once(cleared: bool, data: bytes) -> None:
+            if not crashed and b'"CLOSING"' in data:  # the stale record's close begins
+                crashed.append(world.systemd.started.count("strata.service"))
+                _crash(world)
+
+        world.store.on_write = crash_once
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+        assert crashed and world.systemd.started.count("strata.service") == crashed[0]  # not started again
+        assert world.snapshot()["units"]["strata.service"] == "failed"
+
+    run(main())
 
 
 def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sigkill_whatever_the_disk_says() -> None:
