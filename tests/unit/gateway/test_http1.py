@@ -51,6 +51,15 @@ async def serve(script: Script) -> tuple[asyncio.Server, str, list[int]]:
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", connections
 
 
+def answers_and_closes(answer: bytes) -> Script:
+    """A script that sends ``answer`` as it is and closes the connection."""
+    async def script(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(answer)
+        await w.drain()
+        w.close()
+    return script
+
+
 async def body(response: http1.Response) -> bytes:
     data = b"".join([p async for p in response.pieces()])
     await response.aclose()
@@ -153,13 +162,8 @@ def test_a_kept_connection_its_server_closed_is_replaced_once_without_the_caller
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "inside a chunk"),
 ])
 def test_a_body_broken_off_is_an_error_and_its_connection_is_not_kept(answer: bytes, says: str) -> None:
-    async def script(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
-        w.write(answer)
-        await w.drain()
-        w.close()
-
     async def main() -> None:
-        server, url, _ = await serve(script)
+        server, url, _ = await serve(answers_and_closes(answer))
         c = client()
         r = await c.request("GET", url, [], None)
         with pytest.raises(http1.Broken, match=says):
@@ -179,13 +183,8 @@ def test_a_body_broken_off_is_an_error_and_its_connection_is_not_kept(answer: by
     (b"HTTP/1.1 200 OK\r\nContent-Le", "closed the connection before its answer's head ended"),
 ])
 def test_an_answer_that_is_not_http_is_an_error(answer: bytes, says: str) -> None:
-    async def script(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
-        w.write(answer)
-        await w.drain()
-        w.close()
-
     async def main() -> None:
-        server, url, _ = await serve(script)
+        server, url, _ = await serve(answers_and_closes(answer))
         c = client()
         with pytest.raises(http1.Broken, match=says):
             await c.request("GET", url, [], None)
