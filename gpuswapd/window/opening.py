@@ -172,7 +172,13 @@ async def _pause_timers(op: Opening) -> None:
     rec.units, rec.stopped_mono = list(op.running), clock.kernel_monotonic()
     # What the resident really holds, while it still holds it: the checks from here on count that
     # (the same write records it).
-    await identity.learn_footprint(w, op.running)
+    try:
+        await identity.learn_footprint(w, op.running)
+    except BaseException:
+        # Nothing of the resident was stopped yet (the window failed or was abandoned here): the
+        # close has none of its units to start again; one that crashes meanwhile is systemd's.
+        rec.units = []
+        raise
 
 
 async def _stop_resident(op: Opening) -> None:
