@@ -24,10 +24,11 @@ import uvicorn
 from gpuswapd import __version__
 from gpuswapd.config import DEFAULT_PATH, Config, gateway_problems, load_config
 from gpuswapd.errors import ConfigError
+from gpuswapd.gateway import guard
 from gpuswapd.gateway.app import DROPPED, Gateway
 from gpuswapd.gateway.demand import Demand
 from gpuswapd.gateway.follow import Follow
-from gpuswapd.gateway.guard import MAX_CONNECTIONS, MAX_PENDING, GuardedProtocol
+from gpuswapd.gateway.guard import MAX_CONNECTIONS, MAX_PENDING
 from gpuswapd.gateway.link import Link
 from gpuswapd.gateway.meters import Meters
 from gpuswapd.gateway.tenants import Tenants
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, lifespan="on", log_config=None, log_level=args.log_level, access_log=False, server_header=False,
         date_header=False, limit_concurrency=None, timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=SHUTDOWN_S, loop="auto", http=GuardedProtocol.sharing(app.meters.cut)))
+        timeout_graceful_shutdown=SHUTDOWN_S, loop="auto", http=guard.protocol(app.meters.cut)))
     log.info("gateway_starting", version=__version__, listen=where, gpuswapd=args.socket or config.daemon.socket,
              resident=config.gateway.resident,
              serves={t.name: [n for n, x in app.tenants.served() if x is t] for t in app.tenants.engines.values()})

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 
 from gpuswapd.gateway import guard
-from gpuswapd.gateway.guard import GuardedProtocol
 
 HEAD = b"GET / HTTP/1.1\r\nhost: x\r\n"
 
@@ -48,7 +48,7 @@ async def _serve() -> AsyncIterator[Served]:
     sock.listen(64)
     served.port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                           http=GuardedProtocol.sharing(served.cuts.append)))
+                                           http=guard.protocol(served.cuts.append)))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -57,6 +57,10 @@ async def _serve() -> AsyncIterator[Served]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 5)
+
+
+# The gateway runs on uvloop (uvicorn's loop="auto"); asyncio's own loop hands connections over alike.
+LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 
 
 async def _ask(port: int, raw: bytes) -> bytes:
@@ -68,7 +72,9 @@ async def _ask(port: int, raw: bytes) -> bytes:
     return answer
 
 
-def test_slow_huge_and_crowding_heads_are_cut_and_a_fresh_client_still_gets_in(monkeypatch: pytest.MonkeyPatch) -> None:
+@LOOPS
+def test_slow_huge_and_crowding_heads_are_cut_and_a_fresh_client_still_gets_in(monkeypatch: pytest.MonkeyPatch,
+                                                                                run: Any) -> None:
     monkeypatch.setattr(guard, "HEAD_S", 0.3)
     monkeypatch.setattr(guard, "MAX_PENDING", 3)
     monkeypatch.setattr(guard, "MAX_HEAD", 4096)
@@ -110,10 +116,12 @@ def test_slow_huge_and_crowding_heads_are_cut_and_a_fresh_client_still_gets_in(m
             for _, w in crowd:
                 w.close()
             assert sorted(served.cuts) == ["crowded", "large", "slow", "slow", "slow"], served.cuts
-    asyncio.run(asyncio.wait_for(main(), 20))
+    run(asyncio.wait_for(main(), 20))
 
 
-def test_past_the_connections_served_a_new_one_gets_503_with_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+@LOOPS
+def test_past_the_connections_served_a_new_one_gets_503_with_retry_after(monkeypatch: pytest.MonkeyPatch,
+                                                                        run: Any) -> None:
     monkeypatch.setattr(guard, "MAX_CONNECTIONS", 1)
 
     async def main() -> None:
@@ -127,4 +135,48 @@ def test_past_the_connections_served_a_new_one_gets_503_with_retry_after(monkeyp
             await asyncio.sleep(0.1)
             assert (await _ask(served.port, HEAD + b"\r\n")).startswith(b"HTTP/1.1 200 ")  # its place given back
             assert served.cuts == ["full"]
-    asyncio.run(asyncio.wait_for(main(), 20))
+    run(asyncio.wait_for(main(), 20))
+
+
+@LOOPS
+def test_a_head_in_pieces_bare_newlines_and_bytes_that_are_not_http(run: Any) -> None:
+    async def main() -> None:
+        async for served in _serve():
+            # The blank line split across reads, one byte at a time at the end.
+            reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            for piece in (b"\n", b"\r", b"\n"):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n0"), 3)).startswith(b"HTTP/1.1 200 ")
+            # A second request on the same connection, in one piece.
+            writer.write(HEAD + b"\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n0"), 3)).startswith(b"HTTP/1.1 200 ")
+            writer.close()
+            # A head ended by bare newlines reaches httptools, which says what it makes of it.
+            answer = await _ask(served.port, b"GET / HTTP/1.1\nhost: x\n\n")
+            assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 400 ")), answer
+            # Bytes that cannot begin a request line (a TLS hello, a lower-case method): 400 at once.
+            for junk in (b"\x16\x03\x01\x02\x00\x01", b"get / HTTP/1.1\r\n", b"A" * 30):
+                answer = await _ask(served.port, junk)
+                assert answer.startswith(b"HTTP/1.1 400 "), (junk, answer)
+            assert served.cuts == []
+    run(asyncio.wait_for(main(), 20))
+
+
+@LOOPS
+def test_a_graceful_shutdown_closes_heads_still_coming(run: Any) -> None:
+    async def main() -> None:
+        got = None
+        async for served in _serve():
+            reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+            writer.write(b"GET / HT")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            got = reader
+        assert got is not None
+        assert await asyncio.wait_for(got.read(), 2) == b""  # closed by the shutdown, not left for its timer
+    run(asyncio.wait_for(main(), 20))
