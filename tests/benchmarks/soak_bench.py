@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.soak_bench [--cycles 1] [--minutes 10] [--policies old,new]
                                                    [--old REV] [--every 20-60] [--boot-delay S] [--seed 37]
+                                                   [--session 1-1]
 
 On the test world, each policy in turn (one card: one at a time), gpuswapd and gpuswapd-gateway
 run as their shipped units, socket-activated in the world's systemd (gpuswapd.socket on
@@ -14,7 +15,9 @@ gpuswapd``. The configuration is the same for both: the world's resident, the de
 
 Six clients, each sending one request after another through the gateway, ask for the resident's
 model (strata), the default engine's and the second profile's in 5:4:1, half of them streamed,
-for ``--minutes``. Every 20-60 s (``--every``; drawn from ``--seed``, the same draws for each
+for ``--minutes``. By default each request draws its model; with ``--session LOW-HIGH`` a client
+keeps the model it drew for a session of LOW-HIGH requests (an agent's conversation), then draws
+the next. Every 20-60 s (``--every``; drawn from ``--seed``, the same draws for each
 policy) one of three things happens: gpuswapd's main process is killed with SIGKILL (systemd's
 KillUnit; Restart=on-failure and its socket bring it back), the gateway's is (its socket starts it
 again on the next connection), or the engine that runs is killed (``docker kill``; gpuswapd's
@@ -165,12 +168,22 @@ def ask(http: httpx.Client, model: str, stream: bool) -> Asked:
     return asked
 
 
-def client(n: int, seed: int, until: float, soak: Soak) -> None:
-    """One request after another until ``until``; the last one is read to its end."""
+def client(n: int, seed: int, until: float, soak: Soak, session: tuple[int, int] = (1, 1)) -> None:
+    """One request after another until ``until``; the last one is read to its end.
+
+    Each session of ``session`` requests (drawn in LOW-HIGH) asks for one model, drawn 5:4:1; with
+    (1, 1) every request draws its model (and the draws are those of a soak without sessions).
+    """
     rng = random.Random(seed * 100 + n)
+    left, model = 0, MODELS[0]
     with httpx.Client(timeout=httpx.Timeout(1200.0, connect=30.0), trust_env=False) as http:
         while time.monotonic() < until:
-            soak.asked.append(ask(http, rng.choices(MODELS, WEIGHTS)[0], rng.random() < 0.5))
+            if session == (1, 1):
+                model = rng.choices(MODELS, WEIGHTS)[0]
+            elif left == 0:
+                model, left = rng.choices(MODELS, WEIGHTS)[0], rng.randint(*session)
+            left = max(0, left - 1)
+            soak.asked.append(ask(http, model, rng.random() < 0.5))
 
 
 def do(stack: Stack, kind: str) -> str:
@@ -261,7 +274,7 @@ def stop(stack: Stack, probe: Probe, unit: str, timeout: float = 700) -> str:
 
 
 def soak_once(stack: Stack, policy: str, code: Path | None, seconds: float, schedule: list[tuple[float, str]],
-              boot_delay: float | None, seed: int) -> Soak:
+              boot_delay: float | None, seed: int, session: tuple[int, int] = (1, 1)) -> Soak:
     """Run one policy's soak on a world at its baseline; leave it at its baseline again."""
     probe = Probe(stack)
     stack.reset()
@@ -295,7 +308,8 @@ def soak_once(stack: Stack, policy: str, code: Path | None, seconds: float, sche
         boots_before, wall = boots(stack), time.time()
         started = time.monotonic()
         halt = threading.Event()
-        threads = [threading.Thread(target=client, args=(n, seed, started + seconds, soak)) for n in range(CLIENTS)]
+        threads = [threading.Thread(target=client, args=(n, seed, started + seconds, soak, session))
+                   for n in range(CLIENTS)]
         threads.append(threading.Thread(target=chaos, args=(stack, schedule, started, halt, soak)))
         for t in threads:
             t.start()
@@ -336,9 +350,10 @@ def summary(soak: Soak, seconds: float) -> dict[str, Any]:
 
 
 def run(cycles: int, policies: list[str], rev: str, seconds: float, every: tuple[float, float], seed: int,
-        lag: float | None, boot_delay: float | None) -> dict[str, Any]:
+        lag: float | None, boot_delay: float | None, session: tuple[int, int] = (1, 1)) -> dict[str, Any]:
     stack = world(lag)
-    out: dict[str, Any] = {"seconds": seconds, "every": every, "seed": seed, "old": rev, "cycles": []}
+    out: dict[str, Any] = {"seconds": seconds, "every": every, "seed": seed, "old": rev, "session": session,
+                           "cycles": []}
     with stack.exclusive():
         stack.up()
         os.environ.update(stack.env())
@@ -349,7 +364,7 @@ def run(cycles: int, policies: list[str], rev: str, seconds: float, every: tuple
                 cycle = {}
                 for policy in policies:
                     soak = soak_once(stack, policy, code if policy == "old" else None, seconds, schedule,
-                                     boot_delay, seed + n)
+                                     boot_delay, seed + n, session)
                     cycle[policy] = summary(soak, seconds)
                     print_policy(policy, cycle[policy])
                 out["cycles"].append(cycle)
@@ -384,6 +399,16 @@ def _every(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _session(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise SystemExit(f"soak_bench: --session {text!r}: give LOW-HIGH requests, e.g. 5-15") from None
+    if not 1 <= lo <= hi <= 10_000:
+        raise SystemExit(f"soak_bench: --session {text!r}: need 1 <= LOW <= HIGH <= 10000")
+    return lo, hi
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("soak_bench", __doc__, "each cycle soaks each policy once, one after the other")
     add_world_options(p)
@@ -392,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", default=OLD, help=f"the old policy's revision (default {OLD}: no schedule)")
     p.add_argument("--every", default="20-60", help="seconds between two troubles, drawn in LOW-HIGH (default 20-60)")
     p.add_argument("--seed", type=int, default=37, help="the draws of troubles and of clients (default 37)")
+    p.add_argument("--session", default="1-1",
+                   help="requests a client sends for one model before it draws the next, LOW-HIGH (default 1-1: "
+                        "a model drawn for every request)")
     args = p.parse_args(argv)
     policies = [x for x in args.policies.split(",") if x]
     if not policies or set(policies) - {"old", "new"}:
@@ -399,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.minutes <= 120:
         p.error("--minutes must be more than 0 and at most 120")
     result = run(args.cycles, policies, args.old, args.minutes * 60, _every(args.every), args.seed, args.lag,
-                 args.boot_delay)
+                 args.boot_delay, _session(args.session))
     path = write_results("soak", result)
     print(f"results: {path}")
     return 0
