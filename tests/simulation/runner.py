@@ -941,8 +941,12 @@ class Run:
         self.world.scheduler.after(float(e["restart_after"]), self.host.start)
 
     def _on_virtual(self, wall: float) -> float:
-        """The virtual moment a wall-clock time stands for now (the wall clock may have been stepped)."""
-        return wall - EPOCH - self.clock.wall_offset - self.clock.suspended
+        """The virtual moment a wall-clock time stands for now (the wall clock may have been stepped).
+
+        A time before a suspend is that time, one inside it its resume: a lease renewed after a
+        resume may be told an expiry that fell while the machine slept (it is due at the resume).
+        """
+        return self._boot_to_world(wall - EPOCH - self.clock.wall_offset)
 
     def _daemon_to_world(self, t: float) -> float:
         """The virtual moment a time of gpuswapd's own (a record's ``at``) stands for.
@@ -950,7 +954,10 @@ class Run:
         gpuswapd's time runs on CLOCK_BOOTTIME from its anchor (continued across restarts in this
         boot); the world's on CLOCK_MONOTONIC: a time inside a suspend is its resume.
         """
-        boot = t - (clock.now() - self.clock.monotonic())
+        return self._boot_to_world(t - (clock.now() - self.clock.monotonic()))
+
+    def _boot_to_world(self, boot: float) -> float:
+        """The virtual moment (CLOCK_MONOTONIC) a CLOCK_BOOTTIME time stands for: inside a suspend, its resume."""
         world, slept_before = boot, 0.0
         for at, slept in self.suspends:
             if boot < at + slept_before:
