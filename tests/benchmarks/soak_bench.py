@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.soak_bench [--cycles 1] [--minutes 10] [--policies old,new]
                                                    [--old REV] [--every 20-60] [--boot-delay S] [--seed 37]
-                                                   [--session 1-1]
+                                                   [--session 1-1|LOW-HIGH|0]
 
 On the test world, each policy in turn (one card: one at a time), gpuswapd and gpuswapd-gateway
 run as their shipped units, socket-activated in the world's systemd (gpuswapd.socket on
@@ -17,8 +17,11 @@ Six clients, each sending one request after another through the gateway, ask for
 model (strata), the default engine's and the second profile's in 5:4:1, half of them streamed,
 for ``--minutes``. By default each request draws its model; with ``--session LOW-HIGH`` a client
 keeps the model it drew for a session of LOW-HIGH requests (an agent's conversation), then draws
-the next. Every 20-60 s (``--every``; drawn from ``--seed``, the same draws for each
-policy) one of three things happens: gpuswapd's main process is killed with SIGKILL (systemd's
+the next; with ``--session 0`` each client asks for one model all along (three clients the
+resident's, two the default engine's, one the second profile's: 5:4:1 rounded to six).
+
+Every 20-60 s (``--every``; drawn from ``--seed``, the same draws for each policy) one of three
+things happens: gpuswapd's main process is killed with SIGKILL (systemd's
 KillUnit; Restart=on-failure and its socket bring it back), the gateway's is (its socket starts it
 again on the next connection), or the engine that runs is killed (``docker kill``; gpuswapd's
 watchdog starts it again). Then the clients finish the request they are in, both daemons are
@@ -70,6 +73,7 @@ OLD = "bcfa671"  # the last gateway without a schedule (as schedule_bench's old 
 MODELS = ("strata", "hyperqwen", "qwen-eval")
 WEIGHTS = (5, 4, 1)
 CLIENTS = 6
+DEDICATED = (0, 0, 0, 1, 1, 2)  # --session 0: each client's one model, 5:4:1 rounded to six clients (3:2:1)
 ENGINES = ("hyperqwen", "qwen-eval")  # the containers an engine death may hit
 SOCKET = "/run/gpuswapd/gpuswapd.sock"  # inside the world
 THROUGH_KILL_S = 2.0  # a transport error this soon after a kill of the gateway is that kill's
@@ -172,15 +176,17 @@ def client(n: int, seed: int, until: float, soak: Soak, session: tuple[int, int]
     """One request after another until ``until``; the last one is read to its end.
 
     Each session of ``session`` requests (drawn in LOW-HIGH) asks for one model, drawn 5:4:1; with
-    (1, 1) every request draws its model (and the draws are those of a soak without sessions).
+    (1, 1) every request draws its model (and the draws are those of a soak without sessions); with
+    (0, 0) the client asks for one model all along (DEDICATED: three the resident's, two the default
+    engine's, one the second profile's).
     """
     rng = random.Random(seed * 100 + n)
-    left, model = 0, MODELS[0]
+    left, model = 0, MODELS[DEDICATED[n % len(DEDICATED)]]
     with httpx.Client(timeout=httpx.Timeout(1200.0, connect=30.0), trust_env=False) as http:
         while time.monotonic() < until:
             if session == (1, 1):
                 model = rng.choices(MODELS, WEIGHTS)[0]
-            elif left == 0:
+            elif session != (0, 0) and left == 0:
                 model, left = rng.choices(MODELS, WEIGHTS)[0], rng.randint(*session)
             left = max(0, left - 1)
             soak.asked.append(ask(http, model, rng.random() < 0.5))
@@ -400,10 +406,12 @@ def _every(text: str) -> tuple[float, float]:
 
 
 def _session(text: str) -> tuple[int, int]:
+    if text == "0":
+        return 0, 0
     try:
         lo, hi = (int(x) for x in text.split("-"))
     except ValueError:
-        raise SystemExit(f"soak_bench: --session {text!r}: give LOW-HIGH requests, e.g. 5-15") from None
+        raise SystemExit(f"soak_bench: --session {text!r}: give LOW-HIGH requests, e.g. 5-15, or 0") from None
     if not 1 <= lo <= hi <= 10_000:
         raise SystemExit(f"soak_bench: --session {text!r}: need 1 <= LOW <= HIGH <= 10000")
     return lo, hi
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=37, help="the draws of troubles and of clients (default 37)")
     p.add_argument("--session", default="1-1",
                    help="requests a client sends for one model before it draws the next, LOW-HIGH (default 1-1: "
-                        "a model drawn for every request)")
+                        "a model drawn for every request), or 0: each client keeps one model (3:2:1)")
     args = p.parse_args(argv)
     policies = [x for x in args.policies.split(",") if x]
     if not policies or set(policies) - {"old", "new"}:
