@@ -1501,6 +1501,10 @@ def seams(record: Record) -> Iterator[list[VirtualLoop]]:
     sys.unraisablehook = lambda unraisable: None  # dead incarnations' coroutines are closed at collection
     graveyard: list[VirtualLoop] = []
     gc.disable()
+    # What lived before the run (the modules, a test runner's objects) is set aside, so that the
+    # collection at its end walks only what the run made: 3-5% of a history's CPU in a bare process
+    # (20 histories, 3 alternating runs), more beside a test runner's objects.
+    gc.freeze()
     try:
         yield graveyard
     finally:
@@ -1510,6 +1514,7 @@ def seams(record: Record) -> Iterator[list[VirtualLoop]]:
             warnings.simplefilter("ignore")
             _bury(graveyard)  # no name here may still hold a loop (its selector holds the run)
             gc.collect()
+        gc.unfreeze()
         gc.enable()
         clock.reset()
         ids.reset()
