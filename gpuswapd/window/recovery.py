@@ -378,10 +378,27 @@ async def restore_baseline(w: Context, rec: WindowRecord) -> None:
         if kept:
             log.warning("state_set_aside", copies=kept, state_dir=str(w.store.dir))
     rec.units, rec.timers = await _baseline_targets(w)
+    rec.stopped_mono = await _marked_since(w, rec.units)
     w.unknown_baseline = None
     await w.persist(required=False)
     await _other_engines_down(w, rec)
     await closing.close(w, rec, "baseline_restored")
+
+
+async def _marked_since(w: Context, units: list[str]) -> float | None:
+    """Return the earliest of gpuswapd's marks of these units' stops (CLOCK_MONOTONIC), or None if none can be read.
+
+    A baseline restore knows no window's stop; the marks, each written just before its stop job,
+    stand for it in the record. If this record outlives its close (a state directory that refused
+    the last writes), the next start leaves to their operator the units that ran again after it
+    and are down now (``_undone_meanwhile``), as it does for any window's record.
+    """
+    try:
+        marked = await w.resident.marked_at()
+    except GpuswapError:
+        return None
+    times = [at for u in units if (at := marked.get(u)) is not None]
+    return min(times) if times else None
 
 
 async def _other_engines_down(w: Context, rec: WindowRecord) -> None:
