@@ -218,6 +218,7 @@ class Faults:
         self.calls: dict[tuple[str, str], list[Fault]] = {}
         self.env_until = 0.0
         self.fired: dict[str, float] = {}
+        self.late_jobs: list[float] = []  # when a call to queue systemd jobs hung: it lands HANG_LATE_S later
 
     def add(self, system: str, call: str, kind: str, times: int) -> None:
         self.calls.setdefault((system, call), []).append(Fault(kind, times, self.run.clock.now + FAULT_HEALS_S))
@@ -250,6 +251,8 @@ class Faults:
             if system == "state":
                 raise OSError(errno.EIO, "Input/output error (simulated)")
             raise _ERRORS[system](f"simulated failure of {system}.{call}")
+        if system == "systemd" and call == "queue_jobs":
+            self.late_jobs.append(now)
         return _late if asynchronous else Late(HANG_LATE_S)
 
 
@@ -468,6 +471,7 @@ class Run:
         world.docker.specs["qwen-eval"] = EngineSpec(ENGINE_BYTES, residual, s.eval_boot, sleeps=s.eval_sleeps)
         world.http.engines = {"engine.sim:18020": "hyperqwen", "eval.sim:18021": "qwen-eval"}
         sd.in_restore = self._restoring
+        sd.stop_asked = self._stop_asked
         sd.logind = all(e.get("told", True) for e in self.events if e["do"] == "suspend")
         return world
 
@@ -484,6 +488,12 @@ class Run:
                 sd.stopped_by.get(t) == "gpuswapd" and not timer.active for t, timer in sd.timer_units.items())
         rec = daemon.window.record
         return rec is not None and rec.phase in (Phase.RESTORING, Phase.DEGRADED)
+
+    def _stop_asked(self, unit: str) -> bool:
+        """Tell whether gpuswapd's stop of ``unit`` is out: marked, and its jobs' call hung (it lands late)."""
+        now = self.clock.now
+        return any(asked <= now < asked + HANG_LATE_S for asked in self.faults.late_jobs) \
+            and unit in memory_marks(self.world.store).read()
 
     def container_of(self, profile: str) -> str | None:
         return {"default": "hyperqwen", "eval": "qwen-eval"}.get(profile)

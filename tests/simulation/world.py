@@ -300,6 +300,8 @@ class Systemd:
         # Whether gpuswapd is restoring the resident now (its start and verify, retried): a unit of its
         # start that dies meanwhile is its restore failing, still gpuswapd's stop to undo.
         self.in_restore: Callable[[str], bool] = lambda unit: False  # gpuswapd's restore of this unit is under way
+        # gpuswapd asked to stop this unit (its mark is written) and the call is still out (hung; it lands late).
+        self.stop_asked: Callable[[str], bool] = lambda unit: False
 
     def add(self, unit: Unit) -> None:
         """Load a unit (running if it says it is active)."""
@@ -584,6 +586,11 @@ class Systemd:
         cause = self._stopping.pop(unit.name, None) or outer or "a crash"
         if cause == "a crash" and unit.started_by == "gpuswapd" and self.in_restore(unit.name):
             cause = "gpuswapd"  # its restore's start did not last: the restore goes on undoing its own stop
+        elif cause == "a crash" and self.stop_asked(unit.name):
+            # It died while gpuswapd's stop of it was out (the call hung: systemd does it late, all the
+            # same). gpuswapd cannot tell this crash from its own stop ending failed: the window's
+            # restore brings it back, as it would after its stop.
+            cause = "gpuswapd"
         self.stopped_by[unit.name] = cause
         self._cause = cause  # what it takes down goes for the same reason
         try:
