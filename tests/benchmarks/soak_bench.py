@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.soak_bench [--cycles 1] [--minutes 10] [--policies old,new]
                                                    [--old REV] [--every 20-60] [--boot-delay S] [--seed 37]
-                                                   [--session 1-1|LOW-HIGH|0]
+                                                   [--session 1-1|LOW-HIGH|0] [--arrivals RATE]
 
 On the test world, each policy in turn (one card: one at a time), gpuswapd and gpuswapd-gateway
 run as their shipped units, socket-activated in the world's systemd (gpuswapd.socket on
@@ -18,7 +18,10 @@ model (strata), the default engine's and the second profile's in 5:4:1, half of 
 for ``--minutes``. By default each request draws its model; with ``--session LOW-HIGH`` a client
 keeps the model it drew for a session of LOW-HIGH requests (an agent's conversation), then draws
 the next; with ``--session 0`` each client asks for one model all along (three clients the
-resident's, two the default engine's, one the second profile's: 5:4:1 rounded to six).
+resident's, two the default engine's, one the second profile's: 5:4:1 rounded to six). With
+``--arrivals RATE`` there are no closed-loop clients: requests arrive at RATE a second (Poisson,
+drawn from ``--seed``), models 5:4:1, half streamed, each sent at its time on a thread of its own
+whatever became of the others, so both policies get exactly the same requests.
 
 Every 20-60 s (``--every``; drawn from ``--seed``, the same draws for each policy) one of three
 things happens: gpuswapd's main process is killed with SIGKILL (systemd's
@@ -192,6 +195,39 @@ def client(n: int, seed: int, until: float, soak: Soak, session: tuple[int, int]
             soak.asked.append(ask(http, model, rng.random() < 0.5))
 
 
+def arrivals(seed: int, seconds: float, rate: float) -> list[tuple[float, str, bool]]:
+    """The open loop's requests: (seconds since the start, model, streamed), a Poisson stream at ``rate``
+    per second, models drawn 5:4:1, half streamed; the same for every policy."""
+    rng = random.Random(seed * 1000 + 7)
+    out, at = [], 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= seconds:
+            return out
+        out.append((at, rng.choices(MODELS, WEIGHTS)[0], rng.random() < 0.5))
+
+
+def open_loop(schedule: list[tuple[float, str, bool]], started: float, soak: Soak) -> None:
+    """Send each request at its time, whatever became of those before it (each on a thread of its own)."""
+    lock = threading.Lock()
+
+    def one(http: httpx.Client, model: str, stream: bool) -> None:
+        asked = ask(http, model, stream)
+        with lock:
+            soak.asked.append(asked)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=CLIENTS)
+    with httpx.Client(timeout=httpx.Timeout(1200.0, connect=30.0), limits=limits, trust_env=False) as http:
+        threads = []
+        for at, model, stream in schedule:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            t = threading.Thread(target=one, args=(http, model, stream))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+
+
 def do(stack: Stack, kind: str) -> str:
     """Kill gpuswapd's or the gateway's main process with SIGKILL, or the engine that runs."""
     if kind in ("gpuswapd", "gateway"):
@@ -280,7 +316,8 @@ def stop(stack: Stack, probe: Probe, unit: str, timeout: float = 700) -> str:
 
 
 def soak_once(stack: Stack, policy: str, code: Path | None, seconds: float, schedule: list[tuple[float, str]],
-              boot_delay: float | None, seed: int, session: tuple[int, int] = (1, 1)) -> Soak:
+              boot_delay: float | None, seed: int, session: tuple[int, int] = (1, 1),
+              rate: float | None = None) -> Soak:
     """Run one policy's soak on a world at its baseline; leave it at its baseline again."""
     probe = Probe(stack)
     stack.reset()
@@ -314,8 +351,11 @@ def soak_once(stack: Stack, policy: str, code: Path | None, seconds: float, sche
         boots_before, wall = boots(stack), time.time()
         started = time.monotonic()
         halt = threading.Event()
-        threads = [threading.Thread(target=client, args=(n, seed, started + seconds, soak, session))
-                   for n in range(CLIENTS)]
+        if rate is None:
+            threads = [threading.Thread(target=client, args=(n, seed, started + seconds, soak, session))
+                       for n in range(CLIENTS)]
+        else:
+            threads = [threading.Thread(target=open_loop, args=(arrivals(seed, seconds, rate), started, soak))]
         threads.append(threading.Thread(target=chaos, args=(stack, schedule, started, halt, soak)))
         for t in threads:
             t.start()
@@ -356,10 +396,11 @@ def summary(soak: Soak, seconds: float) -> dict[str, Any]:
 
 
 def run(cycles: int, policies: list[str], rev: str, seconds: float, every: tuple[float, float], seed: int,
-        lag: float | None, boot_delay: float | None, session: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+        lag: float | None, boot_delay: float | None, session: tuple[int, int] = (1, 1),
+        rate: float | None = None) -> dict[str, Any]:
     stack = world(lag)
     out: dict[str, Any] = {"seconds": seconds, "every": every, "seed": seed, "old": rev, "session": session,
-                           "cycles": []}
+                           "arrivals_per_s": rate, "cycles": []}
     with stack.exclusive():
         stack.up()
         os.environ.update(stack.env())
@@ -370,7 +411,7 @@ def run(cycles: int, policies: list[str], rev: str, seconds: float, every: tuple
                 cycle = {}
                 for policy in policies:
                     soak = soak_once(stack, policy, code if policy == "old" else None, seconds, schedule,
-                                     boot_delay, seed + n, session)
+                                     boot_delay, seed + n, session, rate)
                     cycle[policy] = summary(soak, seconds)
                     print_policy(policy, cycle[policy])
                 out["cycles"].append(cycle)
@@ -428,14 +469,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--session", default="1-1",
                    help="requests a client sends for one model before it draws the next, LOW-HIGH (default 1-1: "
                         "a model drawn for every request), or 0: each client keeps one model (3:2:1)")
+    p.add_argument("--arrivals", type=float, default=None, metavar="RATE",
+                   help="an open loop instead of the six clients: requests at RATE per second (Poisson), each "
+                        "sent at its time whatever became of the others: the same requests for each policy")
     args = p.parse_args(argv)
+    if args.arrivals is not None and not 0 < args.arrivals <= 50:
+        p.error("--arrivals must be more than 0 and at most 50 requests a second")
     policies = [x for x in args.policies.split(",") if x]
     if not policies or set(policies) - {"old", "new"}:
         p.error(f"--policies {args.policies!r}: old, new or old,new")
     if not 0 < args.minutes <= 120:
         p.error("--minutes must be more than 0 and at most 120")
     result = run(args.cycles, policies, args.old, args.minutes * 60, _every(args.every), args.seed, args.lag,
-                 args.boot_delay, _session(args.session))
+                 args.boot_delay, _session(args.session), args.arrivals)
     path = write_results("soak", result)
     print(f"results: {path}")
     return 0
