@@ -55,7 +55,7 @@ class Heads:
     """What the guarded connections share: those sending their heads now, oldest first, and the cut counter."""
 
     def __init__(self, cut: Callable[[str], None]) -> None:
-        self.pending: dict[HeadGuard | GuardedProtocol, None] = {}
+        self.pending: dict[_Guarded, None] = {}
         self.served = 0  # connections with their heads read
         self.cut = cut
 
@@ -67,7 +67,37 @@ def protocol(cut: Callable[[str], None]) -> type[HeadGuard]:
     return type("HeadGuard", (HeadGuard,), {"heads": heads, "served": served})
 
 
-class HeadGuard(asyncio.Protocol):
+class _Guarded:
+    """What both stages of a connection share: its head's timer and place among those coming, and the cut."""
+
+    heads: ClassVar[Heads]
+    transport: Any
+    _state: str
+    _timer: asyncio.TimerHandle | None
+
+    def cut_off(self, reason: str) -> None:
+        """Answer (408, 431, 503 or nothing) and close the connection."""
+        if self._state in ("cut", "handed") or self.transport is None or self.transport.is_closing():
+            return
+        self._leave()
+        self._state = "cut"
+        self.heads.cut(reason)
+        if ANSWERS[reason]:
+            self.transport.write(ANSWERS[reason])
+        self.transport.close()
+
+    def _leave(self) -> None:
+        raise NotImplementedError
+
+    def _leave_head(self) -> None:
+        """Stop the head's clock and leave the heads coming."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.heads.pending.pop(self, None)
+
+
+class HeadGuard(_Guarded, asyncio.Protocol):
     """A new connection until its first head is whole: bounded in time, size and number, and cheap to cut.
 
     A flood (thousands of heads that never finish, cut as crowded and coming back) costs the
@@ -76,7 +106,6 @@ class HeadGuard(asyncio.Protocol):
     whose first bytes are not an HTTP method (httptools answers those 400 at once, as before).
     """
 
-    heads: ClassVar[Heads]
     served: ClassVar[type[GuardedProtocol]]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -131,17 +160,6 @@ class HeadGuard(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def cut_off(self, reason: str) -> None:
-        """Answer (408, 431, 503 or nothing) and close the connection."""
-        if self._state in ("cut", "handed") or self.transport is None or self.transport.is_closing():
-            return
-        self._leave()
-        self._state = "cut"
-        self.heads.cut(reason)
-        if ANSWERS[reason]:
-            self.transport.write(ANSWERS[reason])
-        self.transport.close()
-
     def _hand_over(self) -> None:
         """Give the connection and its bytes so far to uvicorn's protocol (guarded for the heads that follow)."""
         self._leave()
@@ -155,10 +173,7 @@ class HeadGuard(asyncio.Protocol):
 
     def _leave(self) -> None:
         if self._state == "head":
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self.heads.pending.pop(self, None)
+            self._leave_head()
         self._state = "new"
 
 
@@ -171,16 +186,14 @@ def _head_end(buffer: bytearray, start: int) -> int:
     return min(x for x in (crlf + 3 if crlf >= 0 else -1, lf + 2 if lf >= 0 else -1) if x >= 0)
 
 
-class GuardedProtocol(HttpToolsProtocol):
+class GuardedProtocol(_Guarded, HttpToolsProtocol):
     """uvicorn's httptools protocol once a connection's first head was whole: the heads that follow are bounded too."""
-
-    heads: ClassVar[Heads]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._state = "new"  # "head": its head is coming; "served": read (a request, or kept alive); "cut"
         self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._timer = None
 
     def take_over(self, transport: asyncio.Transport, data: bytes) -> None:
         """Take a connection from its HeadGuard, with the bytes read so far (a whole head, maybe more)."""
@@ -219,30 +232,16 @@ class GuardedProtocol(HttpToolsProtocol):
             self.heads.served += 1
         super().on_headers_complete()
 
-    def cut_off(self, reason: str) -> None:
-        """Answer (408, 431, 503 or nothing) and close the connection."""
-        if self._state == "cut" or self.transport is None or self.transport.is_closing():
-            return
-        self._leave()
-        self._state = "cut"
-        self.heads.cut(reason)
-        if ANSWERS[reason]:
-            self.transport.write(ANSWERS[reason])
-        self.transport.close()
-
     def _begin_head(self) -> None:
         self._state = "head"
         self._head_bytes = 0
-        self._head_timer = self.loop.call_later(HEAD_S, self.cut_off, "slow")
+        self._timer = self.loop.call_later(HEAD_S, self.cut_off, "slow")
         self.heads.pending[self] = None
 
     def _leave(self) -> None:
         """Leave the state the connection is in (its head's timer, or its place among those served)."""
         if self._state == "head":
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            self.heads.pending.pop(self, None)
+            self._leave_head()
         elif self._state == "served":
             self.heads.served -= 1
         self._state = "new"
