@@ -52,9 +52,14 @@ def switch_target(w: Context, rec: WindowRecord) -> str | None:
     """Name the profile a closing window should switch to directly, if any.
 
     Only a window that served to the end switches, and only to the profile the first queued
-    request wants, when that is another profile; gpuswapd stopping gives the card back instead.
+    request wants, when that is another profile; gpuswapd stopping gives the card back instead,
+    and so does a window with calls to systemd or Docker still out (``_reconcile_late_calls``).
     """
     if w.stopping.is_set() or rec.error is not None or rec.baseline is not None or rec.degraded:
+        return None
+    if hung_mark(w) != w.hung_mark:
+        # A call of this window's outlived its deadline and may still land (a create: its engine
+        # back). The next window would forget it: this one closes to the resident and waits for it.
         return None
     queued = w.queue.queued()
     if not queued or queued[0].profile == rec.profile:
