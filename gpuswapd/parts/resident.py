@@ -134,7 +134,12 @@ class Resident:
         """Record, before the stop, that gpuswapd stops these units or timers (a failure stops nothing)."""
         try:
             await self.outside.state.call("mark", self.marks.add, list(names))
-        except OSError as err:
+        except (GpuswapError, OSError) as err:
+            # Nothing is stopped; a mark that still lands (a hung call) would claim a stop never made:
+            # it is removed once the state directory answers, like any mark left behind.
+            self.unmark_pending |= set(names)
+            if isinstance(err, GpuswapError):
+                raise
             raise StateError(f"cannot record what gpuswapd stops: {err.strerror or err}; nothing was stopped") from err
         self.unmark_pending -= set(names)  # stopped again: these marks are current
 
@@ -269,14 +274,14 @@ class Resident:
         except GpuswapError:
             return False
 
-    async def stop(self, units: list[str], own: bool = True) -> None:
+    async def stop(self, units: list[str], own: bool = True, marked: bool = False) -> None:
         """Stop the units together; systemd stops dependents first (the reverse of After=).
 
-        ``own``: gpuswapd will start them again (the resident), so the stop is recorded first; a
-        preempted lease's unit is not.
+        ``own``: gpuswapd will start them again (the resident), so the stop is recorded first
+        (``marked``: the caller recorded it); a preempted lease's unit is not.
         """
         started = clock.monotonic()
-        if own:
+        if own and not marked:
             await self.mark(units)
         hung = self.outside.systemd.changes_hung
         try:

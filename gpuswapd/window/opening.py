@@ -193,7 +193,14 @@ async def _stop_resident(op: Opening) -> None:
         # (one that crashes meanwhile is systemd's), nor their memory to wait for.
         op.rec.units = []
         raise
-    await op.window.resident.stop(op.running)
+    try:
+        await op.window.resident.mark(op.running)
+    except BaseException:
+        # Its stop was never issued (it could not be recorded first): the close has none of its
+        # units to start again; one that crashed meanwhile is systemd's.
+        op.rec.units = []
+        raise
+    await op.window.resident.stop(op.running, marked=True)
     await warm.after_stop(op.window, op.rec)
 
 
