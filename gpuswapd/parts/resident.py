@@ -291,17 +291,19 @@ class Resident:
                 self.stops_hung += 1  # systemd may still do it, late
         log.info("units_stopped", units=units, took_s=round(clock.monotonic() - started, 3))
 
-    async def start(self, units: list[str]) -> None:
+    async def start(self, units: list[str], since: float | None = None) -> None:
         """Start exactly these units together (systemd orders them by After=); then forget gpuswapd stopped them.
 
         The start is recorded first, apart from the stop marks it removes (``starting``, kept until
         the restore ends: ``start_ended``). A failure to record it starts them all the same: the
-        resident must come back.
+        resident must come back. ``since``: the CLOCK_MONOTONIC second of this restore's first
+        start, recorded instead of now: a unit that came up under an earlier attempt and is started
+        again (a no-op) still came up under this restore.
         """
         started = clock.monotonic()
         # Not recorded: a restart before the verify then reads a crash of this start as its operator's.
         with contextlib.suppress(GpuswapError, OSError):
-            await self.outside.state.call("mark", self.starting.add, list(units))
+            await self.outside.state.call("mark", self.starting.add, list(units), since)
         await self._jobs("StartUnit", units, self.config.resident.start_timeout, "start")
         log.info("units_started", units=units, took_s=round(clock.monotonic() - started, 3))
         await self.unmark(units)

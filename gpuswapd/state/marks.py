@@ -36,12 +36,15 @@ class Marks:
         self.dir = Path(directory) if directory is not None else None
         self._memory: dict[str, float] = {}
 
-    def add(self, names: list[str]) -> None:
-        """Record that gpuswapd is about to stop these units or timers (fsync'd before it returns)."""
+    def add(self, names: list[str], stamp: float | None = None) -> None:
+        """Record that gpuswapd is about to stop these units or timers (fsync'd before it returns).
+
+        ``stamp``: the CLOCK_MONOTONIC second to record, if not now (a restore's first start).
+        """
         names = [n for n in names if _plain(n)]
         if not names:
             return
-        stamp = clock.kernel_monotonic()
+        stamp = clock.kernel_monotonic() if stamp is None else stamp
         if self.dir is None:
             self._memory.update(dict.fromkeys(names, stamp))
             return

@@ -284,7 +284,7 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             started = clock.monotonic()
             if first_start is None:
                 first_start = clock.kernel_monotonic()
-            await w.resident.start(rec.units)
+            await w.resident.start(rec.units, first_start)
             await w.resident.verify(warm.verify_slot(rec))
             verified = clock.monotonic()
             rec.resident_s = round(verified - started, 3)

@@ -661,7 +661,9 @@ class Systemd:
         that served since (and, if gpuswapd started it again, answered a completion since) and then
         crashed or was stopped by its operator: the timers run with it down as they would without
         gpuswapd, and systemd's Restart= is its way back; nor one its operator stopped, answered or
-        not (a restore that never verifies leaves a resident they stop to them).
+        not (a restore that never verifies leaves a resident they stop to them); nor one down when
+        the timer stopped that its operator started since (the timer would have run against that
+        start without gpuswapd).
         """
         world = self.world
         if timer.stopped_at is None:
@@ -682,6 +684,10 @@ class Systemd:
             return
         if since < timer.stopped_at:
             return
+        started_since = [self.units[u] for u in world.resident_units
+                         if self.units[u].started_at and self.units[u].started_at[-1] >= timer.stopped_at]
+        if not timer.resident_was_up and all(u.started_by == "its operator" for u in started_since):
+            return  # down when the timer stopped, then started by its operator: theirs, as it would be without gpuswapd
         if not answered:
             world.timer_violations.append(
                 f"{timer.name} was started at {world.clock.now:.2f}s, but the resident started at {since:.2f}s "

@@ -24,7 +24,7 @@ from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_status
-from gpuswapd.errors import BusUnavailable, DockerUnavailable, GpuswapError
+from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointError, GpuswapError
 from gpuswapd.phases import Phase
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
@@ -726,19 +726,27 @@ def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None
     assert world.snapshot()["units"]["strata.service"] == "inactive"  # the operator's word stands
 
 
-def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_baseline_restore() -> None:
+@pytest.mark.parametrize("failed_verifies", [0, 1])
+def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_baseline_restore(
+        failed_verifies: int) -> None:
     """Killed between its restore's start and the verify, then every copy of the state torn.
 
     The units came up after their stop marks, but under gpuswapd's own start (recorded apart):
     not stale marks. The baseline restore takes them in and verifies the resident before the
-    timers run again.
+    timers run again. Also when the kill came on a later attempt, after a verify that failed:
+    that attempt's start found them up already (a no-op), and the record keeps the restore's
+    first start, which they came up under.
     """
     world = FakeWorld()
     verify = world.http.verify
     verifying = asyncio.Event()
+    failures = [failed_verifies]
 
     async def hangs(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
         if check.url == RESIDENT_URL:
+            if failures[0]:
+                failures[0] -= 1
+                raise EndpointError("the model server did not answer (verify)")
             verifying.set()
             await asyncio.sleep(3600)
         return await verify(check, retry_until, fields)
