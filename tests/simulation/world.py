@@ -294,6 +294,8 @@ class Systemd:
         # "a crash", "nobody": it never ran); gpuswapd may start only what it stopped itself.
         self.operator_hand = False  # set while the history's operator calls systemd
         self.stopped_by: dict[str, str] = {}
+        self.crashed: set[str] = set()  # units whose last exit was a crash (even one a restore of gpuswapd's undoes)
+        self._crashing = False
         self._stopping: dict[str, str] = {}  # stops under way: who asked
         self._cause: str | None = None  # who stops what a stop takes down with it
         self.start_violations: list[str] = []
@@ -583,7 +585,13 @@ class Systemd:
         if unit.gpu_bytes and unit.active_state in ("active", "deactivating"):
             self.world.card.release(self._key(unit))
         outer = self._cause
-        cause = self._stopping.pop(unit.name, None) or outer or "a crash"
+        own = self._stopping.pop(unit.name, None)
+        cause = own or outer or "a crash"
+        crashing = cause == "a crash" or (own is None and outer is not None and self._crashing)
+        if crashing:
+            self.crashed.add(unit.name)  # what a crash takes down (Requires=) went down with it
+        else:
+            self.crashed.discard(unit.name)
         if cause == "a crash" and unit.started_by == "gpuswapd" and self.in_restore(unit.name):
             cause = "gpuswapd"  # its restore's start did not last: the restore goes on undoing its own stop
         elif cause == "a crash" and self.stop_asked(unit.name):
@@ -593,12 +601,14 @@ class Systemd:
             cause = "gpuswapd"
         self.stopped_by[unit.name] = cause
         self._cause = cause  # what it takes down goes for the same reason
+        was_crashing, self._crashing = self._crashing, crashing
         try:
             for dep in self._dependents(unit.name):
                 if self.units[dep].active_state in ("active", "activating", "deactivating"):
                     self._stop_now(self.units[dep])
         finally:
             self._cause = outer
+            self._crashing = was_crashing
         self._set(unit, state)
 
     def _set(self, unit: Unit, state: str) -> None:
@@ -673,7 +683,7 @@ class Systemd:
         if timer.resident_was_up and not world.resident_serves():
             down = [u for u in world.resident_units if self.units[u].active_state != "active"]
             if (since < timer.stopped_at or answered) and \
-                    all(self.stopped_by.get(u) in ("a crash", "its operator") for u in down):
+                    all(self.stopped_by.get(u) in ("a crash", "its operator") or u in self.crashed for u in down):
                 return  # served (verified, if started since), then crashed or its operator stopped it: not gpuswapd's
             if all(self.stopped_by.get(u) == "its operator" for u in down):
                 return  # its operator stopped it (one gpuswapd's restore started, unverified, say): theirs now
