@@ -57,9 +57,9 @@ def test_an_acquire_while_closing_waits_for_the_restore_then_opens_a_new_window(
             gate = asyncio.Event()
             real_start = w.resident.start
 
-            async def slow_start(units: list[str]) -> None:
+            async def slow_start(units: list[str], since: float | None = None) -> None:
                 await gate.wait()
-                await real_start(units)
+                await real_start(units, since)
 
             w.resident.start = slow_start  # type: ignore[method-assign]
             await w.release(lease.id)
