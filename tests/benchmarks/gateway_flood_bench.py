@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.gateway_flood_bench [--cycles 3] [--requests 200] [--slowloris 5000]
                                                             [--huge 64] [--huge-mib 64] [--bodies 256]
-                                                            [--body-mib 32]
+                                                            [--body-mib 32] [--flooder remote|peer]
 
 The setting is gateway_bench.py's (the engine simulator as the upstream, gpuswapd's stand-in
 granting leases at once, the real ``gpuswapd-gateway`` pinned to CPU 1, everything else to CPU
@@ -16,10 +16,16 @@ granting leases at once, the real ``gpuswapd-gateway`` pinned to CPU 1, everythi
 - **Bodies**: ``--bodies`` clients at once each send a ``--body-mib`` MiB JSON body; what each got
   (200, or 503 with Retry-After past ``gateway.max_bodies``) is counted.
 
+Each phase also times the same requests straight to the upstream (``direct``): what the flood
+does to the client's and the upstreams' CPU alone, without the gateway.
+
 What bounds the result:
-  - two cores: the flooder shares CPU 0 with the client and the upstreams, so its churn (a
-    slowloris connection closed as crowded comes back 0.2 s later) slows the direct side too; the
-    gateway on CPU 1 pays for every accept, head byte and cut;
+  - two cores: the flooder shares CPU 0 with the client and the upstreams. A flood comes from
+    machines of its own, so by default (``--flooder remote``) it runs in SCHED_IDLE there and gets
+    only what they leave, which is nearly all of CPU 0; as their peer (``--flooder peer``) its
+    churn (a slowloris connection closed as crowded comes back 0.2 s later) delays their wake-ups,
+    and the direct path's p99 rises tenfold with it. The gateway on CPU 1 pays for every accept,
+    head byte and cut either way;
   - the gateway's limits (guard.py): a head within 10 s and under 64 KiB, at most 1024 heads
     coming at once (so most of 5,000 slowloris connections are cut as crowded and come back);
   - gateway.max_bodies (128 MiB by default, a body counted twice): how many bodies are held;
@@ -55,7 +61,6 @@ from tests.benchmarks.gateway_bench import (
     gateways,
     latencies,
     pin,
-    pinned,
     upstreams,
 )
 from tests.benchmarks.report import SPREAD_HEADER, alternate, paired, parser, percentile, spread, spread_row, table
@@ -164,7 +169,7 @@ class Cgroup:
 def flooding(port: int, slow: int, huge: int, huge_mib: int) -> Iterator[dict[str, Any]]:
     """Run the flooder on the others' CPU until its slow connections are open (or 30 s); yield its last stats."""
     proc = subprocess.Popen([sys.executable, "-c", FLOODER, str(port), str(slow), str(huge), str(huge_mib)],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=pinned(OTHERS_CPU))
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_flooder_placed)
     seen: dict[str, Any] = {}
     try:
         assert proc.stdout is not None
@@ -180,6 +185,21 @@ def flooding(port: int, slow: int, huge: int, huge_mib: int) -> Iterator[dict[st
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+FLOODER_AS = "remote"  # --flooder: "remote" (SCHED_IDLE), or "peer" (as the client and upstreams)
+
+
+def _flooder_placed() -> None:
+    """Pin the flooder to the others' CPU; as a remote flooder, let it run only when nothing measured wants that CPU.
+
+    A flood comes over the network from machines of its own: on this one its process shares CPU 0
+    with the client and the upstreams, and as their peer it delays their wake-ups, which the
+    figures would count against the gateway. ``remote`` keeps it in SCHED_IDLE.
+    """
+    pin(0, OTHERS_CPU)
+    if FLOODER_AS == "remote" and os.geteuid() == 0:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 async def bodies(port: int, n: int, mib: int) -> dict[str, int]:
@@ -236,16 +256,23 @@ def run(cycles: int, requests: int, slow: int, huge: int, huge_mib: int, n_bodie
                 group.reset()
                 flood_stats: list[dict[str, Any]] = []
 
+                def figures() -> dict[str, Any]:
+                    # The same requests straight to the upstream: what the client's and the upstream's CPU
+                    # alone make of the flood, without the gateway.
+                    lat, direct = latencies(gw, requests), latencies(ports["small"], requests)
+                    return {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
+                            "direct_p50_ms": percentile(direct, 50) * 1000,
+                            "direct_p99_ms": percentile(direct, 99) * 1000}
+
                 def flooded() -> dict[str, Any]:
                     with flooding(gw, slow, huge, huge_mib) as seen:
-                        lat = latencies(gw, requests)
+                        out = figures()
                         flood_stats.append(dict(seen))
-                    return {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000}
+                    return out
 
                 def quiet() -> dict[str, Any]:
                     time.sleep(2)  # the flood's connections closed
-                    lat = latencies(gw, requests)
-                    return {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000}
+                    return figures()
 
                 result["flood"] = alternate(cycles, [("quiet", quiet), ("flooded", flooded)])
                 result["flooder"] = flood_stats
@@ -276,6 +303,7 @@ def _metrics(port: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables."""
+    global FLOODER_AS
     p = parser("gateway_flood_bench", __doc__, cycles_of="quiet, then flooded")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--slowloris", type=int, default=5000)
@@ -283,24 +311,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--huge-mib", type=int, default=64)
     p.add_argument("--bodies", type=int, default=256)
     p.add_argument("--body-mib", type=int, default=32)
+    p.add_argument("--flooder", choices=["peer", "remote"], default=FLOODER_AS,
+                   help="the flooder's CPU on this machine: remote (default): in SCHED_IDLE, as if it came from "
+                        "another machine; or peer: as the client's and the upstreams' peer")
     args = p.parse_args(argv)
+    FLOODER_AS = args.flooder
     if os.geteuid() != 0:
         print("gateway_flood_bench: needs root (a memory cgroup of its own)", file=sys.stderr)
         return 1
     pin(os.getpid(), OTHERS_CPU)
     result = run(args.cycles, args.requests, args.slowloris, args.huge, args.huge_mib, args.bodies, args.body_mib)
+    result["flooder_as"] = args.flooder
     q, f = result["flood"]["quiet"], result["flood"]["flooded"]
     stats = {key: spread(paired([t[key] for t in f], [t[key] for t in q], lambda a, b: a / b))
-             for key in ("p50_ms", "p99_ms")}
+             for key in ("p50_ms", "p99_ms", "direct_p50_ms", "direct_p99_ms")}
     rows = [spread_row("quiet p50 (ms)", spread([t["p50_ms"] for t in q])),
             spread_row("flooded p50 (ms)", spread([t["p50_ms"] for t in f])),
             spread_row("flooded / quiet p50, per cycle (x)", stats["p50_ms"]),
             spread_row("quiet p99 (ms)", spread([t["p99_ms"] for t in q])),
             spread_row("flooded p99 (ms)", spread([t["p99_ms"] for t in f])),
-            spread_row("flooded / quiet p99, per cycle (x)", stats["p99_ms"])]
+            spread_row("flooded / quiet p99, per cycle (x)", stats["p99_ms"]),
+            spread_row("direct: quiet p99 (ms)", spread([t["direct_p99_ms"] for t in q])),
+            spread_row("direct: flooded p99 (ms)", spread([t["direct_p99_ms"] for t in f])),
+            spread_row("direct: flooded / quiet p99 (x)", stats["direct_p99_ms"])]
     print(table(f"\na small completion, {args.requests} a turn, quiet and under {args.slowloris} slowloris "
                 f"connections and {args.huge} clients sending {args.huge_mib} MiB heads", SPREAD_HEADER, rows))
-    print(f"flooder at the measurement: {result['flooder']}")
+    print(f"flooder ({args.flooder}) at the measurement: {result['flooder']}")
     print(f"{args.bodies} bodies of {args.body_mib} MiB at once: {result['bodies_answers']}")
     print("cuts: " + "; ".join(result["metrics"]))
     print(f"gateway cgroup peak: flood {result['flood_peak_mb']:.1f} MB, bodies {result['bodies_peak_mb']:.1f} MB; "
