@@ -314,15 +314,19 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
 
 
 async def _gone_since_verify(w: Context, rec: WindowRecord, verified: float) -> bool:
-    """Tell whether a unit the restore started is no longer up.
+    """Tell whether a unit the restore started is no longer up, or is up again under a start the verify never saw.
 
-    When systemd cannot say (a read that hung), the units' signals since the verify (``verified``,
-    CLOCK_MONOTONIC) tell: one that said it went down, a crash after the verify, is gone.
+    The units' signals since the verify (``verified``, CLOCK_MONOTONIC) tell of a crash after it,
+    even when something started the unit again since (an earlier attempt's start job that systemd
+    ran late): what runs now has answered no completion. Else systemd says what is up; when it
+    cannot (a read that hung), the signals alone tell.
     """
+    if any(w.went_down.get(unit, -math.inf) >= verified for unit in rec.units):
+        return True
     try:
         return not set(rec.units) <= set(await w.resident.closure())
     except GpuswapError:
-        return any(w.went_down.get(unit, -math.inf) >= verified for unit in rec.units)
+        return False
 
 
 async def _leave_resident(w: Context, rec: WindowRecord) -> None:
@@ -563,6 +567,12 @@ async def _reconcile_late_calls(w: Context, rec: WindowRecord) -> None:
         log.warning("late_calls_pending", systemd=w.outside.systemd.status()["hung"],
                     docker=w.outside.docker.status()["hung"])
         w.notify_status()
+        if hung_mark(w)[1] != w.hung_mark[1] and rec.container is not None and not rec.container.parked \
+                and rec.container.removed:
+            # A create still out may bring the engine back: recorded before the wait, so that a
+            # start after a kill meanwhile takes it down too.
+            rec.container = replace(rec.container, removed=False)
+            await w.persist(required=False)
         await _until(w, w.outside.systemd.drained())
         await _until(w, w.outside.docker.drained())
         systemd_late = hung_mark(w)[2] != w.hung_mark[2]
