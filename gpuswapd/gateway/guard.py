@@ -179,11 +179,8 @@ class HeadGuard(_Guarded, asyncio.Protocol):
 
 def _head_end(buffer: bytearray, start: int) -> int:
     """Return where the head's blank line ends in ``buffer`` (searching from ``start``), or -1."""
-    crlf = buffer.find(b"\n\r\n", start)
-    lf = buffer.find(b"\n\n", start)
-    if crlf < 0 and lf < 0:
-        return -1
-    return min(x for x in (crlf + 3 if crlf >= 0 else -1, lf + 2 if lf >= 0 else -1) if x >= 0)
+    ends = [at + len(blank) for blank in (b"\n\r\n", b"\n\n") if (at := buffer.find(blank, start)) >= 0]
+    return min(ends, default=-1)
 
 
 class GuardedProtocol(_Guarded, HttpToolsProtocol):
