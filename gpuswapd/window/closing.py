@@ -363,8 +363,9 @@ async def _masked_meanwhile(w: Context, rec: WindowRecord) -> bool:
 async def _down_since_found_up(w: Context, rec: WindowRecord) -> bool:
     """Tell whether a stale record's units, all up when it was found, are not all up now; if so, leave them.
 
-    The record's close finished before a restart but was not recorded; its close now only verifies
-    the resident. A unit that went down since it was found up (a crash while this close waited on a
+    The record's close finished before a restart but was not recorded, or it was left closing before
+    its restore while the resident ran again (another window's restore, its operator); its close
+    now only verifies the resident. A unit that went down since it was found up (a crash while this close waited on a
     hung disk, its operator's stop) was brought down by someone else: gpuswapd does not start it.
     """
     try:

@@ -284,6 +284,12 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
             rec.phase is Phase.WAITING_VRAM and not rec.closing)
         up = await _resident_now(w, rec.units) if opened and rec.units else None
         stale = up == "up"
+        if rec.units and (rec.phase is Phase.CLOSING or (rec.phase is Phase.WAITING_VRAM and rec.closing)) \
+                and await _resident_now(w, rec.units) == "up":
+            # Left closing before its restore, yet its resident is up again (another window's restore,
+            # its operator, or this close's own restore whose phase never reached the disk): the close
+            # goes on, and its restore only verifies it; one that goes down meanwhile is not started.
+            rec.found_up = True
         # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
         # Not one whose resident is coming up (the restore of the gpuswapd that stopped, its start under
         # way): the card is the resident's again, and the close goes on with that restore.
