@@ -254,6 +254,7 @@ class Unit:
     n_ctx: int = 0  # its context per slot, as its /props says
     exec_start: tuple[str, ...] = ()  # what it runs (none given: llama-server on /models/NAME.gguf if it holds VRAM)
     started_by: str = ""  # who asked for its last start: "gpuswapd" or "its operator"
+    start_who: str = ""  # who queued its pending start job
 
 
 @dataclass
@@ -513,6 +514,7 @@ class Systemd:
             for dep in deps:  # Requires= pulls the dependency in, in the same transaction
                 self._queue("StartUnit", dep)
             self._set(unit, "activating")
+            unit.start_who = who
             delay = unit.start_s + max((self.units[d].start_s for d in deps), default=0.0)
             action = self.world.scheduler.after(delay, lambda: self._started(unit))
         else:
@@ -564,9 +566,11 @@ class Systemd:
             return
         unit.started_at.append(self.world.clock.now)
         self.stopped_by.pop(unit.name, None)
-        unit.started_by = "its operator" if unit.name in self.operator_jobs else "gpuswapd"
-        if unit.name in self.operator_jobs:
-            self.operator_jobs.discard(unit.name)
+        # Whose job this start is (its operator's, systemd's Restart=, or gpuswapd's): a name in
+        # operator_jobs whose job never ran (the unit was up already) says nothing of a later start.
+        unit.started_by = unit.start_who or "gpuswapd"
+        self.operator_jobs.discard(unit.name)
+        if unit.started_by == "its operator":
             self.operator_started.append(self.world.clock.now)
         self._set(unit, "active")
         self._finish(unit, "done")
