@@ -315,7 +315,9 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         await holding.hold_then_close(w, rec)
         return
     w.adopting = None  # closing: what queued meanwhile waits for the next window
-    await closing.close(w, rec, "recovered")
+    # A resident coming up (the restore's start of the gpuswapd that stopped, its job still under
+    # way) takes the card: the close goes back to it, never straight to another window beside it.
+    await closing.close(w, rec, "recovered", switch=up != "coming")
 
 
 async def _resident_now(w: Context, units: list[str]) -> str | None:
