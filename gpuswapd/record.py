@@ -305,6 +305,9 @@ class WindowRecord:
     # Not kept on disk: a stale record (its resident found up again at a start) is being closed, and
     # everything was up at that moment; one of its units down since is not gpuswapd's to start.
     found_up: bool = field(default=False, compare=False)
+    # Not kept on disk: the phase this record was found in at a start when systemd could not say
+    # whether its stop was undone since (window/undone.py); its restore judges it first.
+    unchecked_in: Phase | None = field(default=None, compare=False)
     # Not kept on disk: CLOCK_MONOTONIC when this close's restore verified the resident (None: not yet).
     verified_at: float | None = field(default=None, compare=False)
     container: ContainerHandle | None = None

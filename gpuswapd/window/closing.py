@@ -29,7 +29,7 @@ from gpuswapd.record import WindowRecord
 from gpuswapd.retry import backoff, until_done
 from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
-from gpuswapd.window import identity, parking, warm
+from gpuswapd.window import identity, parking, undone, warm
 
 if TYPE_CHECKING:
     from gpuswapd.window.context import Context
@@ -266,6 +266,15 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 return  # its operator masked or stopped the resident: it is theirs now, and the card is not held for it
             if attempt == 1 and rec.found_up and await _down_since_found_up(w, rec):
                 return  # a stale record's resident went down since it was found up: not gpuswapd's to start
+            if rec.unchecked_in is not None:
+                # Found at a start while systemd could not say whether this stop was undone since (a
+                # restore that started the units, then a crash): nothing starts until it can.
+                if (unsaid := await undone.judge(w, rec, rec.unchecked_in)) is not None:
+                    raise Degraded(f"systemd cannot say yet whether {', '.join(rec.units)} ran again since "
+                                   f"gpuswapd stopped them ({unsaid}); nothing is started until it can")
+                rec.unchecked_in = None
+                if not rec.units:
+                    return  # each ran again since, and is down now: its operator's (or systemd's)
             if repair == "due":
                 first_start = None  # the repair stops the units: gpuswapd's own stop again, not its operator's
                 await identity.make_room(w, rec, lambda s: _pause(w, s))

@@ -18,11 +18,10 @@ from gpuswapd.record import BaselineRestore, ContainerHandle, Finished, Parked, 
 from gpuswapd.retry import backoff, until_done
 from gpuswapd.state.store import Document, Loaded
 from gpuswapd.tasks import reap, spawn, uncancel
-from gpuswapd.window import closing, holding, opening, parking, preempting
+from gpuswapd.window import closing, holding, opening, parking, preempting, undone
 from gpuswapd.window.baseline import Known
 
 if TYPE_CHECKING:
-    from gpuswapd.adapters.unitstates import UnitState
     from gpuswapd.window.context import Context
 
 READ_ATTEMPTS = 3  # a read that fails may be a moment's trouble; three that fail are the disk's
@@ -110,7 +109,14 @@ def _take_in(window: Context, document: Document | None) -> WindowRecord | None:
 async def _carry_on(window: Context, record: WindowRecord | None) -> None:
     """Resume the window the document held, or restore the baseline over a lost one; then reconcile the engines."""
     if record is not None:
-        await _undone_meanwhile(window, record)
+        try:
+            unsaid = await undone.judge(window, record, record.phase)
+        except asyncio.CancelledError as err:
+            unsaid = _why(err, window)
+        if unsaid is not None:
+            # systemd cannot say now: the restore judges the record again before it starts anything.
+            log.info("resident_stop_unchecked", error=unsaid, consequence="judged again before the restore")
+            record.unchecked_in = record.phase
         await _never_stopped(window, record)
         window.recover(record)
     elif (lost := await _lost_window(window)) is not None:
@@ -132,58 +138,6 @@ async def _carry_on(window: Context, record: WindowRecord | None) -> None:
         log.warning("orphan_check_failed", error=_why(err, window), retry="in the background")
         closing.sweep_orphans(window)
     await parking.check_at_start(window)
-
-
-async def _undone_meanwhile(w: Context, rec: WindowRecord) -> None:
-    """Leave to their operator the units this window stopped that ran again since and are down now.
-
-    The record on disk can be older than the window: a state directory that failed its writes kept
-    a window gpuswapd had already closed, and its restore started the units; their operator may have
-    stopped them since, while gpuswapd was down. A unit that became active after the window stopped
-    it had its stop undone: what it is now is its operator's (or systemd's), and it is not started.
-    """
-    if not rec.units or rec.stopped_mono is None:
-        return
-    try:
-        states = await w.resident.unit_states(list(rec.units))
-    except (GpuswapError, asyncio.CancelledError) as err:
-        log.info("resident_stop_unchecked", error=_why(err, w), consequence="the record stands")
-        return  # systemd cannot say: the record stands
-    undone = [u for u, st in states.items() if st.active_enter is not None and st.active_enter > rec.stopped_mono
-              and not st.active]
-    failed = [u for u in undone if states[u].active_state == "failed"]
-    restoring = rec.phase in (Phase.RESTORING, Phase.DEGRADED)
-    if failed and (restoring or await _own_start_issued(w, rec, failed)) and not await _timers_resumed_since(w, rec):
-        # Left restoring (or its restore's start recorded, the phase's write lost), it may have
-        # started them itself before gpuswapd went: one that failed since (and what it took down
-        # with it) is its own start that did not last: the restore goes on.
-        # Not when the timers it paused run again since the stop: gpuswapd resumes them only once the
-        # resident it restored has answered, so that restore ended (its last writes did not reach
-        # the disk) and the failure is a crash since, its operator's and systemd's.
-        undone = []
-    if undone:
-        undone = await _came_up_after_the_stop(w, undone, states)
-    if undone:
-        log.warning("resident_stop_undone_meanwhile", units=undone, window=rec.id,
-                    consequence="left as they are: they ran again after this window stopped them")
-        rec.units = [u for u in rec.units if u not in undone]
-        await w.resident.unmark(undone)
-        await w.resident.start_ended(undone)
-
-
-async def _own_start_issued(w: Context, rec: WindowRecord, units: list[str]) -> bool:
-    """Tell whether gpuswapd issued a restore's start of one of these units after this window's stop.
-
-    Each restore's start is recorded just before its job (state/marks.py, ``starting``) and
-    forgotten when the restore ends. When that record cannot be read, it says no.
-    """
-    try:
-        issued = await w.resident.started_at()
-    except (GpuswapError, asyncio.CancelledError):
-        return False
-    # The record keeps its restore's latest start (a retry's): the unit may have come up under an earlier one.
-    return any((at := issued.get(u)) is not None and rec.stopped_mono is not None and at > rec.stopped_mono
-               for u in units)
 
 
 async def _never_stopped(w: Context, rec: WindowRecord) -> None:
@@ -211,33 +165,6 @@ async def _never_stopped(w: Context, rec: WindowRecord) -> None:
         rec.units = [u for u in rec.units if u not in never]
         if left := [u for u in never if u in marked]:
             await w.resident.unmark(left)  # an earlier window's, restored since
-
-
-async def _came_up_after_the_stop(w: Context, units: list[str], states: dict[str, UnitState]) -> list[str]:
-    """Keep the units that became active after gpuswapd's own mark of their stop, not merely after the record's time.
-
-    The record's stop time is taken as the timers are paused, before the slot save (up to its
-    deadline): a unit still starting then (its operator's start) came up before the stop itself.
-    Its mark, written just before the stop job, is later than that: the stop is gpuswapd's own.
-    When the marks cannot be read, the record's time stands.
-    """
-    try:
-        marked = await w.resident.marked_at()
-    except (GpuswapError, asyncio.CancelledError):
-        return units
-    return [u for u in units if marked.get(u) is None or (states[u].active_enter or 0.0) > (marked[u] or 0.0)]
-
-
-async def _timers_resumed_since(w: Context, rec: WindowRecord) -> bool:
-    """Tell whether every timer this window paused became active after its stop (False when it cannot be told)."""
-    if not rec.timers or rec.stopped_mono is None:
-        return False
-    try:
-        states = await w.resident.unit_states(list(rec.timers))
-    except (GpuswapError, asyncio.CancelledError):
-        return False
-    return all(st.active and st.active_enter is not None and st.active_enter > rec.stopped_mono
-               for st in states.values())
 
 
 async def adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
@@ -399,7 +326,7 @@ async def _marked_since(w: Context, units: list[str]) -> float | None:
     A baseline restore knows no window's stop; the marks, each written just before its stop job,
     stand for it in the record. If this record outlives its close (a state directory that refused
     the last writes), the next start leaves to their operator the units that ran again after it
-    and are down now (``_undone_meanwhile``), as it does for any window's record.
+    and are down now (``undone.judge``), as it does for any window's record.
     """
     try:
         marked = await w.resident.marked_at()

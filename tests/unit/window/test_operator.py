@@ -472,6 +472,57 @@ def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sig
     assert world.systemd.started.count("strata.service") == 2  # the window's restore, and its restore again
 
 
+@pytest.mark.parametrize("silent_for", [1, 3])
+def test_a_resident_that_crashed_after_an_unrecorded_close_is_not_started_when_systemd_answers_late(
+        silent_for: int) -> None:
+    """The close's writes fail, so the disk still says READY, though the close restored the resident and
+    resumed the timers; gpuswapd is killed. The resident crashes. At the next start systemd cannot say
+    at first what the units are: the record is judged again before its restore starts anything, and
+    once systemd answers, the crash is left to it. ``silent_for``: systemd's reads that fail (3: the
+    adoption's look too, and the restore's first judgement, which waits in DEGRADED)."""
+    world = FakeWorld()
+
+    def refused(cleared: bool, data: bytes) -> None:
+        raise OSError(13, "Permission denied")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.phase is Phase.READY
+            world.store.on_write = refused
+            await w.release(lease.id)
+            await until(lambda: w.record is None and world.snapshot() == BASELINE)  # closed, in memory only
+            await w.shutdown(restore=False)  # SIGKILL
+        assert world.store.document and world.store.document.window
+        assert world.store.document.window.phase is Phase.READY
+        world.store.on_write = None
+        started = len(world.systemd.started)
+        _crash(world)
+        w = world.window()
+        unit_states = w.resident.unit_states
+        silent = [1] * silent_for
+        degraded = []
+
+        async def silent_once(units: list[str]) -> dict[str, UnitState]:
+            if silent:
+                silent.pop()
+                degraded.append(w.phase)
+                raise BusUnavailable("systemd (D-Bus) did not answer (unit_state) within 35s")
+            return await unit_states(units)
+
+        w.resident.unit_states = silent_once  # type: ignore[method-assign]
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert not silent and w.last is not None and w.last.units == []
+            assert w.last.outcome == "recovered" and degraded[2:] == [Phase.RESTORING] * (silent_for - 2)
+        assert world.systemd.started[started:] == []  # a crash's stop: systemd's, not gpuswapd's
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.snapshot()["timers"] == BASELINE["timers"]
+
+
 def test_a_close_with_no_resident_to_restore_ends_once_the_engines_memory_is_released() -> None:
     """Its operator stopped the resident before the window, so the close restores nothing; yet IDLE
     comes only once the engine's memory is released: their `systemctl start` right after must fit."""
