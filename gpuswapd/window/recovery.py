@@ -209,10 +209,10 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # is up again is stale: the close of the gpuswapd that stopped finished, its writes did not land.
         opened = rec.phase in (Phase.BOOTING, Phase.WARMING, Phase.WAKING, Phase.READY, Phase.RECOVERING) or (
             rec.phase is Phase.WAITING_VRAM and not rec.closing)
-        up = await _resident_now(w, rec.units) if opened and rec.units else None
-        stale = up == "up"
-        if rec.units and (rec.phase is Phase.CLOSING or (rec.phase is Phase.WAITING_VRAM and rec.closing)) \
-                and await _resident_now(w, rec.units) == "up":
+        closed_early = rec.phase is Phase.CLOSING or (rec.phase is Phase.WAITING_VRAM and rec.closing)
+        up = await _resident_now(w, rec.units) if (opened or closed_early) and rec.units else None
+        stale = opened and up == "up"
+        if closed_early and up == "up":
             # Left closing before its restore, yet its resident is up again (another window's restore,
             # its operator, or this close's own restore whose phase never reached the disk): the close
             # goes on, and its restore only verifies it; one that goes down meanwhile is not started.
