@@ -90,6 +90,7 @@ TOTAL_BYTES = 24 * GiB
 CHECK_EVERY_S = 1.0
 QUIET_WITHIN_S = 6 * 3600.0
 RECLAIM_AFTER_S = 1.0  # gpuswapctl sends its acquire again this soon after gpuswapd went away
+SLURM_RECONCILE_S = 300.0  # gpuswapd-slurm-reconcile.timer: OnUnitActiveSec=5min
 SERVER_CAP = 16 * 1024  # the socket server's cap on what one client leaves unread, smaller than in service
 BUFFER_BOUND = SERVER_CAP + 4 * 1024  # the cap and one line more
 UIDS = {"root": (0, 0), "alice": (50001, 0), "bob": (50002, 0), "eve": (50003, 50003)}
@@ -781,6 +782,19 @@ class Run:
         c.releasing = c.release_sent = True
         self.request(c, {"op": "release", "lease": c.lease}, self._released)
 
+    def _epilog_failed(self, c: Client) -> None:
+        """A Slurm job's release got no answer (gpuswapd killed under it): its Epilog failed.
+
+        gpuswapd-slurm-reconcile.timer (every 5 minutes) releases the leases of jobs Slurm no longer runs.
+        """
+        if c.kind == "acquire" and c.spec.get("for") == "infinity" and c.release_sent and not c.released:
+            self.world.scheduler.after(SLURM_RECONCILE_S, lambda: self._slurm_reconcile(c))
+
+    def _slurm_reconcile(self, c: Client) -> None:
+        if not c.released and not c.releasing:
+            c.releasing = True
+            self.request(c, {"op": "release", "holder": f"slurm-job-{c.id}"}, self._released)
+
     def _released(self, c: Client, reply: dict[str, Any]) -> None:
         c.releasing = False
         if reply.get("ok"):
@@ -801,6 +815,7 @@ class Run:
                 then(c, json.loads(line))
             elif request["op"] == "release":
                 c.releasing = False
+                self._epilog_failed(c)
 
         tasks.spawn(answer(), "sim-request")
 
@@ -1046,6 +1061,7 @@ class Run:
             self.requests.remove((c, request_conn, op))
             if op == "release":
                 c.releasing = False  # gpuswapctl release exits 3: the daemon went away
+                self._epilog_failed(c)
         for c in self.clients.values():
             if c.conn is conn and c.dropped is None:
                 c.dropped = why
