@@ -32,11 +32,13 @@ from gpuswapd.tasks import reap, sleep_unless, spawn
 from gpuswapd.window import identity, parking, undone, warm
 
 if TYPE_CHECKING:
+    from gpuswapd.adapters.unitstates import UnitState
     from gpuswapd.window.context import Context
 
 # A step of the restore that took longer than this (a hung state directory) is followed by another
 # look at the resident before the timers resume: it may have died meanwhile.
 SLOW_STEP_S = 1.0
+JOB_POLL_S = 0.25  # how often a job still queued on a resident unit is looked at again
 
 
 class Interrupted(Exception):
@@ -279,17 +281,18 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
                 first_start = None  # the repair stops the units: gpuswapd's own stop again, not its operator's
                 await identity.make_room(w, rec, lambda s: _pause(w, s))
                 repair = "done"
-            # An engine still holding its memory would only make the resident fail (out of memory):
-            # wait until it is gone, or until the resident fits beside it.
-            if engine_left(rec) and not await _resident_fits(w):
-                raise Degraded(f"the engine {_name(rec)} still holds the GPU and could "
-                               f"not be taken down yet: {_said(rec)}")
-            # A process that just exited (a holder's, a start that failed) is still freeing its memory.
-            await _let_exited_go(w, unsure=rec.baseline is not None)
-            await _parked_leaves_room(w)
-            if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:
-                # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
-                await _room_for_resident(w, rec)
+            if not await w.resident.all_active(rec.units):  # (one up already holds its own memory: no room to wait for)
+                # An engine still holding its memory would only make the resident fail (out of memory):
+                # wait until it is gone, or until the resident fits beside it.
+                if engine_left(rec) and not await _resident_fits(w):
+                    raise Degraded(f"the engine {_name(rec)} still holds the GPU and could "
+                                   f"not be taken down yet: {_said(rec)}")
+                # A process that just exited (a holder's, a start that failed) is still freeing its memory.
+                await _let_exited_go(w, unsure=rec.baseline is not None)
+                await _parked_leaves_room(w)
+                if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:
+                    # Holders of a bare window may still hold memory (after a baseline restore, nobody knows).
+                    await _room_for_resident(w, rec)
             started = clock.monotonic()
             if first_start is None:
                 first_start = clock.kernel_monotonic()
@@ -399,16 +402,25 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord, stops_late: bool
     after the restore (a late start job, of the timers say, stops nothing): its operator's and
     ``Restart=``'s, so the check does not start the resident. Without a late stop of gpuswapd's
     own (``stops_late``), nothing of its can have taken the resident down since its restore
-    verified it: a unit that went down since then was someone else's stop or a crash, even if a
-    late start job of the restore's own is bringing it up again now.
+    verified it: a unit that went down since then was someone else's stop or a crash.
+
+    A unit still changing (a job queued, activating: a late start of the restore's own, which
+    systemd runs only now, or its ``Restart=``) is waited for first, up to
+    ``resident.start_timeout``: a unit that comes up is verified by the check's restore, never left
+    unverified under the timers; one that fails is left to systemd.
     """
     configured = [u for u in w.config.resident.units if u in rec.units]
     if not configured or rec.stopped_mono is None:
         return
+    deadline = clock.monotonic() + w.config.resident.start_timeout
     try:
-        states = await w.resident.unit_states(configured)
+        states = await w.resident.unit_states(list(rec.units))
+        while any(_changing(st) for st in states.values()) and clock.monotonic() < deadline:
+            await _pause(w, JOB_POLL_S)
+            states = await w.resident.unit_states(list(rec.units))
     except GpuswapError:
         return  # systemd cannot say: the check goes on
+    states = {u: st for u, st in states.items() if u in configured}
     crashed = [u for u, st in states.items() if st.active_state == "failed"
                and st.active_enter is not None and st.active_enter > rec.stopped_mono]
     if not stops_late and rec.verified_at is not None:
@@ -420,6 +432,11 @@ async def _crashed_since_restore(w: Context, rec: WindowRecord, stops_late: bool
                 consequence="not started again: it failed after this close restored it (systemd's Restart= or "
                             "systemctl start brings it back)")
     await _leave_resident(w, rec)
+
+
+def _changing(st: UnitState) -> bool:
+    """Tell whether a unit is on its way somewhere (a job queued, activating, deactivating)."""
+    return bool(st.job) or st.active_state in ("activating", "deactivating", "reloading")
 
 
 async def _stopped_meanwhile(w: Context, rec: WindowRecord, first_start: float | None) -> bool:
