@@ -69,7 +69,9 @@ async def check(w: Context, rec: WindowRecord) -> None:
     if pending is None:
         if by is not None and (rec.preempted is None or rec.preempted.abandoned_at is not None) \
                 and await _can_open(w, rec, by):
-            await _notice(w, rec, by.holder, by.profile, by.priority, now)
+            # Now, not when the check began: the preflight may have taken a while (a hung `docker top`),
+            # and the holders' grace counts from the notice they get.
+            await _notice(w, rec, by.holder, by.profile, by.priority, clock.now())
         return
     if not len(rec.leases):
         # The holders let the card go before the grace ended: nothing to revoke, and the window

@@ -329,6 +329,37 @@ def test_a_higher_priority_request_preempts_after_the_grace_and_switches_directl
     assert not fw.gpu.ooms
 
 
+def test_a_slow_preflight_does_not_eat_the_holders_grace() -> None:
+    """``docker top`` answers slowly while gpuswapd checks the preemptor could open: the holders' grace counts
+    from the notice they get, not from when the check began."""
+    fw = world(preempt_grace="150ms")
+    top = fw.docker.top
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            told: list[tuple[float, dict[str, Any]]] = []
+            held = await w.acquire("chat", 60)
+            w.lease_watchers[held.id] = lambda e: told.append((time.monotonic(), e))
+
+            def slow_top(name: str) -> list[int]:
+                time.sleep(0.25)  # longer than the grace
+                return top(name)
+
+            fw.docker.top = slow_top  # type: ignore[method-assign]
+            urgent = asyncio.create_task(w.acquire("urgent", 60, profile="bare", priority=10))
+            lease = await urgent
+            fw.docker.top = top  # type: ignore[method-assign]
+            moments = {e["event"]: t for t, e in told}
+            assert moments["preempted"] - moments["preempting"] >= 0.12  # the whole grace, give or take a poll
+            assert w.last is not None and w.last.preempted is not None
+            p = w.last.preempted
+            assert p.revoked_at is not None and p.revoked_at - p.at >= 0.12
+            await w.release(lease.id)
+            await settle(w)
+
+    run(main())
+
+
 def test_the_holders_are_told_preempted_as_their_leases_end_even_while_the_state_directory_hangs() -> None:
     fw = world(preempt_grace="100ms")
     told: list[dict[str, Any]] = []
