@@ -23,11 +23,15 @@ import os
 import random
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 from tests.simulation.history import Setup, draw_apart, draw_events, draw_setup
 from tests.simulation.runner import Outcome, Violation, play
+
+CHUNK = 4  # seeds a worker plays per task
 
 CASES = Path(__file__).with_name("simulate_cases")
 
@@ -169,24 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     failing: list[tuple[int, list[Violation]]] = []
     virtual = windows = 0.0
+    lost: list[int] = []
     if args.jobs > 1 and len(seeds) > 1:
         os.environ["PYTHONHASHSEED"] = "0"  # as a replay runs (fixed_hash_seed)
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            results = pool.imap_unordered(run_seed, seeds, chunksize=4)
-            for seed, violations, v_s, n_windows, _ in results:
-                virtual, windows = virtual + v_s, windows + n_windows
-                if violations:
-                    failing.append((seed, violations))
-            # Let the workers exit by themselves: the pool's terminate() at the with's end would
-            # leave their semaphores for the resource tracker to warn of.
-            pool.close()
-            pool.join()
+        results, lost = run_pool(seeds, args.jobs)
+        if lost:  # each alone in a worker of its own: only the seeds that take a worker down stay lost
+            print(f"a worker process died running seeds {_ranges(lost)}; each runs again alone", flush=True)
+            again, lost = run_pool([item for item in seeds if item[0] in set(lost)], 1, chunk=1)
+            results += again
     else:
-        for item in seeds:
-            seed, violations, v_s, n_windows, _ = run_seed(item)
-            virtual, windows = virtual + v_s, windows + n_windows
-            if violations:
-                failing.append((seed, violations))
+        results = [run_seed(item) for item in seeds]
+    for seed, violations, v_s, n_windows, _ in results:
+        virtual, windows = virtual + v_s, windows + n_windows
+        if violations:
+            failing.append((seed, violations))
     took = time.perf_counter() - started
     count = 0
     for seed, violations in sorted(failing):
@@ -196,8 +196,60 @@ def main(argv: list[str] | None = None) -> int:
             report(seed, setup, events, violation, args.save, not args.no_shrink)
     print(f"{len(seeds)} seeds in {took:.1f}s ({len(seeds) / took:.1f} histories/s on {args.jobs} process(es)); "
           f"{virtual / 3600:.1f} virtual hours, {int(windows)} windows")
-    print(f"{len(seeds)} histories, {count} violations")
-    return 0 if count == 0 else 1
+    if lost:
+        print(f"seeds that take a worker process down (not run; see each with --replay S --trace): {_ranges(lost)}")
+    print(f"{len(seeds) - len(lost)} histories, {count} violations")
+    return 0 if count == 0 and not lost else 1
+
+
+def run_chunk(items: list[tuple[int, ...]]) -> list[tuple[int, list[Violation], float, int, float]]:
+    """Play a few seeds in a worker process."""
+    return [run_seed(item) for item in items]
+
+
+def run_pool(seeds: list[tuple[int, ...]], jobs: int, chunk: int = CHUNK) -> tuple[
+        list[tuple[int, list[Violation], float, int, float]], list[int]]:
+    """Play the seeds on ``jobs`` worker processes; return their results, and the seeds a worker that died left unrun.
+
+    A worker that dies (killed, out of memory, a crash of the interpreter) breaks its pool: the
+    chunks in flight then are returned as not run, and the rest go on in a fresh pool. With
+    ``jobs`` and ``chunk`` at 1, what is returned is exactly the seeds that take a worker down.
+    """
+    results: list[tuple[int, list[Violation], float, int, float]] = []
+    lost: list[int] = []
+    todo = [seeds[i:i + chunk] for i in range(0, len(seeds), chunk)][::-1]
+    while todo:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            running: dict[Future[list[tuple[int, list[Violation], float, int, float]]], list[tuple[int, ...]]] = {}
+            broken = False
+            while (todo or running) and not broken:
+                while todo and len(running) < jobs:  # no more in flight than workers: a break names few seeds
+                    items = todo.pop()
+                    running[pool.submit(run_chunk, items)] = items
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    items = running.pop(future)
+                    try:
+                        results += future.result()
+                    except BrokenProcessPool:
+                        lost, broken = lost + [item[0] for item in items], True
+            for future, items in running.items():  # the same pool: broken too, or finished before it broke
+                try:
+                    results += future.result()
+                except BrokenProcessPool:
+                    lost += [item[0] for item in items]
+    return results, sorted(lost)
+
+
+def _ranges(seeds: list[int]) -> str:
+    """Write seeds as ranges: 5-8, 12."""
+    parts: list[str] = []
+    for seed in sorted(seeds):
+        if parts and parts[-1].split("-")[-1] == str(seed - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{seed}"
+        else:
+            parts.append(str(seed))
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":
