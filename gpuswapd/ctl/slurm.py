@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuswapd.ctl.client import Client, Unreachable
-from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, UnknownProfile
+from gpuswapd.errors import AcquireTimeout, GpuswapError, LeaseNotFound, Stopping, UnknownProfile
 from gpuswapd.instances import DEFAULT_INSTANCE, socket_of, valid_name
 
 MAP_PATH = "/etc/gpuswapd/slurm/gpus.toml"
@@ -38,6 +38,8 @@ SLURM_TIMEOUT_S = 30.0  # scontrol/squeue: slurmctld answers in well under a sec
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 _HOLDER = re.compile(rf"^{HOLDER_PREFIX}(\d+)$")
 EXIT_OK, EXIT_FAILED = 0, 1
+RELEASE_RETRY_S = 20.0  # how long a release waits for a gpuswapd that went away (a restart) to answer again
+RELEASE_BACKOFF_S = (0.2, 2.0)  # between tries: first, cap
 NO_TIMEOUT = 65534  # Slurm's NO_VAL16: PrologEpilogTimeout unset, slurmd waits for the Prolog for ever
 PROLOG_MARGIN_S = (5.0, 0.1)  # the bound is this far below PrologEpilogTimeout: at least 5 s, or a tenth
 
@@ -286,12 +288,16 @@ def _record(job: str, message: str) -> None:
 
 
 def release_job(job: str, instances: list[str], must_reach: set[str]) -> list[str]:
-    """Release ``slurm-job-JOB``'s leases on ``instances``; return what failed (nothing held is no failure)."""
+    """Release ``slurm-job-JOB``'s leases on ``instances``; return what failed (nothing held is no failure).
+
+    An instance in ``must_reach`` that went away (a restart of gpuswapd: its connection dropped, or
+    it said it stops) is asked again, with backoff, for up to ``RELEASE_RETRY_S``: a release by
+    holder is the same when made twice, and a failed Epilog drains the node.
+    """
     failed = []
     for name in instances:
         try:
-            with Client(socket_of(name)) as client:
-                reply = client.request({"op": "release", "holder": f"{HOLDER_PREFIX}{job}"})
+            reply = _release(name, f"{HOLDER_PREFIX}{job}", patient=name in must_reach)
         except LeaseNotFound:
             continue
         except Unreachable as err:
@@ -304,6 +310,21 @@ def release_job(job: str, instances: list[str], must_reach: set[str]) -> list[st
         for lease in reply["released"]:
             print(f"released lease {lease['id']} of {lease['holder']} (instance {name})", file=sys.stderr)
     return failed
+
+
+def _release(instance: str, holder: str, patient: bool) -> dict[str, Any]:
+    """Ask one instance to release a holder's leases; ``patient``: through a restart of gpuswapd too."""
+    deadline = time.monotonic() + RELEASE_RETRY_S
+    delay = RELEASE_BACKOFF_S[0]
+    while True:
+        try:
+            with Client(socket_of(instance)) as client:
+                return client.request({"op": "release", "holder": holder})
+        except (Unreachable, Stopping):
+            if not patient or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, RELEASE_BACKOFF_S[1])
 
 
 def epilog() -> int:

@@ -6,6 +6,8 @@ import asyncio
 import json
 import math
 import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +280,50 @@ def test_no_time_left_for_the_next_gpu_cancels_the_job_without_asking(monkeypatc
 def test_a_prolog_that_cannot_read_slurms_config_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     code, clients = _prolog(monkeypatch, tmp_path, {}, fake=FakeSlurm(failing=("scontrol show",)))
     assert code == 1 and clients.asked == []
+
+
+def test_an_epilog_whose_gpuswapd_restarts_under_its_release_asks_again(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """gpuswapd of GPU 0 is killed with the release unanswered (a real Unix socket that hangs up), then answers:
+    the release is made again and the Epilog succeeds. GPU 1's instance, not the job's, runs no gpuswapd: not
+    waited for."""
+    monkeypatch.setattr(slurm, "RELEASE_BACKOFF_S", (0.01, 0.05))
+    gpu_map = tmp_path / "gpus.toml"
+    gpu_map.write_text('[gpus]\n"0" = "a"\n"1" = "b"\n')
+    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(slurm.socket_of("a"))
+    server.listen(4)
+    seen: list[dict[str, Any]] = []
+
+    def serve() -> None:
+        with server:
+            for answer in ("drop", "released"):
+                conn, _ = server.accept()
+                with conn, conn.makefile("rwb") as f:
+                    seen.append(json.loads(f.readline()))
+                    if answer == "released":
+                        released = [{"id": "000000000003", "holder": "slurm-job-7"}]
+                        f.write(json.dumps({"ok": True, "released": released}).encode() + b"\n")
+                        f.flush()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert slurm.epilog() == 0
+    thread.join(5)
+    assert seen == [{"op": "release", "holder": "slurm-job-7"}] * 2
+
+
+def test_an_epilog_gives_up_on_a_gpuswapd_that_stays_away(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(slurm, "RELEASE_BACKOFF_S", (0.01, 0.05))
+    monkeypatch.setattr(slurm, "RELEASE_RETRY_S", 0.2)
+    gpu_map = tmp_path / "gpus.toml"
+    gpu_map.write_text('[gpus]\n"0" = "a"\n')
+    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+    assert slurm.epilog() == 1  # nobody listens on a's socket: the node drains, as before
