@@ -172,6 +172,26 @@ class Resident:
             return
         self.start_ended_pending -= set(units)
 
+    async def forget_ended_starts(self) -> None:
+        """Remove every restore's start record left behind: a window opens only once the last close ended.
+
+        A record whose removal failed (a hung state directory, then a restart that forgot it was
+        owed) would otherwise outlive the timers' marks that tell of its restore's end, and a later
+        start would read a crash or its operator's stop as that restore's own start that did not
+        last. Raises StateError when they cannot be read or removed: the window stops nothing then,
+        as when its own marks cannot be written.
+        """
+        left = await self.started_at()
+        if not left:
+            self.start_ended_pending.clear()
+            return
+        try:
+            await self.outside.state.call("unmark", self.starting.remove, sorted(left))
+        except OSError as err:
+            raise StateError(f"cannot clear the starts gpuswapd recorded: {err.strerror or err}; "
+                             "nothing was stopped") from err
+        self.start_ended_pending.clear()
+
     async def started_at(self) -> dict[str, float | None]:
         """Map each unit whose restore's start is under way to the CLOCK_MONOTONIC second it was issued."""
         try:

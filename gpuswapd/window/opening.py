@@ -158,6 +158,8 @@ async def check_fit(w: Context, need: int | None = None, going: frozenset[int] =
 async def _pause_timers(op: Opening) -> None:
     """Stop the timers (recorded as the phase was entered); then learn which units the next phase stops."""
     w, rec = op.window, op.rec
+    # Every restore before this window has ended: a start record one left behind says nothing now.
+    await w.resident.forget_ended_starts()
     await w.resident.pause(rec.timers)
     # A job its timer started just before the pause must not lose the resident under it.
     await w.resident.wait_jobs(await w.resident.timers(), clock.monotonic() + w.config.timers.wait_for_jobs)

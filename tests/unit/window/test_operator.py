@@ -939,6 +939,38 @@ def test_a_start_record_of_a_unit_that_was_up_already_starts_nothing_after_a_cra
     assert memory_marks(world.store, "starting").read() == []
 
 
+def test_a_start_record_a_killed_gpuswapd_left_is_forgotten_when_the_next_window_opens() -> None:
+    """A restore's start record and its stop marks were left behind (a hung state directory, then a SIGKILL
+    that forgot they were owed). Its operator stops the resident; a window opens and closes beside it (and
+    resumes its timers); gpuswapd restarts with no record: that stop is theirs, and nothing is started."""
+    world = FakeWorld()
+    memory_marks(world.store).add(["strata.service", "llama-swap.service"], stamp=clock.kernel_monotonic() - 60)
+    memory_marks(world.store, "starting").add(["strata.service", "llama-swap.service"],
+                                              stamp=clock.kernel_monotonic() - 30)
+    for unit in ("strata.service", "llama-swap.service"):  # up under that restore's start
+        world.systemd.units[unit].active_enter = clock.kernel_monotonic() - 20
+
+    async def main() -> None:
+        _operator_stops(world)
+        started = len(world.systemd.started)
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.record is not None and "strata.service" not in w.record.units
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "closed"
+        assert memory_marks(world.store, "starting").read() == []
+        w = world.window()
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is None
+        assert world.systemd.started[started:] == []
+
+    run(main())
+    assert world.snapshot()["units"]["strata.service"] == "inactive"
+
+
 def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp_path: Path) -> None:
     marks = Marks(tmp_path / "default.stopped")
     marks.add(["strata.service"])
