@@ -231,11 +231,13 @@ class Driver:
         except (GpuswapError, TimeoutError) as err:
             why = err.message if isinstance(err, GpuswapError) else f"no answer within {EXIT_CHECK_S:g}s"
             log.error("resident_down_at_exit", units={}, error=why,
-                      consequence="the next start of gpuswapd checks the resident and brings it back")
+                      consequence="the next start of gpuswapd checks the resident and brings back what it stopped; "
+                                  "a unit down for any other reason is left to systemd and its operator")
             return False
         down = {u: state for u, state in states.items() if state != "active"}
         if down:
             log.error("resident_down_at_exit", units=down,
-                      consequence="the next start of gpuswapd brings it back (daemon.reconcile)")
+                      consequence="the next start of gpuswapd brings back what it stopped (its stop marks); a unit "
+                                  "that crashed or that its operator stopped is left to systemd's Restart= and to them")
             return False
         return True
