@@ -282,18 +282,23 @@ def test_a_prolog_that_cannot_read_slurms_config_fails(monkeypatch: pytest.Monke
     assert code == 1 and clients.asked == []
 
 
+def _epilog_of_gpu_0(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gpus: str) -> None:
+    """Set up the Epilog of job 7, which had GPU 0, with this map and fast retries."""
+    monkeypatch.setattr(slurm, "RELEASE_BACKOFF_S", (0.01, 0.05))
+    gpu_map = tmp_path / "gpus.toml"
+    gpu_map.write_text(gpus)
+    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+
+
 def test_an_epilog_whose_gpuswapd_restarts_under_its_release_asks_again(monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:
     """gpuswapd of GPU 0 is killed with the release unanswered (a real Unix socket that hangs up), then answers:
     the release is made again and the Epilog succeeds. GPU 1's instance, not the job's, runs no gpuswapd: not
     waited for."""
-    monkeypatch.setattr(slurm, "RELEASE_BACKOFF_S", (0.01, 0.05))
-    gpu_map = tmp_path / "gpus.toml"
-    gpu_map.write_text('[gpus]\n"0" = "a"\n"1" = "b"\n')
-    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+    _epilog_of_gpu_0(monkeypatch, tmp_path, '[gpus]\n"0" = "a"\n"1" = "b"\n')
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(slurm.socket_of("a"))
     server.listen(4)
@@ -318,12 +323,6 @@ def test_an_epilog_whose_gpuswapd_restarts_under_its_release_asks_again(monkeypa
 
 
 def test_an_epilog_gives_up_on_a_gpuswapd_that_stays_away(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(slurm, "RELEASE_BACKOFF_S", (0.01, 0.05))
     monkeypatch.setattr(slurm, "RELEASE_RETRY_S", 0.2)
-    gpu_map = tmp_path / "gpus.toml"
-    gpu_map.write_text('[gpus]\n"0" = "a"\n')
-    monkeypatch.setenv("GPUSWAPD_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.setenv(slurm.MAP_ENV, str(gpu_map))
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+    _epilog_of_gpu_0(monkeypatch, tmp_path, '[gpus]\n"0" = "a"\n')
     assert slurm.epilog() == 1  # nobody listens on a's socket: the node drains, as before

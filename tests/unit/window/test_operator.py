@@ -60,6 +60,17 @@ def _a_window_that_stops_nothing(world: FakeWorld, at_idle: Callable[[], None] =
     run(main())
 
 
+async def _ready_then_writes_refused(world: FakeWorld, w: Any) -> str:
+    """Open a window to READY, then have the state directory refuse every write; return the lease's id."""
+    def refused(cleared: bool, data: bytes) -> None:
+        raise OSError(13, "Permission denied")
+
+    lease = await w.acquire("job", 60)
+    assert lease is not None and w.phase is Phase.READY
+    world.store.on_write = refused
+    return str(lease.id)
+
+
 def _operator_stops(world: FakeWorld, unit: str = "strata.service") -> None:
     """``systemctl stop``: a stop job that is not gpuswapd's."""
     assert world.systemd._stop(unit) == "done"
@@ -433,16 +444,11 @@ def test_a_resident_that_failed_under_its_restores_start_is_restored_after_a_sig
             await asyncio.sleep(3600)
         return await verify(check, retry_until, fields)
 
-    def refused(cleared: bool, data: bytes) -> None:
-        raise OSError(13, "Permission denied")
-
     async def main() -> None:
         async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None and w.phase is Phase.READY
-            world.store.on_write = refused
+            lease = await _ready_then_writes_refused(world, w)
             world.http.verify = fails_before_its_verify  # type: ignore[method-assign]
-            await w.release(lease.id)
+            await w.release(lease)
             await verifying.wait()
             await w.shutdown(restore=False)  # SIGKILL, before the verify
         assert world.store.document and world.store.document.window
@@ -482,15 +488,9 @@ def test_a_resident_that_crashed_after_an_unrecorded_close_is_not_started_when_s
     adoption's look too, and the restore's first judgement, which waits in DEGRADED)."""
     world = FakeWorld()
 
-    def refused(cleared: bool, data: bytes) -> None:
-        raise OSError(13, "Permission denied")
-
     async def main() -> None:
         async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None and w.phase is Phase.READY
-            world.store.on_write = refused
-            await w.release(lease.id)
+            await w.release(await _ready_then_writes_refused(world, w))
             await until(lambda: w.record is None and world.snapshot() == BASELINE)  # closed, in memory only
             await w.shutdown(restore=False)  # SIGKILL
         assert world.store.document and world.store.document.window
