@@ -296,6 +296,7 @@ class Systemd:
         self.operator_hand = False  # set while the history's operator calls systemd
         self.stopped_by: dict[str, str] = {}
         self.crashed: set[str] = set()  # units whose last exit was a crash (even one a restore of gpuswapd's undoes)
+        self.stop_unanswered: dict[str, float] = {}  # unit -> when a stop of gpuswapd's for it hung unanswered
         self._crashing = False
         self._stopping: dict[str, str] = {}  # stops under way: who asked
         self._cause: str | None = None  # who stops what a stop takes down with it
@@ -469,6 +470,8 @@ class Systemd:
             who = self._stopping[name]  # its stop is under way: whose that stop is, not the one before
         if down and LATE[0] and self._went_down_at(name) > LATE_ASKED[0]:
             return  # a start asked before the unit went down (a crash), done late by systemd: not gpuswapd's choice
+        if down and who != "gpuswapd" and self._went_down_at(name) >= self.stop_unanswered.get(name, float("inf")):
+            return  # it went down while gpuswapd's stop of it hung unanswered: for all it can tell, its own stop
         if down and who != "gpuswapd":
             self.start_violations.append(f"gpuswapd started {name} at {self.world.clock.now:.2f}s, "
                                          f"which {who} stopped, not gpuswapd")
@@ -566,6 +569,7 @@ class Systemd:
             return
         unit.started_at.append(self.world.clock.now)
         self.stopped_by.pop(unit.name, None)
+        self.stop_unanswered.pop(unit.name, None)  # up again: whatever took it down is settled
         # Whose job this start is (its operator's, systemd's Restart=, or gpuswapd's): a name in
         # operator_jobs whose job never ran (the unit was up already) says nothing of a later start.
         unit.started_by = unit.start_who or "gpuswapd"
