@@ -255,6 +255,7 @@ async def _room_for_resident(w: Context, rec: WindowRecord) -> None:
 async def _restore(w: Context, rec: WindowRecord) -> None:
     """Start exactly the recorded units and verify the resident; retry with backoff."""
     if not rec.units:
+        await _verify_found_up(w, rec)
         return
     attempt = 0
     # The resident came back smaller than its baseline: "due" until it is stopped and its room is
@@ -323,6 +324,34 @@ async def _restore(w: Context, rec: WindowRecord) -> None:
             return
         except GpuswapError as err:
             await _degraded(w, rec, err, attempt)
+
+
+async def _verify_found_up(w: Context, rec: WindowRecord) -> None:
+    """Before the timers resume, hear a completion from a resident that is up but was not this close's to start.
+
+    Its operator started it meanwhile, or a start of gpuswapd's that no record kept (its start
+    record could not be written, then gpuswapd was killed before the verify) left it up: either way
+    the agents the timers run must not meet a server still loading. Nothing is started: a resident
+    down stays down, and one that never answers within ``resident.verify.timeout`` is its operator's
+    to mend (the timers resume all the same, as they would without gpuswapd).
+    """
+    units = w.config.resident.units
+    if not rec.timers or not await w.resident.all_active(units):
+        return
+    deadline = clock.monotonic() + w.config.resident.verify.timeout
+    attempt = 0
+    while True:
+        try:
+            await w.resident.verify(warm.verify_slot(rec))
+            return
+        except GpuswapError as err:
+            attempt += 1
+            if clock.monotonic() >= deadline or not await w.resident.all_active(units):
+                log.warning("resident_unverified", units=units, error=err.message,
+                            consequence="the timers resume all the same: gpuswapd did not start this resident, "
+                                        "and leaves it to systemd and its operator")
+                return
+            await _pause(w, backoff(w.backoffs.restore, attempt))
 
 
 async def _gone_since_verify(w: Context, rec: WindowRecord, verified: float) -> bool:

@@ -835,6 +835,64 @@ def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_base
     assert memory_marks(world.store).read() == [] and memory_marks(world.store, "starting").read() == []
 
 
+def test_a_resident_up_under_a_start_no_record_kept_is_verified_before_the_timers_resume() -> None:
+    """The restore's start record could not be written (it starts all the same), then a SIGKILL before the verify,
+    then every copy of the state torn.
+
+    Nothing says the start was gpuswapd's: the units ran again after their stop marks, so the
+    marks are stale and the baseline restore starts nothing. But the timers it resumes run agents
+    against the resident: it hears a completion from it first.
+    """
+    world = FakeWorld()
+    verify = world.http.verify
+    verifying = asyncio.Event()
+    starting = memory_marks(world.store, "starting")
+    add = starting.add
+
+    def refused(names: list[str], since: float | None = None) -> None:
+        raise OSError(5, "Input/output error")
+
+    async def hangs(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
+        if check.url == RESIDENT_URL:
+            verifying.set()
+            await asyncio.sleep(3600)
+        return await verify(check, retry_until, fields)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None
+            world.http.verify = hangs  # type: ignore[method-assign]
+            starting.add = refused  # type: ignore[method-assign]
+            await w.release(lease.id)
+            await verifying.wait()
+            await w.shutdown(restore=False)  # SIGKILL, before the verify
+        assert world.snapshot()["units"]["strata.service"] == "active" and starting.read() == []
+        world.http.verify = verify  # type: ignore[method-assign]
+        starting.add = add  # type: ignore[method-assign]
+        world.store.load = lambda: TORN  # type: ignore[method-assign]
+        w = world.window()
+        verified_first = []
+        resume = w.resident.resume
+
+        async def resumes(timers: list[str]) -> None:
+            verified_first.append(RESIDENT_URL in world.http.completions[answered:])
+            await resume(timers)
+
+        w.resident.resume = resumes  # type: ignore[method-assign]
+        answered = len(world.http.completions)
+        starts = len(world.systemd.started)
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "baseline_restored" and w.last.units == []
+        assert verified_first == [True] and len(world.systemd.started) == starts  # verified, and nothing started
+
+    run(main())
+    # (The lost window's slot file stays until the next save removes it: no record names it.)
+    assert {**world.snapshot(), "slot_files": []} == BASELINE
+
+
 def test_a_restore_that_ended_leaves_its_marks_stale_even_when_its_start_record_stayed() -> None:
     """The restore verified the resident and resumed the timers, but no mark, nor its start's record, could be
     removed; the resident then crashed while gpuswapd was down. The timers ran again after the start: that
