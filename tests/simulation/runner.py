@@ -495,14 +495,17 @@ class Run:
     def _restoring(self, unit: str | None = None) -> bool:
         daemon = self.host.daemon if self.host.state in ("up", "stopping") else None
         if daemon is None:  # killed in its restore: the record it left says so, and the next start goes on with it
+            sd = self.world.systemd
+            # A restore ends by resuming the timers its window paused, after its verify: once they all
+            # run again, it is over, whatever the disk still says (its last writes may land late).
+            paused = any(sd.stopped_by.get(t) == "gpuswapd" and not timer.active for t, timer in sd.timer_units.items())
             data = self.world.store.current
-            if data is not None and any(f'"phase":"{p}"'.encode() in data for p in (Phase.RESTORING, Phase.DEGRADED)):
+            if data is not None and paused and \
+                    any(f'"phase":"{p}"'.encode() in data for p in (Phase.RESTORING, Phase.DEGRADED)):
                 return True
             # Or the restore's start of this unit is recorded (state/marks.py, "starting": the phase's
             # own write may not have landed) and the timers it paused are paused still: it has not ended.
-            sd = self.world.systemd
-            return unit is not None and unit in memory_marks(self.world.store, "starting").read() and any(
-                sd.stopped_by.get(t) == "gpuswapd" and not timer.active for t, timer in sd.timer_units.items())
+            return unit is not None and unit in memory_marks(self.world.store, "starting").read() and paused
         rec = daemon.window.record
         return rec is not None and rec.phase in (Phase.RESTORING, Phase.DEGRADED)
 
