@@ -36,6 +36,10 @@ DRAWN_APART: dict[str, str] = {
     # The machine suspends for 20 s to an hour (logind there to tell of the resume, or not): the
     # time suspended counts on CLOCK_BOOTTIME, and a lease that ran out meanwhile ends at the resume.
     "suspends": "suspends",
+    # Its operator reconfigures the resident (a drop-in with a smaller -c) and restarts it, while
+    # gpuswapd is idle or down: the baseline follows what its operator runs, and nothing is repaired
+    # (invariant 1: quiet, the baseline is what the operator configured; no close repairs it).
+    "operator_reconfigures": "the operator's reconfiguration of the resident",
 }
 
 
@@ -300,5 +304,10 @@ def draw_apart(seed: int, setup: Setup, events: list[dict[str, Any]], draw_all: 
         for _ in range(rng.choice((0, 0, 1, 2))):
             extra.append({"do": "suspend", "at": round(rng.uniform(1.0, end), 2),
                           "for": rng.choice((20.0, 300.0, 3600.0)), "told": told})
+    if "operator_reconfigures" in kinds:
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            extra.append({"do": "operator_reconfigures", "at": round(rng.uniform(1.0, end), 2),
+                          "ctx": rng.choice((4096, 6144, 8192)), "while": rng.choice(("idle", "down")),
+                          "restart_after": rng.choice((2.0, 5.0, 30.0))})
     return sorted([*events, *extra], key=lambda e: float(e["at"]))
 

@@ -11,6 +11,9 @@ lease, queue or waiter, and quiet for longer than ``daemon.reconcile``):
     gpuswapd last started them; exactly the timers that ran at the start run (a baseline restore
     too starts only what gpuswapd stopped); no window record in memory or on disk; no container
     but a parked, sleeping, recorded engine whose residual leaves ``gpu.resident_needs`` free.
+    The resident has the context its operator last configured (``-c``; a reconfiguration and
+    restart may come while gpuswapd is idle or down), and gpuswapd's baseline says so: the
+    baseline follows the operator, and no close repairs a resident that came back as configured.
  2. The resident is down only while a window record exists in memory or on disk (after a
     SIGKILL; while gpuswapd is down, its marks of the units it stopped count), while its operator
     holds it down, or within ``daemon.reconcile`` (and a start) of
@@ -58,7 +61,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -534,7 +537,26 @@ class Run:
         if record.get("baseline") is not None:
             self.baseline_restores.append(self.clock.now)
         self.finished[str(record.get("id"))] = record
+        self._check_no_repair(record)
         self.note(f"  window {record.get('id')} finished: {record.get('outcome')} (profile {record.get('profile')})")
+
+    def _check_no_repair(self, record: dict[str, Any]) -> None:
+        """Invariant 1: a close repairs the resident only when it came back smaller than its operator configured it.
+
+        One that came back with the context its units' ``-c`` gives it runs as its operator wants:
+        a baseline that says otherwise is stale (its operator reconfigured it), not the resident.
+        """
+        changed = record.get("resident_changed")
+        now = changed.get("now") if isinstance(changed, dict) else None
+        strata = self.world.systemd.units["strata.service"]
+        if not isinstance(now, dict) or now.get("n_ctx") is None or strata.fit is None:
+            return
+        full = strata.fit.ctx // strata.fit.slots
+        if int(now["n_ctx"]) >= full:
+            was = changed.get("was") if isinstance(changed, dict) else None
+            self.violate("1", f"window {record.get('id')}'s close repaired a resident that came back as its operator "
+                              f"configured it (n_ctx {now['n_ctx']}, -c {strata.fit.ctx}): gpuswapd's baseline said "
+                              f"n_ctx {was.get('n_ctx') if isinstance(was, dict) else '?'}")
 
     def violate(self, invariant: str, detail: str) -> None:
         self.record.violate(invariant, detail)
@@ -984,6 +1006,55 @@ class Run:
         self.held_for_good = True
         self.world.scheduler.after(float(e["restart_after"]), self.host.start)
 
+    def _do_operator_reconfigures(self, e: dict[str, Any]) -> None:
+        """Its operator gives the resident another context (a drop-in: ``-c``) and restarts it (gpuswapd idle or down).
+
+        Issue 34 item 7: what its operator runs is the baseline from then on; no close repairs it
+        (invariant 1), and its stop and start are the operator's (14).
+        """
+        daemon = self.host.daemon
+        now = self.clock.now
+        if self.host.state != "up" or daemon is None or daemon.window.record is not None or self._disk_window() \
+                or not self.world.resident_serves() or self.held_for_good \
+                or any(start <= now <= end for start, end in self.held):
+            return
+        ctx = int(e["ctx"])
+        self.note(f"  the operator gives the resident -c {ctx} and restarts it (gpuswapd {e['while']})")
+        if e["while"] == "down":
+            self.host.kill("SIGKILL (an upgrade)")
+            self.world.scheduler.after(float(e["restart_after"]), self.host.start)
+        strata = self.world.systemd.units["strata.service"]
+        strata.fit = replace(FIT, ctx=ctx, min_ctx=min(ctx, FIT.min_ctx))
+        strata.exec_start = ("/usr/bin/llama-server", "-m", f"{world_module.MODELS}/strata.gguf",
+                             "--slot-save-path", world_module.SLOTS, "-c", str(ctx))
+        self._operator("StopUnit", ["strata.service"])
+        self.held.append([now, math.inf])
+        self.world.scheduler.after(0.5, self._operator_restarts)
+
+    def _operator_restarts(self) -> None:
+        """The start half of its operator's ``systemctl restart strata`` (Requires= restarts llama-swap with it)."""
+        card = self.world.card
+        card.free()
+        # (Its server's memory is freed a moment after it exits: a start meanwhile would not fit.)
+        if self.world.systemd.units["strata.service"].active_state not in ("inactive", "failed") \
+                or any(n.startswith("strata.") for n in card.holdings):
+            self.world.scheduler.after(0.5, self._operator_restarts)
+            return
+        daemon = self.host.daemon
+        fit = self.world.systemd.units["strata.service"].fit or FIT
+        if (daemon is not None and daemon.window.record is not None) or self._disk_window() \
+                or card.free() < fit.claim(fit.ctx) + fit.target:
+            # A window opened while it was down (gpuswapd found it stopped): the operator waits for the card.
+            if daemon is not None and daemon.window.record is None and daemon.window.parked is not None:
+                self._do_park_remove({})
+            self.world.scheduler.after(10.0, self._operator_restarts)
+            return
+        self.world.systemd.operator_jobs |= {"llama-swap.service", "strata.service"}
+        self._operator("StartUnit", ["llama-swap.service"])
+        # Its start takes a moment, and if it fails systemd's Restart= brings it back in its own time.
+        self.held[-1][1] = self.clock.now + self.config.daemon.reconcile + 60.0
+        self.world.scheduler.after(10.0, self._systemd_restarts)
+
     def _on_virtual(self, wall: float) -> float:
         """The virtual moment a wall-clock time stands for now (the wall clock may have been stepped).
 
@@ -1361,7 +1432,8 @@ class Run:
         smaller", with what changed, and gpuswapd_resident_degraded is 1.
         """
         strata = self.world.systemd.units["strata.service"]
-        full = FIT.ctx // FIT.slots
+        configured = strata.fit or FIT  # what its operator configured (-c), which the baseline follows
+        full = configured.ctx // configured.slots
         baseline = daemon.window.known.baseline
         if self.held_for_good and not self.world.resident_serves():
             return  # its operator keeps it down: gpuswapd cannot read it (and need not have, if its state was lost)

@@ -377,7 +377,9 @@ class Systemd:
         if u is None:
             return UnitState(unit, "not-found", "inactive", "dead")
         sub = {"active": "running", "activating": "start", "deactivating": "stop", "failed": "failed"}
+        # InvocationID: systemd draws a new one at each start of the unit, whoever asks for it.
         return UnitState(unit, "loaded", u.active_state, sub.get(u.active_state, "dead"),
+                         invocation=f"{u.pid:032x}" if u.pid else "",
                          active_enter=u.started_at[-1] if u.started_at else None)
 
     def stop_closure(self, units: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 # (makepkg's check() on a bare system Python) cannot run it.
 pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
 
+from gpuswapd.window import baseline, identity
 from tests.simulate import draw
 from tests.simulation.history import Setup
 from tests.simulation.runner import play
@@ -42,6 +43,28 @@ def test_the_fixed_seeds_keep_every_invariant(group: int) -> None:
         failures += [f"seed {seed}: {v}" for v in outcome.violations]
         assert outcome.windows > 0, f"seed {seed} opened no window: the history did nothing"
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("then", ["idle", "a window"])
+def test_the_simulation_catches_a_baseline_that_does_not_follow_its_operator(
+        then: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its operator gives the resident a smaller context and restarts it while gpuswapd is idle.
+
+    Planted: neither the changed ExecStart= nor the new InvocationID counts as the operator's.
+    Left idle, gpuswapd keeps the old baseline; with a window after, its close repairs the
+    resident. Invariant 1 catches both, and neither without the plant.
+    """
+    case = json.loads((Path(__file__).parents[1] / "simulate_cases" / "planted"
+                       / "a-baseline-that-does-not-follow-its-operator.json").read_text())
+    events = case["events"] if then == "a window" else case["events"][:1]
+    setup = Setup.from_dict(case["setup"])
+    assert not play(setup, events).violations
+    monkeypatch.setattr(baseline.Identity, "reconfigured", lambda self, was: False)
+    monkeypatch.setattr(identity, "last_seen", lambda w: None)
+    caught = [v for v in play(setup, events).violations if v.invariant == "1"]
+    said = "repaired a resident that came back as its operator configured it" if then == "a window" \
+        else "quiet, but gpuswapd's baseline of the resident is n_ctx 4096"
+    assert caught and said in caught[0].detail, caught
 
 
 def test_a_seed_replays_exactly() -> None:
