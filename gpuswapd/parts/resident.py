@@ -269,18 +269,24 @@ class Resident:
     async def how_it_runs(self) -> tuple[str | None, str | None]:
         """Say how its operator runs the resident: a digest of its units' ExecStart= and Environment=, its InvocationID.
 
-        Either is None when systemd cannot say now (nothing is compared then).
+        Either is None when systemd cannot say now (nothing is compared then); each is read apart,
+        so that a failed read of the unit's state does not lose what it runs.
         """
         lane, digest = self.outside.systemd, hashlib.sha256()
+        config = invocation = None
         try:
             for unit in self.config.resident.units:
                 c = await lane.call("commands", self.systemd.commands, unit)
                 digest.update(repr((unit, c.argvs, c.environment)).encode())
-            first = self.config.resident.units[0]
-            invocation = (await self.unit_states([first]))[first].invocation
+            config = digest.hexdigest()[:16]
         except GpuswapError:
-            return None, None
-        return digest.hexdigest()[:16], invocation or None
+            pass
+        try:
+            first = self.config.resident.units[0]
+            invocation = (await self.unit_states([first]))[first].invocation or None
+        except GpuswapError:
+            pass
+        return config, invocation
 
     async def unit_states(self, units: list[str]) -> dict[str, UnitState]:
         """Read each unit's load, active and sub state."""

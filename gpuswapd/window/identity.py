@@ -187,6 +187,14 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
         rec.restored = "as_it_was"
         return True
     short = smaller(now, was, server)
+    if short and (now.config is None or was.config is None):
+        # Whether its operator changed how it runs cannot be told: a repair could undo their change.
+        log.warning("resident_identity_unread",
+                    error="systemd did not say how the resident runs (its units' ExecStart= and Environment=)",
+                    consequence="a smaller resident is not repaired this time (its operator may have changed it); "
+                                "the next close compares it again")
+        rec.restored = "unchecked"
+        return True
     if not short:
         if rec.resident_changed is not None:
             rec.resident_changed = {**rec.resident_changed, "repaired": True, "after": now.to_dict()}

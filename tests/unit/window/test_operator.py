@@ -301,6 +301,59 @@ def test_a_resident_its_operator_reconfigured_becomes_the_baseline_and_is_never_
     run(main())
 
 
+def test_a_smaller_resident_is_not_repaired_while_systemd_cannot_say_how_it_runs() -> None:
+    """Its operator lowered the context and restarted it; at the close, systemd does not say what the units run.
+
+    gpuswapd cannot tell their change from a squeeze, so it repairs nothing (restored
+    "unchecked": no second stop and start); the next close, with systemd answering, takes the
+    operator's change as the baseline.
+    """
+    world = FakeWorld()
+    commands = world.systemd.commands
+
+    def unsaid(unit: str) -> Any:
+        raise BusUnavailable("systemd (D-Bus) did not answer (commands) within 35s")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            _reconfigure(world, "2048", 2048)
+            w.held_down.clear()
+            world.systemd.commands = unsaid  # type: ignore[method-assign]
+            starts = world.systemd.started.count("strata.service")
+            lease = await w.acquire("job", 60)
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last is not None and w.last.restored == "unchecked" and w.last.resident_changed is None
+            assert world.systemd.started.count("strata.service") == starts + 1  # restored once, never repaired
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == 4096
+            world.systemd.commands = commands  # type: ignore[method-assign]
+            lease = await w.acquire("job", 60)
+            await w.release(lease.id)
+            await settle(w)
+            assert w.last.restored == "as_it_was" and w.known.baseline.n_ctx == 2048
+
+    run(main())
+
+
+def test_what_the_resident_runs_is_read_even_when_its_state_is_not() -> None:
+    """A read of the unit's state that fails loses its InvocationID only, not the digest of what it runs."""
+    world = FakeWorld()
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            config, _ = await w.resident.how_it_runs()
+            assert config is not None
+
+            async def unsaid(units: list[str]) -> Any:
+                raise BusUnavailable("systemd (D-Bus) did not answer (unit_state) within 35s")
+
+            w.resident.unit_states = unsaid  # type: ignore[method-assign]
+            assert await w.resident.how_it_runs() == (config, None)
+
+    run(main())
+
+
 def test_a_resident_its_operator_restarted_while_idle_is_the_new_baseline() -> None:
     world = FakeWorld()
 
