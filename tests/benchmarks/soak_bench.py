@@ -30,7 +30,8 @@ again on the next connection), or the engine that runs is killed (``docker kill`
 watchdog starts it again). Then the clients finish the request they are in, both daemons are
 stopped by systemd, and the resident and the timers must be back.
 
-Per policy: windows (gpuswapd's history: windows opened during the soak), engine boots (the
+Per policy: windows (gpuswapd's history: windows opened during the soak) and how each ended (its
+profile, its outcome, and whether it switched straight to the next), engine boots (the
 simulator's count), requests sent and answered, the answered ones' latency (p50, p90, max), and
 the failed ones, split as the rule of the soak has it: 429s; those in flight through a killed
 gateway (a transport error within 2 s after a kill of the gateway, for a request sent before
@@ -113,6 +114,7 @@ class Soak:
     asked: list[Asked] = field(default_factory=list)
     chaos: list[Chaos] = field(default_factory=list)
     windows: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)  # "profile: outcome" -> windows that ended so
     boots: int = 0
     back: dict[str, str] = field(default_factory=dict)
     leftovers: list[str] = field(default_factory=list)
@@ -364,7 +366,11 @@ def soak_once(stack: Stack, policy: str, code: Path | None, seconds: float, sche
         halt.set()
         threads[-1].join()
         history = ctl(stack, "history", "--limit", "1000")["windows"]
-        soak.windows = sum(1 for w in history if (w.get("opened_at") or 0) >= wall)
+        opened = [w for w in history if (w.get("opened_at") or 0) >= wall]
+        soak.windows = len(opened)
+        for w in opened:  # what ended each: its leases' end, an engine's death, a kill...
+            key = f"{w.get('profile')}: {w.get('outcome')}{' (switched)' if w.get('switched_to') else ''}"
+            soak.outcomes[key] = soak.outcomes.get(key, 0) + 1
         soak.boots = boots(stack) - boots_before
     finally:
         for unit in ("gpuswapd-gateway.socket", "gpuswapd-gateway.service", "gpuswapd.service", "gpuswapd.socket"):
@@ -381,7 +387,8 @@ def summary(soak: Soak, seconds: float) -> dict[str, Any]:
     split = classify(soak.asked, soak.chaos)
     took = [a.ended - a.sent for a in split["ok"]]
     return {
-        "windows": soak.windows, "engine_boots": soak.boots, "sent": len(soak.asked), "answered": len(split["ok"]),
+        "windows": soak.windows, "window_outcomes": dict(sorted(soak.outcomes.items())),
+        "engine_boots": soak.boots, "sent": len(soak.asked), "answered": len(split["ok"]),
         "answered_per_min": round(len(split["ok"]) / (seconds / 60), 1),
         "latency_s": {"p50": round(quantile(took, 0.5), 2), "p90": round(quantile(took, 0.9), 2),
                       "max": round(max(took), 2)} if took else {},
@@ -428,6 +435,7 @@ def print_policy(policy: str, s: dict[str, Any]) -> None:
                  "cut by a gateway kill", "failed"),
                 [(s["windows"], s["engine_boots"], s["sent"], s["answered"], s["answered_per_min"], lat.get("p50"),
                   lat.get("p90"), lat.get("max"), s["429"], s["through_killed_gateway"], s["failed"])]))
+    print("  windows by how they ended: " + (", ".join(f"{k} {n}" for k, n in s["window_outcomes"].items()) or "none"))
     for f in s["failures"][:5]:
         print(f"  failed: {f['model']} stream={f['stream']} status={f['status']} {f['error'][:160]}")
     down = {u: v for u, v in s["back"].items() if v != "active"}

@@ -830,18 +830,10 @@ def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None
     assert world.snapshot()["units"]["strata.service"] == "inactive"  # the operator's word stands
 
 
-@pytest.mark.parametrize("failed_verifies", [0, 1])
-def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_baseline_restore(
-        failed_verifies: int) -> None:
-    """Killed between its restore's start and the verify, then every copy of the state torn.
-
-    The units came up after their stop marks, but under gpuswapd's own start (recorded apart):
-    not stale marks. The baseline restore takes them in and verifies the resident before the
-    timers run again. Also when the kill came on a later attempt, after a verify that failed:
-    that attempt's start found them up already (a no-op), and the record keeps the restore's
-    first start, which they came up under.
-    """
-    world = FakeWorld()
+async def _killed_before_the_residents_verify(world: FakeWorld, failed_verifies: int = 0,
+                                              meanwhile: Callable[[], None] = lambda: None) -> None:
+    """A window closes; its restore's verify of the resident fails ``failed_verifies`` times, then hangs, and
+    gpuswapd is killed there (SIGKILL). ``meanwhile`` runs just before the lease is released."""
     verify = world.http.verify
     verifying = asyncio.Event()
     failures = [failed_verifies]
@@ -855,27 +847,51 @@ def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_base
             await asyncio.sleep(3600)
         return await verify(check, retry_until, fields)
 
+    async with running(world.window()) as w:
+        lease = await w.acquire("job", 60)
+        assert lease is not None
+        world.http.verify = hangs  # type: ignore[method-assign]
+        meanwhile()
+        await w.release(lease.id)
+        await verifying.wait()
+        await w.shutdown(restore=False)  # SIGKILL, before the verify
+    world.http.verify = verify  # type: ignore[method-assign]
+
+
+def _restart_torn_watching_the_resume(world: FakeWorld) -> tuple[Any, list[bool]]:
+    """The next gpuswapd finds every copy of the state torn; at each resume of the timers, note whether the
+    resident had answered a completion since that start."""
+    world.store.load = lambda: TORN  # type: ignore[method-assign]
+    w = world.window()
+    verified_first: list[bool] = []
+    resume = w.resident.resume
+    answered = len(world.http.completions)
+
+    async def resumes(timers: list[str]) -> None:
+        verified_first.append(RESIDENT_URL in world.http.completions[answered:])
+        await resume(timers)
+
+    w.resident.resume = resumes  # type: ignore[method-assign]
+    return w, verified_first
+
+
+@pytest.mark.parametrize("failed_verifies", [0, 1])
+def test_a_resident_up_under_an_unverified_restore_start_is_verified_by_the_baseline_restore(
+        failed_verifies: int) -> None:
+    """Killed between its restore's start and the verify, then every copy of the state torn.
+
+    The units came up after their stop marks, but under gpuswapd's own start (recorded apart):
+    not stale marks. The baseline restore takes them in and verifies the resident before the
+    timers run again. Also when the kill came on a later attempt, after a verify that failed:
+    that attempt's start found them up already (a no-op), and the record keeps the restore's
+    first start, which they came up under.
+    """
+    world = FakeWorld()
+
     async def main() -> None:
-        async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None
-            world.http.verify = hangs  # type: ignore[method-assign]
-            await w.release(lease.id)
-            await verifying.wait()
-            await w.shutdown(restore=False)  # SIGKILL, before the verify
+        await _killed_before_the_residents_verify(world, failed_verifies)
         assert world.snapshot()["units"]["strata.service"] == "active"
-        world.http.verify = verify  # type: ignore[method-assign]
-        world.store.load = lambda: TORN  # type: ignore[method-assign]
-        w = world.window()
-        verified_first = []
-        resume = w.resident.resume
-
-        async def resumes(timers: list[str]) -> None:
-            verified_first.append(RESIDENT_URL in world.http.completions[answered:])
-            await resume(timers)
-
-        w.resident.resume = resumes  # type: ignore[method-assign]
-        answered = len(world.http.completions)
+        w, verified_first = _restart_torn_watching_the_resume(world)
         async with running(w):
             await recover_at_start(w)
             await settle(w)
@@ -897,43 +913,17 @@ def test_a_resident_up_under_a_start_no_record_kept_is_verified_before_the_timer
     against the resident: it hears a completion from it first.
     """
     world = FakeWorld()
-    verify = world.http.verify
-    verifying = asyncio.Event()
     starting = memory_marks(world.store, "starting")
     add = starting.add
 
     def refused(names: list[str], since: float | None = None) -> None:
         raise OSError(5, "Input/output error")
 
-    async def hangs(check: Any, retry_until: float | None = None, fields: Any = None) -> Any:
-        if check.url == RESIDENT_URL:
-            verifying.set()
-            await asyncio.sleep(3600)
-        return await verify(check, retry_until, fields)
-
     async def main() -> None:
-        async with running(world.window()) as w:
-            lease = await w.acquire("job", 60)
-            assert lease is not None
-            world.http.verify = hangs  # type: ignore[method-assign]
-            starting.add = refused  # type: ignore[method-assign]
-            await w.release(lease.id)
-            await verifying.wait()
-            await w.shutdown(restore=False)  # SIGKILL, before the verify
+        await _killed_before_the_residents_verify(world, meanwhile=lambda: setattr(starting, "add", refused))
         assert world.snapshot()["units"]["strata.service"] == "active" and starting.read() == []
-        world.http.verify = verify  # type: ignore[method-assign]
         starting.add = add  # type: ignore[method-assign]
-        world.store.load = lambda: TORN  # type: ignore[method-assign]
-        w = world.window()
-        verified_first = []
-        resume = w.resident.resume
-
-        async def resumes(timers: list[str]) -> None:
-            verified_first.append(RESIDENT_URL in world.http.completions[answered:])
-            await resume(timers)
-
-        w.resident.resume = resumes  # type: ignore[method-assign]
-        answered = len(world.http.completions)
+        w, verified_first = _restart_torn_watching_the_resume(world)
         starts = len(world.systemd.started)
         async with running(w):
             await recover_at_start(w)
