@@ -641,8 +641,35 @@ class Stack:
 
     def wait_baseline(self, timeout: float = 60) -> None:
         """Wait until the resident serves through the proxy and every timer is armed."""
-        _wait("strata /health 200", lambda: http_status(f"http://127.0.0.1:{RESIDENT_PORT}/health") == 200, timeout)
-        _wait("llama-swap /health 200", lambda: http_status(f"http://127.0.0.1:{PROXY_PORT}/health") == 200, timeout)
+        try:
+            _wait("strata /health 200", lambda: http_status(f"http://127.0.0.1:{RESIDENT_PORT}/health") == 200,
+                  timeout)
+            _wait("llama-swap /health 200", lambda: http_status(f"http://127.0.0.1:{PROXY_PORT}/health") == 200,
+                  timeout)
+        except StackError as err:
+            raise StackError(f"{err}\n{self.resident_report()}") from err
+
+    def resident_report(self) -> str:
+        """What to read when the resident does not come up: its units' states, the card, strata's log's tail."""
+        lines = []
+        for unit in ("strata.service", "llama-swap.service"):
+            try:
+                lines.append(f"{unit}: {self._active_state(unit)}")
+            except Exception as err:
+                lines.append(f"{unit}: unread ({err})")
+        try:
+            ledger = self.ledger()
+            lines.append(f"card: used {ledger.get('used_bytes')} of {ledger.get('total_bytes')}, holders "
+                         f"{[(h.get('name'), h.get('pid'), h.get('bytes')) for h in ledger.get('holders', [])]}, "
+                         f"ooms {self.ooms()[-3:]}")
+        except Exception as err:
+            lines.append(f"card: unread ({err})")
+        try:
+            tail = (self.paths.logs / "strata.log").read_bytes()[-1500:].decode(errors="replace")
+            lines.append("strata.log's tail:\n" + tail)
+        except OSError as err:
+            lines.append(f"strata.log: unread ({err})")
+        return "\n".join(lines)
 
     def reset(self) -> None:
         """Return a running stack to its baseline: no containers, all units up, no faults."""
@@ -726,7 +753,9 @@ class Stack:
         )
         self.manager("StartUnit", "ss", "stack.target", "replace")
         _wait("strata to start", lambda: self._active_state("strata.service") == "active", 30)
-        self.wait_baseline()
+        # CI once waited more than a minute for the slow model (250 MB) to serve, after a benchmark had
+        # written 2.27 GB; a slow disk would explain it. A timeout now says what strata was doing.
+        self.wait_baseline(timeout=180)
 
     def _active_state(self, unit: str) -> str:
         state: str = self.bus("get-property", "org.freedesktop.systemd1",

@@ -81,8 +81,12 @@ def test_smi_reads_the_ledger(fake_smi: str, ledger: Path) -> None:
     assert reading.processes == ()
 
 
+def set_lag(ledger: Path, seconds: float) -> None:
+    subprocess.run([PY, str(SIM / "ledger.py"), "lag", "--dir", str(ledger), str(seconds)], check=True, timeout=30)
+
+
 def test_smi_sees_a_holder_and_its_release_lag(
-    fake_smi: str, holder: subprocess.Popen[bytes]
+    fake_smi: str, ledger: Path, holder: subprocess.Popen[bytes]
 ) -> None:
     probe = SmiProbe(0, fake_smi)
     # Two nvidia-smi runs are not one snapshot: wait until both have seen the claim.
@@ -90,12 +94,15 @@ def test_smi_sees_a_holder_and_its_release_lag(
     assert reading.processes == (GpuProcess(pid=holder.pid, used_bytes=GiB),)
     assert (reading.used_bytes, reading.free_bytes) == (GiB, 23 * GiB)
 
+    # A lag longer than one read's two nvidia-smi runs on a loaded machine (0.5 s was not, in CI).
+    set_lag(ledger, 5.0)
     holder.kill()
     holder.wait(5)
     lagging = probe.read()
     # The process is gone, its memory is not (the driver's release lag): still listed under its pid.
     assert lagging.processes == (GpuProcess(pid=holder.pid, used_bytes=GiB),)
     assert lagging.used_bytes == GiB
+    set_lag(ledger, 0.0)  # the lag applies at once to memory already lagging
     wait_for("the memory to come free", lambda: probe.read().used_bytes == 0)
 
 
