@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +19,10 @@ from gpuswapd.sizes import format_size
 POLL_S = 0.02
 TIGHT_S = 1.5
 POLL_SLOW_S = 0.25
+UNLESS_EVERY_S = 1.0  # how often a wait asks whether it is still needed (a D-Bus read, say)
+
+# Why a wait for memory may end early, and how to tell: (what to log, an async question).
+Unless = tuple[str, Callable[[], Awaitable[bool]]]
 
 
 class UnitNamer(Protocol):
@@ -54,14 +59,26 @@ class Vram:
         """Name the unit of a process (None: it has none); raise when systemd cannot say."""
         return await self.outside.systemd.call("unit_of_pid", self._units.unit_of_pid, pid)
 
-    async def wait_free(self, need: int, timeout: float) -> float:
-        """Wait until ``need`` bytes are free; return the seconds waited."""
+    async def wait_free(self, need: int, timeout: float, unless: Unless | None = None) -> float:
+        """Wait until ``need`` bytes are free; return the seconds waited.
+
+        ``unless``: a reason the wait is no longer needed, and how to tell, asked every
+        ``UNLESS_EVERY_S`` while it waits: when it says so, the wait ends there (``vram_wait_ended``).
+        """
         started = clock.monotonic()
+        asked = started
         reading = await self.read(processes=False)
         while reading is not None and reading.free_bytes < need:
             if clock.monotonic() - started >= timeout:
                 # Only now ask who holds it: listing processes costs a second query per poll.
                 raise VramTimeout(await self.describe_shortfall(await self.read() or reading, need, timeout))
+            if unless is not None and clock.monotonic() - asked >= UNLESS_EVERY_S:
+                asked = clock.monotonic()
+                if await unless[1]():
+                    took = clock.monotonic() - started
+                    log.info("vram_wait_ended", why=unless[0], free=format_size(reading.free_bytes),
+                             need=format_size(need), took_s=round(took, 3))
+                    return took
             await asyncio.sleep(POLL_S if clock.monotonic() - started < TIGHT_S else POLL_SLOW_S)
             reading = await self.read(processes=False)
         took = clock.monotonic() - started

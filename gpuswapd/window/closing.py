@@ -23,7 +23,7 @@ from gpuswapd import clock
 from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
-from gpuswapd.parts.vram import predict_fit
+from gpuswapd.parts.vram import Unless, predict_fit
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.retry import backoff, until_done
@@ -139,17 +139,21 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
     memory still being released.
     """
     gpu = w.config.gpu
-    if await w.resident.all_active(rec.units or w.config.resident.units):
+    units = rec.units or w.config.resident.units
+    if await w.resident.all_active(units):
         # It is back already (a close carried on after a restart), or up without gpuswapd (its
         # operator's): its own memory is no wait.
         return
+    # Asked again while it waits: systemd may not have said the first time (the wait would last
+    # the whole release timeout for memory the resident itself holds), or its operator starts it.
+    up: Unless = ("the resident's units are up: the memory held is their own", lambda: w.resident.all_active(units))
     with contextlib.suppress(Degraded):  # the restore retries it, in DEGRADED
         await _parked_leaves_room(w)
     deadline = clock.monotonic() + gpu.release_timeout
     attempt = 0
     while True:
         try:
-            await w.vram.wait_free(w.resident_needs, max(0.1, deadline - clock.monotonic()))
+            await w.vram.wait_free(w.resident_needs, max(0.1, deadline - clock.monotonic()), unless=up)
             return
         except VramTimeout as err:
             if rec.kind == ProfileKind.BARE or rec.after_bare or rec.baseline is not None:  # _restore waits in DEGRADED

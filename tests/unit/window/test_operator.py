@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_status
 from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointError, GpuswapError
 from gpuswapd.phases import Phase
+from gpuswapd.record import WindowRecord
 from gpuswapd.state.marks import Marks, memory_marks
 from gpuswapd.state.store import Document, Loaded
 from gpuswapd.window import closing
@@ -1081,3 +1083,44 @@ def test_a_mark_says_when_it_was_written_and_an_older_empty_one_says_nothing(tmp
     assert times["agent-sync.timer"] is None and times["odd.service"] is None
     stamp = times["strata.service"]
     assert stamp is not None and abs(stamp - time.monotonic()) < 5  # CLOCK_MONOTONIC, as systemd's stamps
+
+
+def test_a_close_does_not_wait_out_the_release_timeout_for_memory_its_resident_already_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close whose first look at the resident fails (systemd did not answer) while the resident is up already.
+
+    The memory the card lacks is the resident's own: the wait asks again while it waits and ends
+    there, rather than hold the timers for the whole release timeout (a restart's baseline restore
+    waited 59 s so, and the resident crashed meanwhile).
+    """
+    monkeypatch.setattr("gpuswapd.parts.vram.UNLESS_EVERY_S", 0.05)
+    world = FakeWorld(config=parse_config(CONFIG.replace('release_timeout = "300ms"', 'release_timeout = "3s"'),
+                                          "<fake>"))
+    rec = WindowRecord.new()  # (no window opened: only the wait for memory is under test)
+    rec.units = ["strata.service", "llama-swap.service"]
+
+    async def main() -> None:
+        w = world.window()
+        closure, calls = w.resident.closure, []
+
+        async def unanswered_once() -> list[str]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise BusUnavailable("the system bus went away")
+            return await closure()
+
+        w.resident.closure = unanswered_once  # type: ignore[method-assign]
+        reading = await w.vram.read(processes=False)
+        assert reading is not None and reading.free_bytes < w.resident_needs  # the resident holds it
+        before = structlog.get_config()
+        # (this layer logs warnings only: vram_wait_ended is info)
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        try:
+            with structlog.testing.capture_logs() as logs:
+                await closing._wait_resident_vram(w, rec)
+        finally:
+            structlog.configure(**before)
+        assert [x["event"] for x in logs if x["event"].startswith("vram_")] == ["vram_wait_ended"]
+        assert len(calls) >= 2
+
+    run(main())
