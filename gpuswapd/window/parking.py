@@ -29,6 +29,7 @@ from gpuswapd.sizes import format_size
 from gpuswapd.tasks import reap, sleep_unless, spawn
 
 if TYPE_CHECKING:
+    from gpuswapd.parts.vram import Unless
     from gpuswapd.window.context import Context
 
 RETRY_S = (1.0, 60.0)
@@ -70,20 +71,32 @@ async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bo
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=err.message)
         return False
+    resident_next = need is None
     need = w.resident_needs if need is None else need
+    # A resident up already (a close that found it up: a record left stale by a restart) holds its
+    # own memory: it runs beside the sleeping engine, and its memory is no wait.
+    units = rec.units or w.config.resident.units
+    beside: Unless = ("the resident's units are up: it runs beside the sleeping engine",
+                      lambda: w.resident.all_active(units))
     # A sleeping engine frees its memory some time after it says it sleeps, like an exiting
     # process: wait for what comes next to fit, a while, before deciding.
     settle = w.profile.engine.park.settle
     waited = clock.monotonic()
     try:
-        await w.vram.wait_free(need, settle)
+        if resident_next and await beside[1]():
+            await w.vram.read(processes=False)
+        else:
+            await w.vram.wait_free(need, settle, unless=beside if resident_next else None)
     except VramTimeout:
         pass
     except GpuswapError as err:
         log.warning("engine_not_parked", reason=f"the GPU's memory cannot be read: {err.message}")
         return False
     reading = w.vram.last
-    if reading is None or reading.free_bytes < need:
+    runs_beside = False
+    if reading is not None and reading.free_bytes < need and resident_next and await beside[1]():
+        runs_beside = True  # it fits beside the sleeping engine: it runs
+    elif reading is None or reading.free_bytes < need:
         free = "unknown" if reading is None else format_size(reading.free_bytes)
         log.warning("engine_not_parked", reason="what comes next would not fit beside the sleeping engine",
                     free=free, need=format_size(need), sleep_level=level, waited_s=round(clock.monotonic() - waited, 3),
@@ -95,6 +108,10 @@ async def try_park(w: Context, rec: WindowRecord, need: int | None = None) -> bo
     held = [p.used_bytes for p in listed.processes if p.pid in pids] if listed is not None else []
     if held:  # what the card lists under the engine's own processes
         residual = sum(held)
+    elif runs_beside:
+        log.warning("engine_not_parked", reason="the card lists none of the sleeping engine's processes, and what "
+                    "it holds cannot be told from the resident's, which runs beside it")
+        return False
     elif before is not None:  # booted cold in this window: measured against the card then
         residual = max(0, int(before) - reading.free_bytes)
     else:  # woken from park: it holds what it held before

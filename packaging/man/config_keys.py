@@ -258,7 +258,8 @@ MEANINGS: dict[str, str] = {
     "window.park.settle": "How long, once the engine says it sleeps, gpuswapd waits for what comes next "
                           "(gpu.resident_needs, or the next window of a direct switch) to come free beside it: "
                           "the card frees a sleeping engine's memory some time after, as it does an exited "
-                          "process's (0.1 to 1.5 s on real cards). Then the engine is parked, or removed with the "
+                          "process's (0.1 to 1.5 s on real cards); not when the resident's units are up "
+                          "already (it runs beside the engine). Then the engine is parked, or removed with the "
                           "numbers in the log (engine_not_parked: free, need, waited_s, settle_s).",
     "window.warmup.requests": "How many streamed completions warm a cold engine before the window counts as ready.",
     "window.warmup.prompt": "The prompt of the warmup completions.",

@@ -22,8 +22,8 @@ def run(coro: Any) -> Any:
 
 def park_world(**park: str) -> FakeWorld:
     """A world whose gpuswapd parks its engine (``park`` overrides keys of [window.park])."""
-    keys = "".join(f'{k} = "{v}"\n' for k, v in park.items())
-    text = CONFIG + f'[window.park]\nmode = "sleep"\nsettle = "100ms"\n{keys}'
+    keys = "".join(f'{k} = "{v}"\n' for k, v in {"settle": "100ms", **park}.items())
+    text = CONFIG + f'[window.park]\nmode = "sleep"\n{keys}'
     config = parse_config(text, "<park>") if park else PARK_CONFIG
     return FakeWorld(config=config)
 
@@ -266,3 +266,35 @@ def test_a_window_waits_for_its_needs_less_what_its_own_parked_engine_holds() ->
     assert needs_less_residual(20 * gib, "default", parked) == 20 * gib  # another profile's: removed or beside
     assert needs_less_residual(20 * gib, "eval", None) == 20 * gib
     assert needs_less_residual(2 * gib, "eval", parked) == 0
+
+
+def test_a_stale_record_parks_its_sleeping_engine_beside_a_resident_that_runs() -> None:
+    """gpuswapd was killed in a window (READY on disk) whose engine slept since and whose resident runs again.
+
+    The close the next start makes of that stale record parks the engine: the memory the card
+    lacks for the resident is the resident's own, so the park does not wait its settle time out,
+    nor does it remove the engine, and the resident is verified before anything else can happen
+    to it (a wait there once let it crash first, and the timers resumed on a dead resident).
+    """
+    world = park_world(settle="5s")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("job", 60)
+            assert lease is not None and w.phase is Phase.READY
+            await w.shutdown(restore=False)
+        world.docker.sleep("hyperqwen", 2)
+        world.systemd._start("llama-swap.service")  # strata comes up with it (Requires=)
+        assert world.snapshot()["units"] == BASELINE["units"]
+        again = world.window()
+        started = time.monotonic()
+        await recover_at_start(again)
+        async with running(again):
+            await settle(again)
+            assert again.last is not None and again.last.outcome == "recovered"
+            assert again.parked is not None and again.parked.residual_bytes == RESIDUAL_BYTES
+        assert time.monotonic() - started < 5.0  # (not the settle time waited out)
+
+    run(main())
+    assert resident_back(world) and world.docker.containers["hyperqwen"].sleeping == 2
+    assert not world.gpu.ooms
