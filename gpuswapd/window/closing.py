@@ -352,8 +352,8 @@ async def _verify_found_up(w: Context, rec: WindowRecord) -> None:
             attempt += 1
             if clock.monotonic() >= deadline or not await w.resident.all_active(units):
                 log.warning("resident_unverified", units=units, error=err.message,
-                            consequence="the timers resume all the same: gpuswapd did not start this resident, "
-                                        "and leaves it to systemd and its operator")
+                            consequence="the timers resume all the same: gpuswapd has no record of starting this "
+                                        "resident, and leaves it to systemd and its operator")
                 return
             await _pause(w, backoff(w.backoffs.restore, attempt))
 
