@@ -272,21 +272,23 @@ class Resident:
         Either is None when systemd cannot say now (nothing is compared then); each is read apart,
         so that a failed read of the unit's state does not lose what it runs.
         """
-        lane, digest = self.outside.systemd, hashlib.sha256()
         config = invocation = None
-        try:
-            for unit in self.config.resident.units:
-                c = await lane.call("commands", self.systemd.commands, unit)
-                digest.update(repr((unit, c.argvs, c.environment)).encode())
-            config = digest.hexdigest()[:16]
-        except GpuswapError:
-            pass
+        with contextlib.suppress(GpuswapError):
+            config = await self.runs_as()
         try:
             first = self.config.resident.units[0]
             invocation = (await self.unit_states([first]))[first].invocation or None
         except GpuswapError:
             pass
         return config, invocation
+
+    async def runs_as(self) -> str:
+        """Return a digest of how its operator runs the resident: its units' ExecStart= and Environment=."""
+        lane, digest = self.outside.systemd, hashlib.sha256()
+        for unit in self.config.resident.units:
+            c = await lane.call("commands", self.systemd.commands, unit)
+            digest.update(repr((unit, c.argvs, c.environment)).encode())
+        return digest.hexdigest()[:16]
 
     async def unit_states(self, units: list[str]) -> dict[str, UnitState]:
         """Read each unit's load, active and sub state."""

@@ -26,6 +26,7 @@ park decision included (``Known.needs``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuswapd import clock
@@ -118,6 +119,8 @@ async def learn_footprint(w: Context, running: list[str]) -> None:
         except GpuswapError as err:
             log.info("resident_identity_unread", error=err.message,
                      consequence="the window's restore records the baseline")
+    elif set(w.config.resident.units) <= set(running):
+        await _follow_operator(w, running)
     held = await _held(w, running)
     if not held:
         return  # no probe, or nothing listed under its units (a resident off the card)
@@ -130,6 +133,26 @@ async def learn_footprint(w: Context, running: list[str]) -> None:
                     resident_needs=format_size(configured), held="; ".join(h.describe() for h in held),
                     consequence=f"gpuswapd counts {format_size(footprint)} for the resident from now on (the park "
                                 "decision too); raise gpu.resident_needs to at least that")
+
+
+async def _follow_operator(w: Context, running: list[str]) -> None:
+    """Before a window stops it, take as the baseline a resident its operator reconfigured since gpuswapd last saw it.
+
+    Seen only at the close, the change would be compared with what the restore brought back, which
+    may be fitted into less beside a parked engine: that would be taken for the operator's wish.
+    """
+    was = w.known.baseline
+    try:
+        config = await w.resident.runs_as()
+    except GpuswapError:
+        return  # systemd cannot say now: the close compares, as before
+    if was is None or not replace(was, config=config).reconfigured(was):  # (the one test of an operator's change)
+        return
+    try:
+        _record(w, await read(w, running), "its operator changed how it runs (seen before a window stopped it)")
+    except GpuswapError as err:
+        log.info("resident_identity_unread", error=err.message,
+                 consequence="the window's restore compares it with the baseline it has")
 
 
 # -- after a restore's verify -----------------------------------------------------------------------

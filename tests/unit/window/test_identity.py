@@ -193,6 +193,35 @@ def test_a_parked_residual_beside_a_low_resident_needs_is_repaired() -> None:
     assert not world.gpu.ooms
 
 
+def test_a_resident_its_operator_reconfigured_unseen_is_still_repaired_when_a_parked_residual_squeezes_it() -> None:
+    """Its operator changed how it runs (a drop-in, the same context) and restarted it; no reconcile saw it
+    before the next window.
+
+    The window's open takes that resident as the baseline before it stops it, so the restore that
+    comes back fitted into less beside the parked engine is repaired, not taken for their wish.
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None
+            old = w.known.baseline.config
+            world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf",
+                                                          "--threads", "8")
+            world.systemd._stop("strata.service")
+            assert world.systemd._start("llama-swap.service") == "done" and n_ctx(world) == FULL
+            with structlog.testing.capture_logs() as logs:
+                rec = await cycle(w)
+            [changed] = events(logs, "resident_changed")
+            assert "n_ctx 3840 (was 4096)" in changed["smaller"]
+            assert rec.restored == "as_it_was" and n_ctx(world) == FULL  # repaired
+            assert w.known.baseline.n_ctx == FULL and w.known.baseline.config not in (None, old)
+
+    run(main())
+    assert not world.gpu.ooms
+
+
 def test_a_repair_whose_start_fails_is_retried_not_taken_for_its_operators_stop() -> None:
     """The repair stops the smaller resident; its start again fails on systemd: that stop is gpuswapd's own.
 
