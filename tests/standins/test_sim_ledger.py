@@ -157,6 +157,7 @@ def test_a_sleep_frees_after_the_lag_under_the_same_pid(kit: Any, gpusim: Path) 
     """What a shrink lets go stays used, under the live holder's PID, for the lag; then it is free."""
     led = kit.ledger
     fmt = "--format=csv,noheader,nounits"
+    led.set_lag(gpusim, 5.0)  # longer than the two nvidia-smi runs below on a loaded machine (0.5 s was not, in CI)
     fd = led.claim(gpusim, "hyperqwen", 19 * GiB)
     led.resize(gpusim, "hyperqwen", fd, 1 * GiB)
     snap = led.snapshot(gpusim)
@@ -174,6 +175,7 @@ def test_a_sleep_frees_after_the_lag_under_the_same_pid(kit: Any, gpusim: Path) 
     led.resize(gpusim, "hyperqwen", fd, 9 * GiB)
     assert led.snapshot(gpusim)["used_bytes"] == 19 * GiB and led.ooms(gpusim)[-1]["name"] == "strata"
     assert [h["bytes"] for h in led.snapshot(gpusim)["holders"]] == [9 * GiB, 10 * GiB]
+    led.set_lag(gpusim, 0.5)  # (it applies to memory already being freed too)
     kit.wait_until(lambda: led.snapshot(gpusim)["free_bytes"] == 15 * GiB, timeout=2)
     assert smi(kit, gpusim, "--query-compute-apps=pid,used_memory", fmt) == (0, f"{os.getpid()}, {9 * 1024}\n")
     with pytest.raises(led.OutOfMemory):  # beyond what it is freeing, only free memory will do
