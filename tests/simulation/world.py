@@ -58,6 +58,16 @@ LATE = [False]
 LATE_ASKED = [0.0]  # when gpuswapd made the late call that does its work now
 
 
+def _as_late(asked: float, work: Callable[[], None]) -> None:
+    """Do ``work`` as the late call made at ``asked`` would: what it does is not gpuswapd's choice."""
+    was = LATE[0], LATE_ASKED[0]
+    LATE[0], LATE_ASKED[0] = True, asked
+    try:
+        work()
+    finally:
+        LATE[0], LATE_ASKED[0] = was
+
+
 class Scheduler:
     """The world's timed actions, on whichever loop runs now (they outlive a killed daemon)."""
 
@@ -521,7 +531,16 @@ class Systemd:
             self._set(unit, "activating")
             unit.start_who = who
             delay = unit.start_s + max((self.units[d].start_s for d in deps), default=0.0)
-            action = self.world.scheduler.after(delay, lambda: self._started(unit))
+            if LATE[0]:
+                # A late call's job, asked before the unit went down (a crash since): its start, when it
+                # lands, is no more gpuswapd's choice than the call's. One asked while the unit was down
+                # already is gpuswapd's own, late or not.
+                asked = LATE_ASKED[0]
+                action = self.world.scheduler.after(
+                    delay, lambda: _as_late(asked, lambda: self._started(unit))
+                    if self._went_down_at(unit.name) > asked else self._started(unit))
+            else:
+                action = self.world.scheduler.after(delay, lambda: self._started(unit))
         else:
             if unit.active_state in ("inactive", "failed"):
                 self.world.scheduler.after(0.0, lambda: self.jobs.removed(path, "done"))
