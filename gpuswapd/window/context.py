@@ -178,6 +178,7 @@ class Context(Services, Protocol):
     sweeper: asyncio.Task[None] | None
     hung_mark: tuple[int, int, int, int]
     unknown_baseline: WindowRecord | None
+    stopped_unread: bool
     adopting: WindowRecord | None  # a window left by the last gpuswapd, until it is adopted or closed
     baseline_restore: BaselineRestore | None
 

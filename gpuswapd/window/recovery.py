@@ -379,7 +379,9 @@ async def _still_stopped(w: Context) -> list[str]:
     try:
         return await w.resident.stopped()
     except (GpuswapError, asyncio.CancelledError) as err:
-        log.warning("stopped_record_unreadable", error=_why(err, w))
+        log.warning("stopped_record_unreadable", error=_why(err, w),
+                    consequence="read again by the idle reconcile: what it names comes back then")
+        w.stopped_unread = True
         return []
 
 

@@ -101,6 +101,8 @@ class Window:
         self.sweeper: asyncio.Task[None] | None = None
         self.hung_mark = (0, 0, 0, 0)  # closing.hung_mark() when the current record began
         self.unknown_baseline: WindowRecord | None = None  # a baseline record still without its units
+        # What gpuswapd stopped (state/marks.py) could not be read at start: the idle reconcile reads it again.
+        self.stopped_unread = False
         self.adopting: WindowRecord | None = None  # a window left by the last gpuswapd, not yet adopted or closed
         self.parked: Parked | None = None  # the engine asleep between windows
         self.held_down: dict[str, float] = {}  # resident units their operator stopped while no window was open
@@ -824,6 +826,8 @@ class Window:
                 or self.driver.task is not None:
             return
         await self.resident.retry_unmark()
+        if self.stopped_unread and await self._still_stopped_after_all():
+            return
         states = await self.resident.unit_states(self.config.resident.units)
         self.learn_names(states)
         if self.record is not None or self.driver.task is not None:
@@ -837,6 +841,23 @@ class Window:
             await identity.recheck(self, states[self.config.resident.units[0]].invocation or None)
         elif self.config.resident.restart_crashed:
             await self._restart_crashed(states)
+
+    async def _still_stopped_after_all(self) -> bool:
+        """Read again what gpuswapd stopped, unread at start (a hung disk); restore it if anything (True).
+
+        Until it is read, the timers and units a lost window stopped would stay down while gpuswapd
+        sits idle: what gpuswapd stopped always comes back.
+        """
+        try:
+            stopped = await self.resident.stopped()
+        except GpuswapError:
+            return False  # asked again at the next reconcile
+        self.stopped_unread = False
+        if not stopped or self.record is not None or self.driver.task is not None or self.stopping.is_set():
+            return False
+        self.restore_baseline(f"gpuswapd had stopped {', '.join(stopped)}, but no record of the window that "
+                              "stopped them was kept (what it stopped could not be read at start)", cause="lost_record")
+        return True
 
     def learn_names(self, states: dict[str, UnitState]) -> None:
         """Learn every name of the resident's units (``Names``): one configured by an alias is still followed."""

@@ -177,6 +177,43 @@ def test_a_lost_record_without_an_engine_restores_what_gpuswapd_stopped_and_only
     assert memory_marks(world.store).read() == []
 
 
+def test_what_gpuswapd_stopped_unread_at_start_is_restored_by_the_idle_reconcile() -> None:
+    """A lost window's record, and at start the second record (what gpuswapd stopped) cannot be read (a hung disk).
+
+    gpuswapd starts serving; once the record reads again, the idle reconcile brings back what it
+    names, rather than leave the timers paused for as long as gpuswapd runs.
+    """
+    world = FakeWorld()
+    world.systemd._stop("agent-review.timer")
+    world.systemd._stop("strata.service")  # (llama-swap with it)
+    memory_marks(world.store).add(["agent-review.timer", "llama-swap.service", "strata.service"])
+    world.store.document = Document(window=None)
+
+    async def main() -> None:
+        w = world.window()
+        stopped, calls = w.resident.stopped, []
+
+        async def hung_once() -> list[str]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise GpuswapError("the state directory did not answer (read_marks) within 30s")
+            return await stopped()
+
+        w.resident.stopped = hung_once  # type: ignore[method-assign]
+        async with running(w):
+            await recover_at_start(w)
+            await settle(w)
+            assert w.baseline_restore is None and w.stopped_unread
+            assert world.snapshot()["timers"]["agent-review.timer"] == "inactive"
+            await w.reconcile()
+            await settle(w)
+            assert w.last is not None and w.last.outcome == "baseline_restored" and not w.stopped_unread
+
+    run(main())
+    assert world.snapshot()["units"] == BASELINE["units"] and world.snapshot()["timers"] == BASELINE["timers"]
+    assert memory_marks(world.store).read() == []
+
+
 def test_docker_down_does_not_keep_the_resident_down_in_a_baseline_restore() -> None:
     world = FakeWorld(config=PROFILE_CONFIG)
 
