@@ -322,7 +322,14 @@ async def open_window(window: Context, rec: WindowRecord) -> None:
         if rec.switched_from and phase in (Phase.PAUSING_TIMERS, Phase.STOPPING_RESIDENT):
             continue
         # DRAINING and WAITING_VRAM only look: their write goes on meanwhile, and the next one covers it.
-        await window.enter(rec, phase, required=True, overlap=phase in _LOOKING)
+        try:
+            await window.enter(rec, phase, required=True, overlap=phase in _LOOKING)
+        except BaseException:
+            if phase is Phase.STOPPING_RESIDENT:
+                # Its units are recorded by this write, before any is stopped: none was, and the close has
+                # none to start again (one that crashed meanwhile is systemd's).
+                rec.units = []
+            raise
         await step(op)
     if rec.kind == ProfileKind.BARE:
         return  # the card is clear: the holders bring their own processes

@@ -640,6 +640,33 @@ def test_a_close_with_no_resident_to_restore_ends_once_the_engines_memory_is_rel
     assert world.snapshot()["units"]["strata.service"] == "inactive"
 
 
+def test_a_window_whose_stop_cannot_be_recorded_starts_nothing_in_its_rollback() -> None:
+    """The resident crashes while the window pauses the timers; then the write that records the units it is to
+    stop (entering STOPPING_RESIDENT) fails: the disk is full. Nothing was stopped: the rollback starts nothing."""
+    world = FakeWorld()
+    failed: list[bytes] = []
+
+    def full(empty: bool, data: bytes) -> None:
+        if b'"phase":"STOPPING_RESIDENT"' in data and not failed:
+            failed.append(data)
+            _crash(world)  # (a while before: what the write records is stale already)
+            raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            world.store.on_write = full
+            with pytest.raises(GpuswapError):
+                await w.acquire("job", 60)
+            world.store.on_write = None
+            await settle(w)
+            assert failed and w.last is not None and w.last.outcome == "rolled_back" and w.last.units == []
+
+    run(main())
+    assert "strata.service" not in world.systemd.started
+    assert world.snapshot()["units"]["strata.service"] == "failed"
+    assert world.snapshot()["timers"] == BASELINE["timers"]
+
+
 def test_a_resident_that_crashes_while_its_slot_save_times_out_is_not_started_by_the_close() -> None:
     """Reading how the resident runs hangs, so the slot save times out with nothing saved; the resident crashes
     meanwhile. Its units are left out of the window before the stop: the crash is systemd's to undo."""
