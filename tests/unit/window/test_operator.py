@@ -14,7 +14,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,17 @@ def _crash(world: FakeWorld) -> None:
     world.systemd.units["strata.service"].active_state = "failed"
     world.systemd.units["llama-swap.service"].active_state = "inactive"
     world.gpu.free("strata.service")
+
+
+def _fails_first(call: Callable[[], Awaitable[Any]], err: GpuswapError,
+                 calls: list[int]) -> Callable[[], Awaitable[Any]]:
+    """Wrap an async call so that its first call raises ``err`` (systemd or the disk did not answer); count calls."""
+    async def once() -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise err
+        return await call()
+    return once
 
 
 def _a_window_that_stops_nothing(world: FakeWorld, at_idle: Callable[[], None] = lambda: None) -> None:
@@ -191,15 +202,8 @@ def test_what_gpuswapd_stopped_unread_at_start_is_restored_by_the_idle_reconcile
 
     async def main() -> None:
         w = world.window()
-        stopped, calls = w.resident.stopped, []
-
-        async def hung_once() -> list[str]:
-            calls.append(1)
-            if len(calls) == 1:
-                raise GpuswapError("the state directory did not answer (read_marks) within 30s")
-            return await stopped()
-
-        w.resident.stopped = hung_once  # type: ignore[method-assign]
+        w.resident.stopped = _fails_first(  # type: ignore[method-assign]
+            w.resident.stopped, GpuswapError("the state directory did not answer (read_marks) within 30s"), [])
         async with running(w):
             await recover_at_start(w)
             await settle(w)
@@ -1165,15 +1169,9 @@ def test_a_close_does_not_wait_out_the_release_timeout_for_memory_its_resident_a
 
     async def main() -> None:
         w = world.window()
-        closure, calls = w.resident.closure, []
-
-        async def unanswered_once() -> list[str]:
-            calls.append(1)
-            if len(calls) == 1:
-                raise BusUnavailable("the system bus went away")
-            return await closure()
-
-        w.resident.closure = unanswered_once  # type: ignore[method-assign]
+        calls: list[int] = []
+        w.resident.closure = _fails_first(  # type: ignore[method-assign]
+            w.resident.closure, BusUnavailable("the system bus went away"), calls)
         reading = await w.vram.read(processes=False)
         assert reading is not None and reading.free_bytes < w.resident_needs  # the resident holds it
         before = structlog.get_config()
