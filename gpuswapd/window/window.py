@@ -852,8 +852,10 @@ class Window:
             stopped = await self.resident.stopped()
         except GpuswapError:
             return False  # asked again at the next reconcile
+        if self.record is not None or self.driver.task is not None or self.stopping.is_set():
+            return False  # a window opened meanwhile: read again once it is over
         self.stopped_unread = False
-        if not stopped or self.record is not None or self.driver.task is not None or self.stopping.is_set():
+        if not stopped:
             return False
         self.restore_baseline(f"gpuswapd had stopped {', '.join(stopped)}, but no record of the window that "
                               "stopped them was kept (what it stopped could not be read at start)", cause="lost_record")
