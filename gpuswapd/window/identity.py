@@ -182,8 +182,15 @@ async def _read_within(w: Context, units: list[str], pause: Pause) -> Identity |
 
 
 def _record(w: Context, now: Identity, why: str) -> None:
-    """Make ``now`` the baseline (and clear a change it makes good)."""
+    """Make ``now`` the baseline (and clear a change it makes good).
+
+    How its operator runs it (the digest of ExecStart= and Environment=) that systemd did not say
+    this time stays what it said last: a baseline without it could never tell their change from
+    llama.cpp's fitting, and every smaller restore would go unrepaired.
+    """
     known, was = w.known, w.known.baseline
+    if now.config is None and was is not None and was.config is not None:
+        now = replace(now, config=was.config)
     known.baseline = now
     if was is None or not now.same_as(was) or was.held_bytes != now.held_bytes:
         log.info("resident_baseline_recorded", resident=now.describe(), held=_size(now.held_bytes), why=why)
@@ -198,6 +205,7 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
     now = await _read_within(w, rec.units, pause)
     if now is None:
         rec.restored = "unchecked"
+        _started_here(w, (await w.resident.how_it_runs())[1])
         return True
     was, server = w.known.baseline, w.config.resident.server
     if was is None:
@@ -217,6 +225,7 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
                     consequence="a smaller resident is not repaired this time (its operator may have changed it); "
                                 "the next close compares it again")
         rec.restored = "unchecked"
+        _started_here(w, now.invocation)
         return True
     if not short:
         if rec.resident_changed is not None:
@@ -240,6 +249,23 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
     log.warning("resident_restored_smaller", error=message)
     w.writer.request()
     return True
+
+
+def _started_here(w: Context, invocation: str | None) -> None:
+    """Remember the InvocationID of a resident gpuswapd restored but did not compare with its baseline.
+
+    Else the idle reconcile would take gpuswapd's own start for its operator's restart (an
+    InvocationID it had not seen), and make what came back, fitted into less beside a parked engine,
+    the baseline. None (systemd did not say) is never taken for a restart.
+    """
+    known = w.known
+    if known.baseline is not None and known.baseline.invocation != invocation:
+        known.baseline = replace(known.baseline, invocation=invocation)
+        w.writer.request()
+    now = known.changed.get("now") if known.changed is not None else None
+    if known.changed is not None and isinstance(now, dict) and now.get("invocation") != invocation:
+        known.changed = {**known.changed, "now": {**now, "invocation": invocation}}
+        w.writer.request()
 
 
 def _restored_smaller(w: Context, was: Identity, now: Identity, short: list[str], others: list[Holder]) -> str:

@@ -222,6 +222,72 @@ def test_a_resident_its_operator_reconfigured_unseen_is_still_repaired_when_a_pa
     assert not world.gpu.ooms
 
 
+def _unsaid_while(w: Any, flag: dict[str, bool]) -> None:
+    """Make systemd fail to say how the resident runs (its ExecStart= and Environment=) while ``flag["on"]``."""
+    runs_as = w.resident.runs_as
+
+    async def unsaid() -> str:
+        if flag["on"]:
+            raise BusUnavailable("systemd (D-Bus) did not answer (commands) within 35s")
+        return await runs_as()
+
+    w.resident.runs_as = unsaid
+
+
+def test_a_start_that_cannot_say_how_the_resident_runs_keeps_what_systemd_said_last() -> None:
+    """gpuswapd restarts while systemd does not say how the resident runs; the baseline keeps the digest it had.
+
+    Without it, the next close could not tell its operator's change from a parked residual's squeeze,
+    and the smaller resident would go unrepaired.
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None and w.known.baseline.config is not None
+            old = w.known.baseline.config
+            await w.writer.save()
+        again = world.window()
+        await recover_at_start(again)
+        flag = {"on": True}
+        _unsaid_while(again, flag)
+        async with running(again) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None and w.known.baseline.config == old
+            flag["on"] = False
+            rec = await cycle(w)
+            assert rec.restored == "as_it_was" and n_ctx(world) == FULL  # repaired
+
+    run(main())
+    assert not world.gpu.ooms
+
+
+def test_gpuswapds_own_unchecked_restore_is_not_taken_for_its_operators_restart() -> None:
+    """A close could not compare the resident (systemd did not say how it runs), and left it fitted smaller.
+
+    The idle reconcile then sees an InvocationID that is gpuswapd's own start, not its operator's:
+    the baseline stays, and the next close repairs the resident.
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            flag = {"on": False}
+            _unsaid_while(w, flag)
+            rec = await cycle(w, during=lambda: flag.update(on=True))
+            assert rec.restored == "unchecked" and n_ctx(world) < FULL
+            flag["on"] = False
+            await w.reconcile()
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == FULL
+            rec = await cycle(w)
+            assert rec.restored == "as_it_was" and n_ctx(world) == FULL
+
+    run(main())
+    assert not world.gpu.ooms
+
+
 def test_a_repair_whose_start_fails_is_retried_not_taken_for_its_operators_stop() -> None:
     """The repair stops the smaller resident; its start again fails on systemd: that stop is gpuswapd's own.
 
