@@ -25,7 +25,10 @@ with open(os.path.join(out, f"{event['n']}.json"), "w") as f:
 then = event.get("then", "exit 0").split()
 if then[0] == "sleep":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    open(os.path.join(out, f"{event['n']}.child"), "w").write(str(child.pid))
+    path = os.path.join(out, f"{event['n']}.child")
+    with open(path + ".tmp", "w") as f:  # whole or not at all: the test reads it once it exists
+        f.write(str(child.pid))
+    os.replace(path + ".tmp", path)
     time.sleep(float(then[1]))
 else:
     print("it went wrong", file=sys.stderr)
@@ -86,7 +89,9 @@ def test_at_most_four_run_the_rest_are_dropped_and_counted(tmp_path: Path) -> No
 
 def test_a_hung_hook_is_killed_with_its_children_at_the_timeout_and_a_failing_one_is_logged(tmp_path: Path) -> None:
     async def main() -> tuple[float, list[dict[str, Any]]]:
-        hooks = _hooks(tmp_path, timeout=0.5)
+        # 2 s: time for the hook's Python to start and spawn its child (which the test then looks for)
+        # on a loaded machine, where the interpreter alone may take a second.
+        hooks = _hooks(tmp_path, timeout=2.0)
         with structlog.testing.capture_logs() as logs:
             started = time.monotonic()
             hooks.on_event(_event(1, "sleep 30"))
@@ -96,10 +101,10 @@ def test_a_hung_hook_is_killed_with_its_children_at_the_timeout_and_a_failing_on
         return took, logs
 
     took, logs = asyncio.run(asyncio.wait_for(main(), 30))
-    assert 0.5 <= took < 5
+    assert 2.0 <= took < 8
     timed_out = [e for e in logs if e["event"] == "hook_timed_out"]
     failed = [e for e in logs if e["event"] == "hook_failed"]
-    assert len(timed_out) == 1 and timed_out[0]["timeout_s"] == 0.5
+    assert len(timed_out) == 1 and timed_out[0]["timeout_s"] == 2.0
     assert len(failed) == 1 and failed[0]["exit_code"] == 3 and "it went wrong" in failed[0]["stderr"]
     child = int((tmp_path / "1.child").read_text())
     asyncio.run(_until(lambda: not _alive(child), 5))
