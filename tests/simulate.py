@@ -17,10 +17,12 @@ processes, and a run without one starts itself again with PYTHONHASHSEED=0.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
 import random
+import resource
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -34,6 +36,7 @@ from tests.simulation.runner import Outcome, Violation, play
 CHUNK = 4  # seeds a worker plays per task
 
 CASES = Path(__file__).with_name("simulate_cases")
+WORKER_MEMORY = 2 << 30  # a worker's address space: a history's peak is about 110 MB (20 seeds of 200 events)
 
 
 def draw(seed: int, events: int, draw_all: bool = False) -> tuple[Setup, list[dict[str, Any]]]:
@@ -193,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         setup, events = draw(seed, args.events, args.draw_all)
         for violation in violations:
             count += 1
+            if violation.invariant == "memory":  # replayed here it would take this process's memory too
+                print(f"seed {seed}: {violation}")
+                continue
             report(seed, setup, events, violation, args.save, not args.no_shrink)
     print(f"{len(seeds)} seeds in {took:.1f}s ({len(seeds) / took:.1f} histories/s on {args.jobs} process(es)); "
           f"{virtual / 3600:.1f} virtual hours, {int(windows)} windows")
@@ -203,8 +209,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_chunk(items: list[tuple[int, ...]]) -> list[tuple[int, list[Violation], float, int, float]]:
-    """Play a few seeds in a worker process."""
-    return [run_seed(item) for item in items]
+    """Play a few seeds in a worker process; a seed that runs out of its memory (``WORKER_MEMORY``) is a finding."""
+    results = []
+    for item in items:
+        try:
+            results.append(run_seed(item))
+        except MemoryError:
+            gc.collect()
+            results.append((item[0], [Violation("memory", 0.0, f"the history ran out of the worker's "
+                                                 f"{WORKER_MEMORY >> 30} GiB (replay it under a cap: ulimit -v)")],
+                            0.0, 0, 0.0))
+    return results
+
+
+def _cap_memory() -> None:
+    """Cap a worker's address space: a history that grows without bound fails alone, not the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
 
 
 def run_pool(seeds: list[tuple[int, ...]], jobs: int, chunk: int = CHUNK) -> tuple[
@@ -219,7 +239,8 @@ def run_pool(seeds: list[tuple[int, ...]], jobs: int, chunk: int = CHUNK) -> tup
     lost: list[int] = []
     todo = [seeds[i:i + chunk] for i in range(0, len(seeds), chunk)][::-1]
     while todo:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_cap_memory) as pool:
             running: dict[Future[list[tuple[int, list[Violation], float, int, float]]], list[tuple[int, ...]]] = {}
             broken = False
             while (todo or running) and not broken:

@@ -45,6 +45,8 @@ Beyond the seven:
     start or wake (READY is never granted on /health alone).
 14. gpuswapd starts a unit (14) or a timer (14t) only to undo its own stop, whatever its
     operator did and whenever.
+15. gpuswapd never spins: time moves on within ``loop.SPIN_TURNS`` turns of its event loop (a
+    loop that waits for time without sleeping burns a core in service, and fills the memory here).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from gpuswapd.server.peers import Peer
 from gpuswapd.state.marks import memory_marks
 from tests.simulation import world as world_module
 from tests.simulation.history import Setup
-from tests.simulation.loop import EPOCH, Deadlock, VirtualClock, VirtualLoop
+from tests.simulation.loop import EPOCH, Deadlock, Spin, VirtualClock, VirtualLoop
 from tests.simulation.streams import Connection
 from tests.simulation.world import EngineSpec, Fit, GiB, Unit, World
 
@@ -586,6 +588,9 @@ class Run:
                 loop.run_forever()
             except Deadlock as err:
                 self.violate("liveness", f"the simulation deadlocked: {err}")
+                self.done = True
+            except Spin as err:
+                self.violate("15", f"{err}{self._spinning(loop)}")
                 self.done = True
             self.graveyard.append(loop)
             if self.clock.now > self.ended_at + QUIET_WITHIN_S + 60:
@@ -1304,6 +1309,25 @@ class Run:
         for loop in (self.loop,):
             if loop is not None and loop.errors:
                 self.violate("9", f"an exception escaped its owner: {loop.errors[0]}")
+
+    @staticmethod
+    def _spinning(loop: VirtualLoop) -> str:
+        """Name where the tasks that are ready to run stand (the busy loop is among them)."""
+        where: list[str] = []
+        for handle in list(getattr(loop, "_ready", ())):
+            task = getattr(getattr(handle, "_callback", None), "__self__", None)
+            if not isinstance(task, asyncio.Task):
+                continue
+            at, coro = "", task.get_coro()
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None)
+                code = frame.f_code if frame is not None else None
+                if code is not None and "/gpuswapd/" in code.co_filename:
+                    at = f"{code.co_filename.rsplit('/gpuswapd/', 1)[1]}:{frame.f_lineno} in {code.co_name}"
+                coro = getattr(coro, "cr_await", None)
+            if at and at not in where:
+                where.append(at)
+        return f" (ready: {'; '.join(where[:3])})" if where else ""
 
     def _status_probe(self) -> None:
         """Ask for the status whenever the window changed (phase, sealed, leases, queue): it answers in every state.
