@@ -70,6 +70,15 @@ async def nap(seconds: float, *also: asyncio.Future[Any]) -> None:
             other.remove_done_callback(wake)
 
 
+def due(deadline: float) -> bool:
+    """Tell whether ``deadline`` (on ``clock.monotonic()``) has come, as a sleep toward it tells: within ``EARLY_S``.
+
+    A loop that pauses toward its deadline must end by this, not by ``>=``: its last pause, a
+    sliver, is over at once, and it would ask again and again until the clock catches up.
+    """
+    return deadline - clock.monotonic() <= EARLY_S
+
+
 async def sleep_until(deadline: float, event: asyncio.Event | None = None) -> bool:
     """Sleep until ``clock.monotonic()`` reaches ``deadline``, or ``event`` is set; tell whether it is."""
     setter = None if event is None or event.is_set() else asyncio.ensure_future(event.wait())
@@ -77,9 +86,9 @@ async def sleep_until(deadline: float, event: asyncio.Event | None = None) -> bo
         while True:
             if event is not None and event.is_set():
                 return True
-            left = deadline - clock.monotonic()
-            if left <= EARLY_S:  # asyncio fires a timer up to its clock's resolution early: never nap for a sliver
+            if due(deadline):  # asyncio fires a timer up to its clock's resolution early: never nap for a sliver
                 return False
+            left = deadline - clock.monotonic()
             await (nap(left) if setter is None else nap(left, setter))
     finally:
         # A loop thrown away with this sleep in it (the simulation's incarnations) is closed by now.

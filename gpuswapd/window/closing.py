@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.config import DEFAULT_PROFILE, ProfileKind
 from gpuswapd.errors import Degraded, GpuswapError, VramTimeout
 from gpuswapd.logs import log
@@ -171,7 +171,7 @@ async def _wait_resident_vram(w: Context, rec: WindowRecord) -> None:
             # The probe does not answer: starting the resident blind could put it into the
             # engine's memory still being freed. Ask again, up to the release timeout.
             attempt += 1
-            if clock.monotonic() >= deadline:
+            if naps.due(deadline):  # (a pause toward it is over at once: asking again would spin)
                 if rec.units:
                     log.warning("vram_unknown_restoring_anyway", error=err.message)
                 else:

@@ -6,9 +6,11 @@ must pass now. A case is data, not a seed: it replays the same whatever the gene
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,9 +18,11 @@ import pytest
 # (makepkg's check() on a bare system Python) cannot run it.
 pytest.importorskip("gpuswapd.daemon", exc_type=ImportError)
 
-from gpuswapd.window import baseline, identity
+from gpuswapd import clock
+from gpuswapd.window import baseline, closing, identity
 from tests.simulate import draw
 from tests.simulation.history import Setup
+from tests.simulation.loop import SPIN_TURNS, Spin, VirtualClock, VirtualLoop
 from tests.simulation.runner import play
 
 CASES = sorted((Path(__file__).parents[1] / "simulate_cases").glob("*.json"))
@@ -74,3 +78,35 @@ def test_a_seed_replays_exactly() -> None:
     assert len(first.trace) > 50
     digest = [hashlib.sha256("\n".join(o.trace).encode()).hexdigest() for o in (first, second)]
     assert digest[0] == digest[1], "the same seed played twice did not do the same"
+
+
+def test_the_simulation_catches_a_loop_that_waits_for_time_without_sleeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close asks the hung GPU probe again at its deadline's last sliver (seed 10116675's case).
+
+    Planted: the deadline's test back to ``>=``, which a sliver short of it never passes while
+    its pause is over at once. The clock stands still on the simulation's; invariant 15 names the
+    line, where without it the history grew until the machine's memory ran out.
+    """
+    case = json.loads((Path(__file__).parents[1] / "simulate_cases"
+                       / "a-hung-probe-at-the-release-deadlines-last-sliver-spins-the-close.json").read_text())
+    setup = Setup.from_dict(case["setup"])
+    assert not play(setup, case["events"]).violations
+    monkeypatch.setattr(closing, "naps", SimpleNamespace(due=lambda deadline: clock.monotonic() >= deadline))
+    caught = [v for v in play(setup, case["events"]).violations if v.invariant == "15"]
+    assert caught and "window/closing.py" in caught[0].detail and "_wait_resident_vram" in caught[0].detail, caught
+
+
+def test_a_loop_that_turns_without_time_moving_on_is_a_spin() -> None:
+    """A task that only yields (``sleep(0)``) and never reads the clock: the loop's turns tell of it."""
+    loop = VirtualLoop(VirtualClock())
+
+    async def spin() -> None:
+        while True:
+            await asyncio.sleep(0)
+
+    loop.create_task(spin())
+    with pytest.raises(Spin, match=f"{SPIN_TURNS} turns of the event loop"):
+        loop.run_forever()
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.close()

@@ -25,7 +25,7 @@ from gpuswapd import clock
 from gpuswapd.adapters.unitstates import UnitState
 from gpuswapd.config import parse_config
 from gpuswapd.ctl.render import print_status
-from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointError, GpuswapError
+from gpuswapd.errors import BusUnavailable, DockerUnavailable, EndpointError, GpuProbeError, GpuswapError
 from gpuswapd.phases import Phase
 from gpuswapd.record import WindowRecord
 from gpuswapd.state.marks import Marks, memory_marks
@@ -1186,3 +1186,42 @@ def test_a_close_does_not_wait_out_the_release_timeout_for_memory_its_resident_a
         assert len(calls) >= 2
 
     run(main())
+
+
+def test_a_close_waiting_on_a_hung_probe_ends_at_its_deadline_without_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU probe is hung (every read fails at once), and the release timeout is a sliver from its end.
+
+    A pause toward a deadline this close is over at once (``naps.EARLY_S``): the wait must take the
+    deadline for come as well, or it asks the probe again and again without time moving on (on a
+    real clock for a millisecond, a warning a turn; on the simulation's, for ever).
+    """
+    world = FakeWorld()
+    rec = WindowRecord.new()
+    rec.units = ["strata.service", "llama-swap.service"]
+    _crash(world)  # (down: the wait is for the memory, not the resident's own)
+    now: list[float] = []  # the last time read; once the probe is asked, where time stands
+
+    def boottime() -> float:
+        if len(now) < 2:
+            now[:1] = [time.monotonic()]
+        return now[-1]
+
+    asked: list[int] = []
+
+    async def hung(need: int, timeout: float, unless: Any = None) -> float:
+        asked.append(need)
+        if len(now) == 1:  # the deadline is now + timeout: time stands 0.5 ms short of it from here on
+            now.append(now[0] + timeout - 5e-4)
+        if len(asked) > 50:
+            raise AssertionError("the wait keeps asking the probe at its deadline")
+        raise GpuProbeError("the GPU probe is hung: 2 call(s) have not returned")
+
+    async def main() -> None:
+        w = world.window()
+        w.parked = None
+        monkeypatch.setattr(w.vram, "wait_free", hung)
+        monkeypatch.setattr(clock, "_boot", boottime)
+        await closing._wait_resident_vram(w, rec)
+
+    run(main())
+    assert 1 <= len(asked) <= 2
