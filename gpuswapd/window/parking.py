@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuswapd import clock
+from gpuswapd import clock, naps
 from gpuswapd.adapters.pagecache import mem_available
 from gpuswapd.config import ParkConfig, ProfileKind
 from gpuswapd.errors import GpuswapError, VramTimeout
@@ -174,7 +174,7 @@ async def _watch(w: Context) -> None:
         why: str | None
         if settings is None:
             why = f"its profile {parked.profile!r} is no longer configured"
-        elif (left := parked.since + settings[0].keep - clock.now()) <= 0:
+        elif (left := parked.since + settings[0].keep - clock.now()) <= naps.EARLY_S:  # (as a pause toward it)
             why = f"unused for park.keep = {settings[0].keep:g}s"
         else:
             if await sleep_unless(w.stopping, min(settings[1], left)) or w.parked is not parked:

@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import Any
 
+from gpuswapd import clock, naps
 from gpuswapd.config import parse_config
 from gpuswapd.phases import Phase
 from gpuswapd.record import Parked, needs_less_residual
@@ -298,3 +299,36 @@ def test_a_stale_record_parks_its_sleeping_engine_beside_a_resident_that_runs() 
     run(main())
     assert resident_back(world) and world.docker.containers["hyperqwen"].sleeping == 2
     assert not world.gpu.ooms
+
+
+def test_a_keep_a_sliver_from_its_end_is_over_and_the_engine_is_not_asked_again_and_again(
+        monkeypatch: Any) -> None:
+    """The daemon's time stands 0.5 ms short of ``park.keep``'s end: a pause toward it is over at once.
+
+    The watch takes the keep for over (``naps.EARLY_S``), as its pause does; else it would ask
+    Docker whether the engine still sleeps again and again until the clock caught up.
+    """
+    world = park_world(keep="1h")
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await cycle(w)
+            parked = w.parked
+            assert parked is not None
+            asked: list[str] = []
+            engine = w.engine_of(parked.profile)
+            why_not = engine.why_not_parked
+
+            async def counted(container: Any) -> str | None:
+                asked.append(container.name)
+                return await why_not(container)
+
+            monkeypatch.setattr(engine, "why_not_parked", counted)
+            monkeypatch.setattr(clock, "now", lambda: parked.since + 3600 - 5e-4)
+            naps.resumed()  # (the watch's nap ends: it looks at the keep again)
+            deadline = time.monotonic() + 5
+            while w.parked is not None and time.monotonic() < deadline and len(asked) < 50:
+                await asyncio.sleep(0.02)
+            assert w.parked is None and len(asked) <= 1, len(asked)
+
+    run(main())
