@@ -36,6 +36,7 @@ from tests.simulation.runner import Outcome, Violation, play
 CHUNK = 4  # seeds a worker plays per task
 
 CASES = Path(__file__).with_name("simulate_cases")
+STALL_S = 600.0  # a seed that runs longer takes its worker down (a history's longest is about 10 s)
 WORKER_MEMORY = 2 << 30  # a worker's address space: a history's peak is about 110 MB (20 seeds of 200 events)
 
 
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONHASHSEED"] = "0"  # as a replay runs (fixed_hash_seed)
         results, lost = run_pool(seeds, args.jobs)
         if lost:  # each alone in a worker of its own: only the seeds that take a worker down stay lost
-            print(f"a worker process died running seeds {_ranges(lost)}; each runs again alone", flush=True)
+            print(f"a worker process died or ran past its time running seeds {_ranges(lost)}; each runs again alone",
+                  flush=True)
             again, lost = run_pool([item for item in seeds if item[0] in set(lost)], 1, chunk=1)
             results += again
     else:
@@ -203,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(seeds)} seeds in {took:.1f}s ({len(seeds) / took:.1f} histories/s on {args.jobs} process(es)); "
           f"{virtual / 3600:.1f} virtual hours, {int(windows)} windows")
     if lost:
-        print(f"seeds that take a worker process down (not run; see each with --replay S --trace): {_ranges(lost)}")
+        print(f"seeds that take a worker process down or run past {STALL_S:g}s (not run; see each with "
+              f"--replay S --trace under ulimit -v): {_ranges(lost)}")
     print(f"{len(seeds) - len(lost)} histories, {count} violations")
     return 0 if count == 0 and not lost else 1
 
@@ -231,8 +234,9 @@ def run_pool(seeds: list[tuple[int, ...]], jobs: int, chunk: int = CHUNK) -> tup
         list[tuple[int, list[Violation], float, int, float]], list[int]]:
     """Play the seeds on ``jobs`` worker processes; return their results, and the seeds a worker that died left unrun.
 
-    A worker that dies (killed, out of memory, a crash of the interpreter) breaks its pool: the
-    chunks in flight then are returned as not run, and the rest go on in a fresh pool. With
+    A worker that dies (killed, out of memory, a crash of the interpreter, or killed here when its
+    task runs past ``STALL_S`` a seed) breaks its pool: the chunks in flight then are returned as
+    not run, and the rest go on in a fresh pool. With
     ``jobs`` and ``chunk`` at 1, what is returned is exactly the seeds that take a worker down.
     """
     results: list[tuple[int, list[Violation], float, int, float]] = []
@@ -242,12 +246,20 @@ def run_pool(seeds: list[tuple[int, ...]], jobs: int, chunk: int = CHUNK) -> tup
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_cap_memory) as pool:
             running: dict[Future[list[tuple[int, list[Violation], float, int, float]]], list[tuple[int, ...]]] = {}
+            since: dict[Future[list[tuple[int, list[Violation], float, int, float]]], float] = {}
             broken = False
             while (todo or running) and not broken:
                 while todo and len(running) < jobs:  # no more in flight than workers: a break names few seeds
                     items = todo.pop()
-                    running[pool.submit(run_chunk, items)] = items
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    future = pool.submit(run_chunk, items)
+                    running[future], since[future] = items, time.monotonic()
+                first = min(since[f] for f in running)
+                done, _ = wait(running, timeout=max(0.0, first + STALL_S * chunk - time.monotonic()),
+                               return_when=FIRST_COMPLETED)
+                if not done:  # a task ran past its time (a history that never ends): its worker goes
+                    for process in list(getattr(pool, "_processes", {}).values()):  # (the pool's own, by PID)
+                        process.kill()
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     items = running.pop(future)
                     try:
