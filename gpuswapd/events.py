@@ -60,6 +60,7 @@ KNOWN_EVENTS = frozenset({
     "resident_cache_files_left", "resident_cache_files_removed", "resident_cache_not_restored",
     "resident_cache_not_saved", "resident_cache_restored", "resident_cache_saved", "resident_cache_slots_skipped",
     "resident_crashed_since_restore", "resident_down", "resident_down_at_exit", "resident_down_since_found_up",
+    "resident_reconfigured_beside_parked",
     "resident_restart_failed",
     "resident_restarting_crashed",
     "resident_up", "stopped_record_not_cleared", "stopped_record_stale", "resident_stop_undone_meanwhile",

@@ -213,6 +213,15 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
         rec.restored = "as_it_was"
         return True
     if now.reconfigured(was):
+        if not repaired and w.parked is not None and smaller(now, was, server):
+            # Its operator's change, first seen here, came back beside gpuswapd's parked engine: what
+            # of it is their wish and what llama.cpp's fitting into less cannot be told. Measured
+            # again with the room it had, what comes back is theirs.
+            log.warning("resident_reconfigured_beside_parked", was=was.describe(), now=now.describe(),
+                        parked=w.parked.container.name,
+                        next="the parked engine is removed and the resident started again with the room it had, "
+                             "so that its new baseline is what its operator configured")
+            return False
         # Its operator changed how it runs (a smaller context on purpose, say): that is no repair's to undo.
         _record(w, now, "its operator changed how it runs (ExecStart=, Environment=, a drop-in)")
         rec.restored = "as_it_was"

@@ -11,10 +11,11 @@ import structlog
 
 from gpuswapd.adapters.props import parse_model_ids, parse_props
 from gpuswapd.config import parse_config
-from gpuswapd.errors import BadResponse, BusUnavailable, ConfigError
+from gpuswapd.errors import BadResponse, BusUnavailable, ConfigError, EndpointUnreachable
 from gpuswapd.observe.metrics import window_now
 from gpuswapd.parts.vram import Holder
 from gpuswapd.state.store import Loaded, decode, encode
+from gpuswapd.window import identity
 from gpuswapd.window.baseline import Identity, Known
 from gpuswapd.window.identity import record_at_start
 from gpuswapd.window.recovery import recover_at_start
@@ -483,3 +484,45 @@ def test_status_and_history_say_restored_smaller() -> None:
               "restored": "smaller"}
     assert _history_line(window).endswith("restored, smaller")
     assert "smaller" not in _history_line({**window, "restored": "as_it_was"})
+
+
+def test_a_resident_reconfigured_and_unread_before_the_window_is_measured_without_the_parked_residual(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its operator changed how it runs (the same context) and restarted it; the window's open could not read it
+    (still loading: its /props refused), so the first look at the new configuration is the restore's.
+
+    That restore came back fitted into less beside the parked engine: which part is the operator's
+    and which the squeeze cannot be told. The parked engine is removed and the resident started
+    again with the room it had, and that is the baseline (seed 10124241 recorded the squeezed one).
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+    unread = {"on": False}
+    real_read = identity.read
+
+    async def read(w: Any, units: list[str]) -> Any:
+        if unread["on"]:
+            raise EndpointUnreachable("GET http://resident/props: connection refused")
+        return await real_read(w, units)
+
+    monkeypatch.setattr(identity, "read", read)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            await record_at_start(w)
+            assert w.known.baseline is not None
+            old = w.known.baseline.config
+            world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf",
+                                                          "--threads", "8")
+            world.systemd._stop("strata.service")
+            assert world.systemd._start("llama-swap.service") == "done" and n_ctx(world) == FULL
+            unread["on"] = True
+            with structlog.testing.capture_logs() as logs:
+                rec = await cycle(w, during=lambda: unread.update(on=False))
+            assert events(logs, "resident_reconfigured_beside_parked")
+            assert rec.restored == "as_it_was" and n_ctx(world) == FULL  # measured with its room
+            assert w.known.baseline.n_ctx == FULL and w.known.baseline.config not in (None, old)
+            assert w.parked is None
+            assert [u for u in world.systemd.started if u == "strata.service"].count("strata.service") >= 2
+
+    run(main())
+    assert not world.gpu.ooms
