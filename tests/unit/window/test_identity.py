@@ -205,13 +205,7 @@ def test_a_resident_its_operator_reconfigured_unseen_is_still_repaired_when_a_pa
 
     async def main() -> None:
         async with running(world.window()) as w:
-            await record_at_start(w)
-            assert w.known.baseline is not None
-            old = w.known.baseline.config
-            world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf",
-                                                          "--threads", "8")
-            world.systemd._stop("strata.service")
-            assert world.systemd._start("llama-swap.service") == "done" and n_ctx(world) == FULL
+            old = await _reconfigured_and_restarted(world, w)
             with structlog.testing.capture_logs() as logs:
                 rec = await cycle(w)
             [changed] = events(logs, "resident_changed")
@@ -221,6 +215,21 @@ def test_a_resident_its_operator_reconfigured_unseen_is_still_repaired_when_a_pa
 
     run(main())
     assert not world.gpu.ooms
+
+
+async def _reconfigured_and_restarted(world: FakeWorld, w: Any) -> Any:
+    """Record the baseline at start; its operator then adds a drop-in (the same context) and restarts it.
+
+    Return how it ran at the baseline (its configuration's digest).
+    """
+    await record_at_start(w)
+    assert w.known.baseline is not None
+    old = w.known.baseline.config
+    world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf",
+                                                  "--threads", "8")
+    world.systemd._stop("strata.service")
+    assert world.systemd._start("llama-swap.service") == "done" and n_ctx(world) == FULL
+    return old
 
 
 def _unsaid_while(w: Any, flag: dict[str, bool]) -> None:
@@ -508,13 +517,7 @@ def test_a_resident_reconfigured_and_unread_before_the_window_is_measured_withou
 
     async def main() -> None:
         async with running(world.window()) as w:
-            await record_at_start(w)
-            assert w.known.baseline is not None
-            old = w.known.baseline.config
-            world.systemd.exec_start["strata.service"] = ("/usr/bin/llama-server", "-m", "/models/strata.gguf",
-                                                          "--threads", "8")
-            world.systemd._stop("strata.service")
-            assert world.systemd._start("llama-swap.service") == "done" and n_ctx(world) == FULL
+            old = await _reconfigured_and_restarted(world, w)
             unread["on"] = True
             with structlog.testing.capture_logs() as logs:
                 rec = await cycle(w, during=lambda: unread.update(on=False))
