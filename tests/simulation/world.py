@@ -306,7 +306,8 @@ class Systemd:
         self.operator_hand = False  # set while the history's operator calls systemd
         self.stopped_by: dict[str, str] = {}
         self.crashed: set[str] = set()  # units whose last exit was a crash (even one a restore of gpuswapd's undoes)
-        self.stop_unanswered: dict[str, float] = {}  # unit -> when a stop of gpuswapd's for it hung unanswered
+        # unit -> when a stop of gpuswapd's for it was asked whose call or job hung unanswered
+        self.stop_unanswered: dict[str, float] = {}
         self._crashing = False
         self._stopping: dict[str, str] = {}  # stops under way: who asked
         self._cause: str | None = None  # who stops what a stop takes down with it
@@ -491,6 +492,11 @@ class Systemd:
     def _queue(self, method: str, name: str) -> str:
         path = f"/org/freedesktop/systemd1/job/{next(self._paths)}"
         who = "its operator" if self.operator_hand else "gpuswapd"
+        if method == "StopUnit" and LATE[0] and not self.operator_hand:
+            # gpuswapd's call queueing this stop outlived its deadline and lands only now: a unit
+            # that went down since the call was made may as well have been taken down by it, as
+            # far as gpuswapd can tell (it never learns when systemd queued it, nor the job's path).
+            self.stop_unanswered[name] = min(self.stop_unanswered.get(name, float("inf")), LATE_ASKED[0])
         if method == "StartUnit":
             self._whose_start(name)
         elif (name in self.timer_units and self.timer_units[name].active) or (
