@@ -10,6 +10,7 @@ record: to open the next window for the queue, to take over one an earlier gpusw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from typing import Any
 
@@ -216,7 +217,30 @@ class Driver:
             return False  # the close was left part-way (it said so in the log)
         if not await parking.remove(self.w, "gpuswapd is stopping (daemon.on_shutdown = \"restore\")"):
             return False
-        return await self._resident_up_at_exit()
+        marks_cleared = await self._marks_cleared_at_exit()
+        return await self._resident_up_at_exit() and marks_cleared
+
+    async def _marks_cleared_at_exit(self) -> bool:
+        """Remove the stop marks a hung state directory kept, before gpuswapd leaves them behind.
+
+        Idle, gpuswapd removes them once the directory answers again; a restore that ends in a
+        shutdown has no idle time after it. Left on disk, a mark tells the next start that
+        gpuswapd stopped that unit, and that start would start it again even if it crashed or
+        its operator stopped it in between. Tried once, for at most ``EXIT_CHECK_S``.
+        """
+        resident = self.w.resident
+        if not (resident.unmark_pending or resident.start_ended_pending):
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(resident.retry_unmark(), EXIT_CHECK_S)
+        left = sorted(resident.unmark_pending | resident.start_ended_pending)
+        if not left:
+            log.info("stopped_record_cleared_at_exit")
+            return True
+        log.error("stopped_record_left_at_exit", names=left,
+                  consequence="the state directory still fails: the next start of gpuswapd reads these as its own "
+                              "stops and starts them again, even one that crashed or that its operator stopped")
+        return False
 
     async def _resident_up_at_exit(self) -> bool:
         """Tell whether the resident is up as gpuswapd leaves it: it may have failed since its restore.

@@ -209,6 +209,14 @@ async def after_verify(w: Context, rec: WindowRecord, repaired: bool, pause: Pau
         return True
     was, server = w.known.baseline, w.config.resident.server
     if was is None:
+        if not repaired and w.parked is not None:
+            # No baseline to compare with (the state that held it was lost), and the resident came
+            # back fitted into what the parked engine left: taken as it is, a squeezed resident
+            # would be its baseline, and never repaired. Measured with the room it has alone.
+            log.warning("resident_first_seen_beside_parked", now=now.describe(), parked=w.parked.container.name,
+                        next="the parked engine is removed and the resident started again with the card to "
+                             "itself, so that its baseline is what it runs alone")
+            return False
         _record(w, now, "the first restore gpuswapd saw")
         rec.restored = "as_it_was"
         return True

@@ -529,3 +529,37 @@ def test_a_resident_reconfigured_and_unread_before_the_window_is_measured_withou
 
     run(main())
     assert not world.gpu.ooms
+
+
+def test_a_first_baseline_a_restore_would_take_beside_the_parked_engine_is_measured_with_the_card_to_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No baseline (the state that held it was lost) and the resident's /props refused as the window opens:
+    the first look at it is the restore's, which brought it back fitted into what the parked engine left.
+
+    Taken as it is, the squeezed resident would be the baseline and never repaired (seed 10157477). The
+    parked engine is removed and the resident started again, and what it runs alone is the baseline.
+    """
+    world = fit_world("19GiB", park=True, residual=2.5)
+    unread = {"on": True}
+    real_read = identity.read
+
+    async def read(w: Any, units: list[str]) -> Any:
+        if unread["on"]:
+            raise EndpointUnreachable("GET http://resident/props: connection refused")
+        return await real_read(w, units)
+
+    monkeypatch.setattr(identity, "read", read)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            assert w.known.baseline is None and n_ctx(world) == FULL
+            with structlog.testing.capture_logs() as logs:
+                rec = await cycle(w, during=lambda: unread.update(on=False))
+            assert events(logs, "resident_first_seen_beside_parked")
+            assert rec.restored == "as_it_was" and n_ctx(world) == FULL  # measured with the card to itself
+            assert w.known.baseline is not None and w.known.baseline.n_ctx == FULL
+            assert w.parked is None
+            assert [u for u in world.systemd.started if u == "strata.service"].count("strata.service") >= 2
+
+    run(main())
+    assert not world.gpu.ooms

@@ -875,6 +875,35 @@ def test_marks_a_hung_state_directory_kept_are_removed_once_it_answers() -> None
     run(main())
 
 
+@pytest.mark.parametrize("answers_at_exit", [True, False])
+def test_marks_a_hung_state_directory_kept_through_a_restoring_shutdown_are_removed_before_gpuswapd_exits(
+        answers_at_exit: bool) -> None:
+    """A SIGTERM closes the window; its restore cannot remove the stop marks. A restore that ends in a
+    shutdown has no idle reconcile after it: the marks are tried once more before gpuswapd exits, or a
+    crash while it is down would be read by its next start as gpuswapd's own stop (seed 10157018)."""
+    world = FakeWorld()
+    marks = _marks_failing_removal(world, times=2 if answers_at_exit else 3)
+
+    async def main() -> None:
+        async with running(world.window()) as w:
+            lease = await w.acquire("survivor", 60)
+            assert lease is not None and marks.read() != []
+            with structlog.testing.capture_logs() as logs:
+                given_back = await w.shutdown(restore=True)
+            assert world.snapshot() == BASELINE and w.record is None
+            events = [e["event"] for e in logs]
+            assert "stopped_record_not_cleared" in events
+            if answers_at_exit:
+                assert given_back
+                assert marks.read() == [] and not w.resident.unmark_pending
+            else:
+                # Left on disk, and said: gpuswapd exits non-zero, as when its state cannot be written.
+                assert not given_back and "stopped_record_left_at_exit" in events
+                assert marks.read() != [] and w.resident.unmark_pending
+
+    run(main())
+
+
 def test_a_mark_whose_unit_ran_again_since_is_stale_and_starts_nothing() -> None:
     """A mark left behind (its removal failed, gpuswapd killed before the retry) and an operator's stop while down."""
     world = FakeWorld()
