@@ -495,6 +495,20 @@ def test_status_and_history_say_restored_smaller() -> None:
     assert "smaller" not in _history_line({**window, "restored": "as_it_was"})
 
 
+def _props_refused_while(monkeypatch: pytest.MonkeyPatch, on: bool) -> dict[str, bool]:
+    """Refuse the resident's /props while the returned flag's "on" is set (a resident still loading)."""
+    unread = {"on": on}
+    real_read = identity.read
+
+    async def read(w: Any, units: list[str]) -> Any:
+        if unread["on"]:
+            raise EndpointUnreachable("GET http://resident/props: connection refused")
+        return await real_read(w, units)
+
+    monkeypatch.setattr(identity, "read", read)
+    return unread
+
+
 def test_a_resident_reconfigured_and_unread_before_the_window_is_measured_without_the_parked_residual(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Its operator changed how it runs (the same context) and restarted it; the window's open could not read it
@@ -505,15 +519,7 @@ def test_a_resident_reconfigured_and_unread_before_the_window_is_measured_withou
     again with the room it had, and that is the baseline (seed 10124241 recorded the squeezed one).
     """
     world = fit_world("19GiB", park=True, residual=2.5)
-    unread = {"on": False}
-    real_read = identity.read
-
-    async def read(w: Any, units: list[str]) -> Any:
-        if unread["on"]:
-            raise EndpointUnreachable("GET http://resident/props: connection refused")
-        return await real_read(w, units)
-
-    monkeypatch.setattr(identity, "read", read)
+    unread = _props_refused_while(monkeypatch, on=False)
 
     async def main() -> None:
         async with running(world.window()) as w:
@@ -540,15 +546,7 @@ def test_a_first_baseline_a_restore_would_take_beside_the_parked_engine_is_measu
     parked engine is removed and the resident started again, and what it runs alone is the baseline.
     """
     world = fit_world("19GiB", park=True, residual=2.5)
-    unread = {"on": True}
-    real_read = identity.read
-
-    async def read(w: Any, units: list[str]) -> Any:
-        if unread["on"]:
-            raise EndpointUnreachable("GET http://resident/props: connection refused")
-        return await real_read(w, units)
-
-    monkeypatch.setattr(identity, "read", read)
+    unread = _props_refused_while(monkeypatch, on=True)
 
     async def main() -> None:
         async with running(world.window()) as w:
