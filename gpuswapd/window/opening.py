@@ -90,7 +90,10 @@ async def _nothing() -> None:
 async def preflight(w: Context, profile: str) -> None:
     """Check, changing nothing, that a window of ``profile`` could bring its engine up (a parked one is woken)."""
     parked = w.parked
-    if parked is not None and parked.profile == profile:
+    # A parked engine that cannot be woken (a removal gpuswapd gave up on landed late, say) is created
+    # anew by its window: its image and env file must be there, as for any engine that is not parked.
+    if parked is not None and parked.profile == profile \
+            and await w.engine_of(profile).why_not_parked(parked.container) is None:
         return
     # Its port may be the open window's engine's until that one is gone: DRAINING checks it then.
     await w.engine_of(profile).preflight(check_port=False)

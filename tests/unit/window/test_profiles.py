@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 
 from gpuswapd.config import parse_config
-from gpuswapd.errors import ConfigError, DockerUnavailable, NotReady, QueueFull, StateError, UnknownProfile
+from gpuswapd.errors import (
+    ConfigError,
+    DockerUnavailable,
+    GpuswapError,
+    NotReady,
+    QueueFull,
+    StateError,
+    UnknownProfile,
+)
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
 from gpuswapd.state.store import Document
@@ -410,6 +418,39 @@ def test_a_preemption_beside_a_parked_engine_whose_processes_docker_could_not_li
             urgent = await w.acquire("urgent", 60, profile="eval", priority=10)  # not refused: wont_fit
             assert w.record is not None and w.record.profile == "eval" and bare.id != urgent.id
             await w.release(urgent.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+def test_a_request_for_a_parked_engine_that_is_gone_is_checked_as_a_new_one_before_anyone_is_preempted() -> None:
+    """The parked default engine's container is gone (a removal gpuswapd gave up on landed late) and its image
+    was pruned meanwhile: a higher priority request for it is refused at once, as for any engine that cannot be
+    created, and the eval window's holder keeps its lease (seed 10161526 revoked it for a window that could
+    not open)."""
+    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
+        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "8GiB"\n').replace(
+        'name = "qwen-eval"\nimage = "engine:latest"', 'name = "qwen-eval"\nimage = "eval:latest"')
+    fw = FakeWorld(config=parse_config(text + '[window.park]\nmode = "sleep"\nsettle = "100ms"\n', "<park>"))
+    fw.docker.images.add("eval:latest")
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            chat = await w.acquire("chat", 60)
+            await w.release(chat.id)
+            await settle(w)
+            assert w.parked is not None and w.parked.profile == "default"
+            batch = await w.acquire("batch", 60, profile="eval")
+            assert w.parked is not None  # eval fits beside it
+            fw.docker.remove(w.parked.container.name)
+            fw.docker.images.discard("engine:latest")
+            with pytest.raises(GpuswapError, match="engine:latest"):
+                await w.acquire("urgent", 60, priority=10)
+            assert w.record is not None and w.record.profile == "eval" and w.record.preempted is None
+            assert [x.id for x in w.record.leases.all()] == [batch.id]
+            await w.release(batch.id)
             await settle(w)
             assert resident_back(fw)
 
