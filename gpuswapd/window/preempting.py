@@ -100,8 +100,10 @@ async def _can_open(w: Context, rec: WindowRecord, by: Waiter) -> bool:
         # Docker could not list its processes when it was parked: its memory is not a stranger's either.
         unsure = unsure or not parked.pids
     try:
-        await opening.preflight(w, by.profile)
         await opening.check_fit(w, need, frozenset(going), unsure)
+        # The image and env file last, just before the notice: the fit may have taken a while (a hung
+        # lookup of a process's unit), and an image pruned meanwhile would fail the window it noticed.
+        await opening.preflight(w, by.profile)
     except GpuswapError as err:
         log.warning("preemptor_refused", by=by.holder, profile=by.profile, error=err.message, window=rec.id)
         w.refuse(by, GpuswapError.from_dict({**err.to_dict(), "message": (

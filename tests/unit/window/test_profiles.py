@@ -458,6 +458,41 @@ def test_a_request_for_a_parked_engine_that_is_gone_is_checked_as_a_new_one_befo
     assert not fw.gpu.ooms
 
 
+def test_the_preemptors_image_is_checked_after_its_fit_so_an_image_pruned_during_a_slow_fit_refuses_it() -> None:
+    """The fit check looks up the unit of each process on the card; the default image is pruned while it does
+    (seed 10182557: the lookup hung 35 s, and the image went in the meantime). The request is refused, and the
+    eval window's holder keeps its lease: the notice would have gone on a check of the image made before."""
+    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
+        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "8GiB"\n').replace(
+        'name = "qwen-eval"\nimage = "engine:latest"', 'name = "qwen-eval"\nimage = "eval:latest"')
+    fw = FakeWorld(config=parse_config(text, "<profiles>"))
+    fw.docker.images.add("eval:latest")
+    unit_of = fw.systemd.unit_of_pid
+    looked: list[int] = []
+
+    def pruned_meanwhile(pid: int) -> str | None:
+        looked.append(pid)
+        fw.docker.images.discard("engine:latest")
+        return unit_of(pid)
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            batch = await w.acquire("batch", 60, profile="eval")
+            assert fw.gpu.claim("stranger", 31337, GiB)  # a process whose unit the fit must look up
+            fw.systemd.unit_of_pid = pruned_meanwhile  # type: ignore[method-assign]
+            with pytest.raises(GpuswapError, match="engine:latest"):
+                await w.acquire("urgent", 60, priority=10)
+            assert looked == [31337]  # the fit looked the stranger up
+            assert w.record is not None and w.record.profile == "eval" and w.record.preempted is None
+            assert [x.id for x in w.record.leases.all()] == [batch.id]
+            await w.release(batch.id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
 def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
     fw = world(preempt_grace="10s")
 
