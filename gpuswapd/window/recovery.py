@@ -244,7 +244,10 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     w.adopting = None  # closing: what queued meanwhile waits for the next window
     # A resident coming up (the restore's start of the gpuswapd that stopped, its job still under
     # way) takes the card: the close goes back to it, never straight to another window beside it.
-    await closing.close(w, rec, "recovered", switch=up != "coming")
+    # Nor does one found up again (that close's restore ran, its end unwritten): a direct switch
+    # would carry its units as stopped by gpuswapd, and start them at its own close after a crash
+    # took them down. The next window stops what runs itself, marked first.
+    await closing.close(w, rec, "recovered", switch=up is None)
 
 
 async def _resident_now(w: Context, units: list[str]) -> str | None:

@@ -23,6 +23,7 @@ from gpuswapd.errors import (
 )
 from gpuswapd.outside import Outside
 from gpuswapd.phases import Phase
+from gpuswapd.state.marks import memory_marks
 from gpuswapd.state.store import Document
 from gpuswapd.window.recovery import recover_at_start
 from tests.fakes import CONFIG, DEADLINES, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
@@ -233,6 +234,41 @@ def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> 
             await settle(w2)
             assert resident_back(fw)
             assert fw.store.document is not None and fw.store.document.queue == []
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
+def test_a_recovered_close_whose_resident_is_up_again_does_not_switch_directly_but_stops_it_as_its_own() -> None:
+    """A close restored the resident, but its end never reached the disk (the state directory refused writes):
+    the next start finds the window still CLOSING, with a bare request waiting. The resident is up, so the
+    close only verifies it, and the bare window stops the resident itself, marked first. A direct switch would
+    carry the record's units as gpuswapd's stop while they run, and start them at its close after a crash
+    had taken them down (seed 10183802)."""
+    fw = world()
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            await w.acquire("chat", 60)
+            rec = w.record
+            assert rec is not None and rec.units == ["strata.service", "llama-swap.service"]
+            left = dataclasses.replace(rec, phase=Phase.CLOSING)
+            assert await w.shutdown(restore=True)  # the close restores the resident...
+        assert resident_back(fw) and memory_marks(fw.store).read() == []
+        fw.store.document = Document(window=left)  # ...but the disk still says CLOSING
+        async with running(fw.window()) as w2:
+            await recover_at_start(w2)  # the close goes on in the background...
+            assert w2.record is not None and w2.record.id == left.id
+            train = asyncio.create_task(w2.acquire("train", 60, profile="bare"))  # ...and the request queues
+            await until(lambda: len(w2.queue.queued()) == 1 or w2.record is None or w2.record.id != left.id)
+            await until(lambda: w2.record is not None and w2.record.profile == "bare"
+                        and w2.record.phase in (Phase.WAITING_VRAM, Phase.READY))
+            assert w2.last is not None and w2.last.id == left.id and w2.last.switched_to is None
+            assert fw.systemd.units["strata.service"].active_state == "inactive"
+            assert "strata.service" in memory_marks(fw.store).read()  # gpuswapd's own stop, marked
+            await w2.release((await train).id)
+            await settle(w2)
+            assert resident_back(fw) and memory_marks(fw.store).read() == []
 
     run(main())
     assert not fw.gpu.ooms
