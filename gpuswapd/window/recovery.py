@@ -220,7 +220,7 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
         # A bare window's holders still hold the card; an engine window is adopted if its engine serves.
         # Not one whose resident is coming up (the restore of the gpuswapd that stopped, its start under
         # way): the card is the resident's again, and the close goes on with that restore.
-        adopted = up is None and rec.phase is Phase.READY and len(rec.leases) > 0 and (
+        adopted = up in (None, "unknown") and rec.phase is Phase.READY and len(rec.leases) > 0 and (
             rec.kind == ProfileKind.BARE or (rec.container is not None and await w.engine.adopt(rec.container)))
     finally:
         await reap(expiring)
@@ -244,23 +244,23 @@ async def _adopt_or_roll_back(w: Context, rec: WindowRecord) -> None:
     w.adopting = None  # closing: what queued meanwhile waits for the next window
     # A resident coming up (the restore's start of the gpuswapd that stopped, its job still under
     # way) takes the card: the close goes back to it, never straight to another window beside it.
-    # Nor does one found up again (that close's restore ran, its end unwritten): a direct switch
-    # would carry its units as stopped by gpuswapd, and start them at its own close after a crash
-    # took them down. The next window stops what runs itself, marked first.
+    # Nor does one found up again (that close's restore ran, its end unwritten), or one systemd
+    # cannot tell of: a direct switch would carry its units as stopped by gpuswapd, and start them
+    # at its own close after a crash took them down. The next window stops what runs itself, marked first.
     await closing.close(w, rec, "recovered", switch=up is None)
 
 
 async def _resident_now(w: Context, units: list[str]) -> str | None:
-    """Say whether a record's units are all "up" (active), "coming" (any of them active or activating), or neither.
+    """Say whether a record's units are all "up" (active), "coming" (any active or activating), or neither (None).
 
-    None also when systemd cannot say. One still activating may be the start of a restore the
+    "unknown" when systemd cannot say. One still activating may be the start of a restore the
     gpuswapd that stopped had begun: if that start fails, the restore is gpuswapd's to go on with,
     not a crash of a resident found up.
     """
     try:
         states = await w.resident.unit_states(units)
     except GpuswapError:
-        return None
+        return "unknown"
     if all(st.active_state == "active" for st in states.values()):
         return "up"
     return "coming" if any(st.active for st in states.values()) else None

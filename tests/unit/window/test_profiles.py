@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import threading
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from gpuswapd.config import parse_config
 from gpuswapd.errors import (
+    BusUnavailable,
     ConfigError,
     DockerUnavailable,
     GpuswapError,
@@ -239,12 +241,15 @@ def test_a_switch_killed_before_the_next_window_opened_restores_on_restart() -> 
     assert not fw.gpu.ooms
 
 
-def test_a_recovered_close_whose_resident_is_up_again_does_not_switch_directly_but_stops_it_as_its_own() -> None:
+@pytest.mark.parametrize("told", [True, False])
+def test_a_recovered_close_whose_resident_is_up_again_does_not_switch_directly_but_stops_it_as_its_own(
+        told: bool) -> None:
     """A close restored the resident, but its end never reached the disk (the state directory refused writes):
     the next start finds the window still CLOSING, with a bare request waiting. The resident is up, so the
     close only verifies it, and the bare window stops the resident itself, marked first. A direct switch would
     carry the record's units as gpuswapd's stop while they run, and start them at its close after a crash
-    had taken them down (seed 10183802)."""
+    had taken them down (seed 10183802). The same when systemd cannot say at start whether they run (``told``
+    False): the close restores them (or finds them up) before anything else opens."""
     fw = world()
 
     async def main() -> None:
@@ -256,11 +261,26 @@ def test_a_recovered_close_whose_resident_is_up_again_does_not_switch_directly_b
             assert await w.shutdown(restore=True)  # the close restores the resident...
         assert resident_back(fw) and memory_marks(fw.store).read() == []
         fw.store.document = Document(window=left)  # ...but the disk still says CLOSING
+        # The recovered close's engine removal waits for the bare request to queue (as a client that
+        # sends its acquire again at once would): the switch is decided once CLOSING is done.
+        queued, remove = threading.Event(), fw.docker.remove
+        fw.docker.remove = lambda name: (queued.wait(5), remove(name))[1]  # type: ignore[method-assign]
         async with running(fw.window()) as w2:
+            if not told:
+                states, asked = w2.resident.unit_states, []
+
+                async def unanswered(units: list[str]) -> Any:
+                    asked.append(units)
+                    if len(asked) <= 2:  # the two looks of the start, before the close
+                        raise BusUnavailable("systemd did not answer (simulated)")
+                    return await states(units)
+                w2.resident.unit_states = unanswered  # type: ignore[method-assign]
             await recover_at_start(w2)  # the close goes on in the background...
             assert w2.record is not None and w2.record.id == left.id
             train = asyncio.create_task(w2.acquire("train", 60, profile="bare"))  # ...and the request queues
-            await until(lambda: len(w2.queue.queued()) == 1 or w2.record is None or w2.record.id != left.id)
+            await until(lambda: len(w2.queue.queued()) == 1)
+            assert w2.record is not None and w2.record.id == left.id and w2.record.phase is Phase.CLOSING
+            queued.set()
             await until(lambda: w2.record is not None and w2.record.profile == "bare"
                         and w2.record.phase in (Phase.WAITING_VRAM, Phase.READY))
             assert w2.last is not None and w2.last.id == left.id and w2.last.switched_to is None
