@@ -52,7 +52,13 @@ async def hold(w: Context, rec: WindowRecord) -> bool:
                     return False
                 watch = asyncio.create_task(w.engine.watch(interval), name="engine-watch")
             if rec.phase is Phase.READY:
-                await preempting.check(w, rec)
+                # Its check that the preemptor could open may wait on Docker, the probe or systemd
+                # (a lookup of a process's unit that hangs): leases still end at their expiry meanwhile.
+                expiring = spawn(expire_on_time(w, rec), "lease-expiry")
+                try:
+                    await preempting.check(w, rec)
+                finally:
+                    await reap(expiring)
             now = clock.now()
             await _expire_leases(w, rec, now)
             if len(rec.leases):

@@ -549,6 +549,40 @@ def test_the_preemptors_image_is_checked_after_its_fit_so_an_image_pruned_during
     assert not fw.gpu.ooms
 
 
+def test_leases_end_at_their_expiry_while_the_check_of_a_preemptor_waits_on_systemd() -> None:
+    """The check that a preemptor's window could open looks up the unit of each process on the card; systemd
+    hangs on it. A lease of the open window ends at its expiry all the same (seed 10186889: one was held 61 s
+    past it while four lookups hung in turn)."""
+    fw = world()
+    answer = threading.Event()
+    unit_of = fw.systemd.unit_of_pid
+
+    def hangs(pid: int) -> str | None:
+        answer.wait(1.5)  # within the systemd lane's deadline (2 s)
+        return unit_of(pid)
+
+    async def main() -> None:
+        async with running(fw.window()) as w:
+            short = await w.acquire("batch", 0.3, profile="eval")
+            assert fw.gpu.claim("stranger", 31337, GiB)  # a process whose unit the fit must look up
+            fw.systemd.unit_of_pid = hangs  # type: ignore[method-assign]
+            urgent = asyncio.create_task(w.acquire("urgent", 60, priority=10))
+            await until(lambda: len(w.queue.queued()) == 1)
+            started = time.monotonic()
+            await until(lambda: w.record is not None and short.id not in [x.id for x in w.record.leases.all()],
+                        timeout=1.2)
+            assert time.monotonic() - started < 1.0 and not answer.is_set()  # ended while the lookup hung
+            answer.set()
+            fw.systemd.unit_of_pid = unit_of  # type: ignore[method-assign]
+            fw.gpu.free("stranger")
+            await w.release((await urgent).id)
+            await settle(w)
+            assert resident_back(fw)
+
+    run(main())
+    assert not fw.gpu.ooms
+
+
 def test_a_preemption_whose_request_went_away_is_abandoned() -> None:
     fw = world(preempt_grace="10s")
 
