@@ -8,6 +8,7 @@ import dataclasses
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from gpuswapd.phases import Phase
 from gpuswapd.state.marks import memory_marks
 from gpuswapd.state.store import Document
 from gpuswapd.window.recovery import recover_at_start
+from gpuswapd.window.window import Window
 from tests.fakes import CONFIG, DEADLINES, PROFILE_CONFIG, PROFILES, FakeWorld, GiB, running, settle
 from tests.unit.conftest import resident_back, run, until, world
 
@@ -481,16 +483,47 @@ def test_a_preemption_beside_a_parked_engine_whose_processes_docker_could_not_li
     assert not fw.gpu.ooms
 
 
+def _eval_beside_default(park: bool) -> FakeWorld:
+    """Return a world whose eval profile (8 GiB, its own image) fits beside a parked default engine (``park``)."""
+    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
+        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "8GiB"\n').replace(
+        'name = "qwen-eval"\nimage = "engine:latest"', 'name = "qwen-eval"\nimage = "eval:latest"')
+    park_keys = '[window.park]\nmode = "sleep"\nsettle = "100ms"\n' if park else ""
+    fw = FakeWorld(config=parse_config(text + park_keys, "<park>" if park else "<profiles>"))
+    fw.docker.images.add("eval:latest")
+    return fw
+
+
+def _on_lookup(fw: FakeWorld, meanwhile: Callable[[], object]) -> list[int]:
+    """Make systemd run ``meanwhile`` (a prune, a hang) in each lookup of a process's unit; return the pids asked."""
+    unit_of = fw.systemd.unit_of_pid
+    looked: list[int] = []
+
+    def looking(pid: int) -> str | None:
+        looked.append(pid)
+        meanwhile()
+        return unit_of(pid)
+    fw.systemd.unit_of_pid = looking  # type: ignore[method-assign]
+    return looked
+
+
+async def _urgent_refused_and_eval_kept(fw: FakeWorld, w: Window, batch: str) -> None:
+    """A priority 10 request for default is refused (its image is gone); the eval window keeps lease ``batch``."""
+    with pytest.raises(GpuswapError, match="engine:latest"):
+        await w.acquire("urgent", 60, priority=10)
+    assert w.record is not None and w.record.profile == "eval" and w.record.preempted is None
+    assert [x.id for x in w.record.leases.all()] == [batch]
+    await w.release(batch)
+    await settle(w)
+    assert resident_back(fw)
+
+
 def test_a_request_for_a_parked_engine_that_is_gone_is_checked_as_a_new_one_before_anyone_is_preempted() -> None:
     """The parked default engine's container is gone (a removal gpuswapd gave up on landed late) and its image
     was pruned meanwhile: a higher priority request for it is refused at once, as for any engine that cannot be
     created, and the eval window's holder keeps its lease (seed 10161526 revoked it for a window that could
     not open)."""
-    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
-        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "8GiB"\n').replace(
-        'name = "qwen-eval"\nimage = "engine:latest"', 'name = "qwen-eval"\nimage = "eval:latest"')
-    fw = FakeWorld(config=parse_config(text + '[window.park]\nmode = "sleep"\nsettle = "100ms"\n', "<park>"))
-    fw.docker.images.add("eval:latest")
+    fw = _eval_beside_default(park=True)
 
     async def main() -> None:
         async with running(fw.window()) as w:
@@ -502,13 +535,7 @@ def test_a_request_for_a_parked_engine_that_is_gone_is_checked_as_a_new_one_befo
             assert w.parked is not None  # eval fits beside it
             fw.docker.remove(w.parked.container.name)
             fw.docker.images.discard("engine:latest")
-            with pytest.raises(GpuswapError, match="engine:latest"):
-                await w.acquire("urgent", 60, priority=10)
-            assert w.record is not None and w.record.profile == "eval" and w.record.preempted is None
-            assert [x.id for x in w.record.leases.all()] == [batch.id]
-            await w.release(batch.id)
-            await settle(w)
-            assert resident_back(fw)
+            await _urgent_refused_and_eval_kept(fw, w, batch.id)
 
     run(main())
     assert not fw.gpu.ooms
@@ -518,32 +545,15 @@ def test_the_preemptors_image_is_checked_after_its_fit_so_an_image_pruned_during
     """The fit check looks up the unit of each process on the card; the default image is pruned while it does
     (seed 10182557: the lookup hung 35 s, and the image went in the meantime). The request is refused, and the
     eval window's holder keeps its lease: the notice would have gone on a check of the image made before."""
-    text = CONFIG.replace("[daemon]\n", '[daemon]\npreempt_grace = "100ms"\n', 1) + PROFILES.replace(
-        '[profiles.eval]\nkind = "engine"\n', '[profiles.eval]\nkind = "engine"\nneeds = "8GiB"\n').replace(
-        'name = "qwen-eval"\nimage = "engine:latest"', 'name = "qwen-eval"\nimage = "eval:latest"')
-    fw = FakeWorld(config=parse_config(text, "<profiles>"))
-    fw.docker.images.add("eval:latest")
-    unit_of = fw.systemd.unit_of_pid
-    looked: list[int] = []
-
-    def pruned_meanwhile(pid: int) -> str | None:
-        looked.append(pid)
-        fw.docker.images.discard("engine:latest")
-        return unit_of(pid)
+    fw = _eval_beside_default(park=False)
 
     async def main() -> None:
         async with running(fw.window()) as w:
             batch = await w.acquire("batch", 60, profile="eval")
             assert fw.gpu.claim("stranger", 31337, GiB)  # a process whose unit the fit must look up
-            fw.systemd.unit_of_pid = pruned_meanwhile  # type: ignore[method-assign]
-            with pytest.raises(GpuswapError, match="engine:latest"):
-                await w.acquire("urgent", 60, priority=10)
-            assert looked == [31337]  # the fit looked the stranger up
-            assert w.record is not None and w.record.profile == "eval" and w.record.preempted is None
-            assert [x.id for x in w.record.leases.all()] == [batch.id]
-            await w.release(batch.id)
-            await settle(w)
-            assert resident_back(fw)
+            looked = _on_lookup(fw, lambda: fw.docker.images.discard("engine:latest"))
+            await _urgent_refused_and_eval_kept(fw, w, batch.id)
+            assert looked[0] == 31337  # the fit looked the stranger up
 
     run(main())
     assert not fw.gpu.ooms
@@ -555,17 +565,12 @@ def test_leases_end_at_their_expiry_while_the_check_of_a_preemptor_waits_on_syst
     past it while four lookups hung in turn)."""
     fw = world()
     answer = threading.Event()
-    unit_of = fw.systemd.unit_of_pid
-
-    def hangs(pid: int) -> str | None:
-        answer.wait(1.5)  # within the systemd lane's deadline (2 s)
-        return unit_of(pid)
 
     async def main() -> None:
         async with running(fw.window()) as w:
             short = await w.acquire("batch", 0.3, profile="eval")
             assert fw.gpu.claim("stranger", 31337, GiB)  # a process whose unit the fit must look up
-            fw.systemd.unit_of_pid = hangs  # type: ignore[method-assign]
+            _on_lookup(fw, lambda: answer.wait(1.5))  # hangs, within the systemd lane's deadline (2 s)
             urgent = asyncio.create_task(w.acquire("urgent", 60, priority=10))
             await until(lambda: len(w.queue.queued()) == 1)
             started = time.monotonic()
@@ -573,7 +578,6 @@ def test_leases_end_at_their_expiry_while_the_check_of_a_preemptor_waits_on_syst
                         timeout=1.2)
             assert time.monotonic() - started < 1.0 and not answer.is_set()  # ended while the lookup hung
             answer.set()
-            fw.systemd.unit_of_pid = unit_of  # type: ignore[method-assign]
             fw.gpu.free("stranger")
             await w.release((await urgent).id)
             await settle(w)
